@@ -1,0 +1,61 @@
+"""Process-group start-up from torchrun's environment, data parallelism, and reductions."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(backend: str = "auto", device_type: str = "auto") -> DistributedContext:
+    """Join the process group torchrun describes in the environment; a 1-rank context without it."""
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    return DistributedContext(rank, local_rank, world_size, device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def apply_data_parallel(model: nn.Module, ctx: DistributedContext) -> nn.Module:
+    """Replicate ``model`` over every rank with gradient averaging (DistributedDataParallel)."""
+    if ctx.world_size == 1:
+        return model
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean of ``value`` over all ranks (a copy; the input is left alone)."""
+    out = value.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        out /= dist.get_world_size()
+    return out

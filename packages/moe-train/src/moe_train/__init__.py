@@ -1,0 +1,24 @@
+"""moe-train: the ``moe-train`` CLI, experiment config, data, optimizer, trainer loop, checkpoints, metrics."""
+
+from moe_train.config import (
+    ConfigError,
+    DataConfig,
+    ExperimentConfig,
+    RunConfig,
+    TrainConfig,
+    load_config,
+    preset_names,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "ExperimentConfig",
+    "RunConfig",
+    "TrainConfig",
+    "__version__",
+    "load_config",
+    "preset_names",
+]

@@ -1,0 +1,93 @@
+"""The ``moe-train`` command line.
+
+    moe-train                          # = moe-train train --config tiny
+    moe-train train --config NAME_OR_PATH [--section.key value ...]
+    moe-train env                      # capability table
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from moe_experts import BackendUnavailableError
+
+from moe_train import __version__
+from moe_train.config import ConfigError, load_config, preset_names
+
+EXIT_USAGE = 2
+
+
+def _parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
+    """``--a.b 1 --c.d=2`` -> ``{"a.b": "1", "c.d": "2"}``."""
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise ConfigError(f"unexpected argument {token!r}; overrides look like --section.key value")
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise ConfigError(f"override --{key} needs a value, e.g. --{key} VALUE")
+            value = tokens[i + 1]
+            i += 1
+        if "." not in key:
+            raise ConfigError(f"override --{key} must name a section and key, e.g. --train.{key}")
+        overrides[key] = value
+        i += 1
+    return overrides
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-train", description="Train Mixture-of-Experts language models on native PyTorch."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command")
+    train = commands.add_parser(
+        "train",
+        help="train a model (the default command)",
+        description="Overrides: any --section.key value, e.g. --train.steps 20 --model.num_layers 4.",
+    )
+    train.add_argument("--config", default="tiny", help=f"preset ({', '.join(preset_names())}) or YAML file")
+    commands.add_parser("env", help="show which back ends and optional packages this machine has")
+    return parser
+
+
+def _train(config: str, override_tokens: list[str]) -> int:
+    from moe_train.trainer import prepare, train
+
+    cfg = load_config(config, _parse_overrides(override_tokens))
+    setup = prepare(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        train(setup)
+    finally:
+        from moe_parallel import shutdown_distributed
+
+        shutdown_distributed()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("--") and argv[0] not in ("-h", "--help", "--version"):
+        argv = ["train", *argv]
+    args, rest = _parser().parse_known_args(argv)
+    try:
+        if args.command == "env":
+            if rest:
+                raise ConfigError(f"moe-train env takes no arguments, got {' '.join(rest)}")
+            from moe_train.env import capability_rows, format_table
+
+            print(format_table(capability_rows()))
+            return 0
+        return _train(args.config, rest)
+    except (ConfigError, BackendUnavailableError) as err:
+        print(f"moe-train: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("moe-train: interrupted", file=sys.stderr)
+        return 130

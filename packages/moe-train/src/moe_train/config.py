@@ -1,0 +1,203 @@
+"""Experiment configuration: one dataclass per section, loaded from YAML presets or files, with
+``--section.key value`` overrides. Each package owns its section's dataclass (``model`` is
+moe_models.ModelConfig, ``parallel`` is moe_parallel.ParallelConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from moe_models import ModelConfig
+from moe_parallel import ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration the user wrote cannot be used; the message names the key and the fix."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # byte-level tokens of the Python standard library's source files
+    seq_len: int = 128
+    cache_dir: str = ""  # "" = $XDG_CACHE_HOME/moe-train (or ~/.cache/moe-train)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 16  # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 0  # sequences per rank per forward; 0 = global_batch_size / data-parallel size
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "outputs/run"
+    log_interval: int = 10
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16
+    peak_tflops: float = 0.0  # 0 = auto: datasheet for known GPUs, a measured fp32 GEMM rate on CPU
+    save_checkpoint: bool = True
+    recompute_modules: list[str] = field(default_factory=list)  # fnmatch patterns, e.g. "layers.*.mlp"
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(ExperimentConfig)
+
+
+def preset_names() -> list[str]:
+    files = resources.files("moe_train.presets").iterdir()
+    return sorted(p.name.removesuffix(".yaml") for p in files if p.name.endswith(".yaml"))
+
+
+def _read_yaml(name_or_path: str) -> dict[str, Any]:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {name_or_path!r} not found; pass a YAML path or one of {preset_names()}")
+        text = path.read_text()
+    elif name_or_path in preset_names():
+        text = resources.files("moe_train.presets").joinpath(f"{name_or_path}.yaml").read_text()
+    else:
+        close = difflib.get_close_matches(name_or_path, preset_names(), n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ConfigError(
+            f"config {name_or_path!r} is neither a file nor a preset; {hint}presets: {', '.join(preset_names())}"
+        )
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {name_or_path!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {name_or_path!r} must be a mapping of sections ({', '.join(SECTIONS)})")
+    return data
+
+
+def _unknown(kind: str, name: str, choices: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; known: {', '.join(choices)}"
+    return ConfigError(f"unknown config {kind} {name!r}{hint}")
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check ``value`` against a field's annotation; strings from the command line are parsed as YAML."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(key, value, options[0])
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if not value.startswith("[") else yaml.safe_load(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
+        return [_coerce(key, v, item) for v in value]
+    if isinstance(value, str) and annotation is not str:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        return value
+    raise ConfigError(f"config key {key!r} expects {annotation.__name__}, got {value!r}")
+
+
+def _set(sections: dict[str, dict[str, Any]], dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS:
+        raise _unknown("section", section, list(SECTIONS))
+    if not key:
+        raise ConfigError(f"config key {dotted!r} needs a field name, e.g. '{section}.<field>'")
+    hints = typing.get_type_hints(SECTIONS[section])
+    if key not in hints:
+        raise _unknown("key", dotted, [f"{section}.{k}" for k in hints])
+    sections[section][key] = _coerce(dotted, value, hints[key])
+
+
+def load_config(name_or_path: str = "tiny", overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Preset or YAML file, then overrides (``{"train.steps": "5"}``), validated section by section."""
+    raw = _read_yaml(name_or_path)
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise _unknown("section", str(section), list(SECTIONS))
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping of keys, got {values!r}")
+        for key, value in values.items():
+            _set(sections, f"{section}.{key}", value)
+    for dotted, value in (overrides or {}).items():
+        _set(sections, dotted, value)
+    try:
+        built = {name: cls(**sections[name]) for name, cls in SECTIONS.items()}
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    cfg = ExperimentConfig(**built)
+    validate(cfg)
+    return cfg
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{section}.{name}={getattr(obj, name)}: must be positive")
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Checks that span fields, or that the section dataclasses leave to the trainer."""
+    _positive("train", cfg.train, "steps", "global_batch_size", "lr")
+    _positive("data", cfg.data, "seq_len")
+    _positive("run", cfg.run, "log_interval")
+    if cfg.train.micro_batch_size < 0:
+        raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size}: must be >= 0 (0 = derive)")
+    if not 0 <= cfg.train.min_lr <= cfg.train.lr:
+        raise ConfigError(f"train.min_lr={cfg.train.min_lr}: must be in [0, train.lr={cfg.train.lr}]")
+    if not 0 <= cfg.train.warmup_steps <= cfg.train.steps:
+        raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps}: must be in [0, train.steps={cfg.train.steps}]")
+    if cfg.data.source != "stdlib":
+        raise ConfigError(f"data.source={cfg.data.source!r}: the only source in this version is 'stdlib'")
+    if cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: byte-level data needs at least 256")
+    if cfg.run.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"run.device={cfg.run.device!r}: choose auto, cpu or cuda")
+    if cfg.run.dtype not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"run.dtype={cfg.run.dtype!r}: choose auto, fp32 or bf16")

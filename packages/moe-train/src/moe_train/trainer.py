@@ -1,0 +1,240 @@
+"""The training loop: data-parallel AdamW on byte-level data, with metrics, progress and a final checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+from moe_memory import apply_activation_checkpointing
+from moe_models import build_model, training_flops_per_token
+from moe_parallel import (
+    DistributedContext,
+    ParallelLayout,
+    all_reduce_mean,
+    apply_data_parallel,
+    init_distributed,
+)
+from torch import nn
+
+from moe_train.checkpoint import save_checkpoint
+from moe_train.config import ConfigError, ExperimentConfig
+from moe_train.data import TokenStream, stdlib_token_file
+from moe_train.metrics import MetricsLog, peak_tflops
+from moe_train.optim import build_optimizer, lr_at, set_lr
+from moe_train.plots import heatmap_svg, line_chart_svg
+
+
+@dataclass
+class Setup:
+    """Everything validated and built before anything is written to the output directory."""
+
+    cfg: ExperimentConfig
+    ctx: DistributedContext
+    layout: ParallelLayout
+    model: nn.Module  # the bare model; data parallelism is applied in train()
+    dtype: torch.dtype
+    micro_batch: int
+    grad_accum: int
+    data_path: Path
+    recomputed: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    steps: int
+    first_loss: float
+    last_loss: float
+    median_tokens_per_s: float
+    wall_time_s: float
+    output_dir: str
+    checkpoint: str | None
+
+
+def _resolve_device(cfg: ExperimentConfig) -> str:
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device='cuda' but no CUDA device is visible; use run.device=cpu or auto")
+    if cfg.run.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.run.device
+
+
+def _check_layout(layout: ParallelLayout) -> None:
+    for name in ("tp", "cp", "pp", "ep", "etp"):
+        if getattr(layout, name) != 1:
+            raise ConfigError(
+                f"parallel.{name}={getattr(layout, name)}: this version of moe-train runs data parallel only; "
+                f"set parallel.{name}=1"
+            )
+
+
+def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
+    """Validate the config against this launch, join the process group and build the model."""
+    device_type = _resolve_device(cfg)
+    try:
+        layout = cfg.parallel.layout(world_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _check_layout(layout)
+    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // layout.dp
+    if micro == 0 or cfg.train.global_batch_size % (micro * layout.dp):
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size ({micro}) x data-parallel size ({layout.dp})"
+        )
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
+        cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
+    )
+    ctx = init_distributed(cfg.parallel.backend, device_type)
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+    with torch.device(ctx.device):
+        model = build_model(cfg.model)
+    try:
+        recomputed = apply_activation_checkpointing(model, cfg.run.recompute_modules)
+    except ValueError as err:
+        raise ConfigError(f"run.recompute_modules: {err}") from None
+    data_path = stdlib_token_file(Path(cfg.data.cache_dir) if cfg.data.cache_dir else None)
+    return Setup(cfg, ctx, layout, model, dtype, micro, cfg.train.global_batch_size // (micro * layout.dp),
+                 data_path, recomputed)
+
+
+class Progress:
+    """One line per log interval on rank 0: step, loss, learning rate, throughput and time left."""
+
+    def __init__(self, total_steps: int, interval: int, enabled: bool, stream: TextIO = sys.stdout) -> None:
+        self.total, self.interval, self.enabled, self.stream = total_steps, interval, enabled, stream
+        self.start = time.perf_counter()
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=self.stream, flush=True)
+
+    def step(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if not self.enabled or (step % self.interval and step not in (1, self.total)):
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / step * (self.total - step)
+        self.message(
+            f"step {step:>{len(str(self.total))}}/{self.total}  loss {record['loss']:.4f}  "
+            f"aux {record['aux_loss']:.4f}  lr {record['lr']:.2e}  gnorm {record['grad_norm']:.3f}  "
+            f"{record['tokens_per_s'] / 1e3:.1f}k tok/s  {record['tflops_per_gpu']:.3f} TFLOPS  "
+            f"MFU {100 * record['mfu']:.1f}%  eta {int(eta) // 60}:{int(eta) % 60:02d}"
+        )
+
+
+def train(setup: Setup) -> TrainSummary:
+    cfg, ctx = setup.cfg, setup.ctx
+    started = time.perf_counter()
+    out_dir = Path(cfg.run.output_dir)
+    progress = Progress(cfg.train.steps, cfg.run.log_interval, ctx.is_main)
+    bare_model = setup.model
+    model = apply_data_parallel(bare_model, ctx)
+    optimizer = build_optimizer(bare_model, cfg.train)
+    stream = TokenStream(setup.data_path, cfg.data.seq_len, cfg.train.seed)
+    peak, peak_source = peak_tflops(ctx.device, setup.dtype, cfg.run.peak_tflops)
+    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    per_rank = setup.micro_batch * setup.grad_accum
+    params = [p for p in bare_model.parameters() if p.requires_grad]
+    autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
+    n_params = sum(p.numel() for p in params)
+
+    log: MetricsLog | None = None
+    if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        log = MetricsLog(out_dir / "metrics.jsonl")
+    progress.message(
+        f"moe-train: {cfg.model.family} {n_params / 1e6:.2f}M params, {ctx.world_size} rank(s) on {ctx.device.type}, "
+        f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens "
+        f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {peak:.3f} TFLOPS ({peak_source})"
+    )
+    load_LE = None
+    for step in range(cfg.train.steps):
+        step_start = time.perf_counter()
+        lr = lr_at(step, cfg.train)
+        set_lr(optimizer, lr)
+        optimizer.zero_grad(set_to_none=True)
+        lm_sum = torch.zeros((), device=ctx.device)
+        aux_sum = torch.zeros((), device=ctx.device)
+        for micro in range(setup.grad_accum):
+            batch = stream.batch(step, cfg.train.global_batch_size,
+                                 ctx.rank * per_rank + micro * setup.micro_batch, setup.micro_batch)
+            inputs, labels = batch.input_ids_BS.to(ctx.device), batch.labels_BS.to(ctx.device)
+            last = micro == setup.grad_accum - 1
+            sync = contextlib.nullcontext() if last or model is bare_model else model.no_sync()
+            with sync:
+                with autocast:
+                    out = model(inputs)
+                lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
+                ((lm_loss + out.aux_loss) / setup.grad_accum).backward()
+            lm_sum += lm_loss.detach()
+            aux_sum += out.aux_loss.detach()
+            load_LE = out.tokens_per_expert_LE if micro == 0 else load_LE + out.tokens_per_expert_LE
+        clip = cfg.train.clip_grad if cfg.train.clip_grad > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        optimizer.step()
+        loss = all_reduce_mean(lm_sum / setup.grad_accum).item()
+        aux = all_reduce_mean(aux_sum / setup.grad_accum).item()
+        load = all_reduce_mean(load_LE.float())
+        step_time = time.perf_counter() - step_start
+        tokens_per_s = tokens_per_step / step_time
+        tflops = flops_per_token * tokens_per_s / ctx.world_size / 1e12
+        record = {
+            "step": step + 1,
+            "loss": loss,
+            "aux_loss": aux,
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / peak,
+            "step_time_s": step_time,
+            "expert_load_max_over_mean": (load.max(dim=1).values / load.mean(dim=1)).mean().item(),
+        }
+        if log is not None:
+            log.write(record)
+        progress.step(record)
+
+    checkpoint = None
+    if cfg.run.save_checkpoint:
+        checkpoint = str(save_checkpoint(out_dir / "checkpoints", bare_model, optimizer, cfg.train.steps))
+    records = log.records if log is not None else []
+    summary = TrainSummary(
+        steps=cfg.train.steps,
+        first_loss=records[0]["loss"] if records else float("nan"),
+        last_loss=records[-1]["loss"] if records else float("nan"),
+        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in records[1:] or records) if records else 0.0,
+        wall_time_s=time.perf_counter() - started,
+        output_dir=str(out_dir),
+        checkpoint=checkpoint,
+    )
+    if log is not None:
+        log.close()
+        _write_pictures(out_dir, records, load)
+        (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+    progress.message(
+        f"done: {summary.steps} steps in {summary.wall_time_s:.1f}s, loss {summary.first_loss:.4f} -> "
+        f"{summary.last_loss:.4f}, median {summary.median_tokens_per_s / 1e3:.1f}k tok/s; "
+        f"metrics in {out_dir / 'metrics.jsonl'}, checkpoint {checkpoint}"
+    )
+    return summary
+
+
+def _write_pictures(out_dir: Path, records: list[dict[str, Any]], load_LE: torch.Tensor) -> None:
+    steps = [r["step"] for r in records]
+    (out_dir / "loss.svg").write_text(
+        line_chart_svg(steps, [r["loss"] for r in records], "training loss", "step", "cross-entropy (nats/byte)")
+    )
+    (out_dir / "expert_load.svg").write_text(
+        heatmap_svg(load_LE.tolist(), "expert load at the last step (relative to the layer mean)", "layer", "expert")
+    )
