@@ -43,8 +43,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         gmm = self.backend.gmm
         assert gmm is not None  # resolve_backend only returns implemented back ends
-        hidden_NF = self.activation(gmm(x_NH, self.w_gate_up_EH2F, tokens_per_expert_E))
-        return gmm(hidden_NF, self.w_down_EFH, tokens_per_expert_E)
+        # experts compute in the activation dtype (bf16 under autocast, whose op lists lack grouped_mm)
+        w_gate_up, w_down = self.w_gate_up_EH2F.to(x_NH.dtype), self.w_down_EFH.to(x_NH.dtype)
+        hidden_NF = self.activation(gmm(x_NH, w_gate_up, tokens_per_expert_E))
+        return gmm(hidden_NF, w_down, tokens_per_expert_E)
 
     def extra_repr(self) -> str:
         e, h, f2 = self.w_gate_up_EH2F.shape
