@@ -31,6 +31,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        if grad.numel() == 0:  # .contiguous() keeps the stride-0 layout of an empty expanded gradient
+            return torch.empty_like(grad, memory_format=torch.contiguous_format)
         return grad.contiguous()
 
 

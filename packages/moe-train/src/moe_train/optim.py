@@ -27,11 +27,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup to ``lr`` over
-    ``warmup_steps``, then cosine decay to ``min_lr`` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(cfg.steps - cfg.warmup_steps - 1, 1)
-    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    ``warmup_steps`` (at most ``steps``), then cosine decay to ``min_lr`` at the last step."""
+    warmup = min(cfg.warmup_steps, cfg.steps)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    decay_steps = max(cfg.steps - warmup - 1, 1)
+    progress = min((step - warmup) / decay_steps, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 

@@ -109,13 +109,13 @@ def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
 class Progress:
     """One line per log interval on rank 0: step, loss, learning rate, throughput and time left."""
 
-    def __init__(self, total_steps: int, interval: int, enabled: bool, stream: TextIO = sys.stdout) -> None:
+    def __init__(self, total_steps: int, interval: int, enabled: bool, stream: TextIO | None = None) -> None:
         self.total, self.interval, self.enabled, self.stream = total_steps, interval, enabled, stream
         self.start = time.perf_counter()
 
     def message(self, text: str) -> None:
         if self.enabled:
-            print(text, file=self.stream, flush=True)
+            print(text, file=self.stream or sys.stdout, flush=True)
 
     def step(self, record: dict[str, Any]) -> None:
         step = record["step"]

@@ -1,0 +1,34 @@
+"""Snapshot of moe_experts's public interface. Changing it is an interface change: update
+docs/interfaces.md and this snapshot together, and bump the version (semver)."""
+
+import importlib.metadata
+
+import moe_experts
+
+PUBLIC_NAMES = [
+    "ACTIVATIONS",
+    "BACKENDS",
+    "BackendUnavailableError",
+    "GroupedExperts",
+    "__version__",
+    "backend_availability",
+    "get_activation",
+    "loop_grouped_mm",
+    "resolve_backend",
+    "swiglu",
+    "torch_grouped_mm",
+]
+
+
+def test_version_is_semver_0_1() -> None:
+    assert moe_experts.__version__ == "0.1.0"
+    assert importlib.metadata.version("moe-experts") == moe_experts.__version__
+
+
+def test_public_names_match_snapshot() -> None:
+    assert sorted(moe_experts.__all__) == PUBLIC_NAMES
+
+
+def test_every_public_name_resolves() -> None:
+    missing = [name for name in moe_experts.__all__ if not hasattr(moe_experts, name)]
+    assert missing == []

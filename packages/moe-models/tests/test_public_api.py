@@ -1,0 +1,38 @@
+"""Snapshot of moe_models's public interface. Changing it is an interface change: update
+docs/interfaces.md and this snapshot together, and bump the version (semver)."""
+
+import importlib.metadata
+
+import moe_models
+
+PUBLIC_NAMES = [
+    "Attention",
+    "DecoderLayer",
+    "FAMILIES",
+    "MoEBlock",
+    "ModelConfig",
+    "ModelOutput",
+    "ParameterCount",
+    "Qwen3MoE",
+    "RMSNorm",
+    "__version__",
+    "apply_rotary",
+    "build_model",
+    "count_parameters",
+    "rotary_cos_sin",
+    "training_flops_per_token",
+]
+
+
+def test_version_is_semver_0_1() -> None:
+    assert moe_models.__version__ == "0.1.0"
+    assert importlib.metadata.version("moe-models") == moe_models.__version__
+
+
+def test_public_names_match_snapshot() -> None:
+    assert sorted(moe_models.__all__) == PUBLIC_NAMES
+
+
+def test_every_public_name_resolves() -> None:
+    missing = [name for name in moe_models.__all__ if not hasattr(moe_models, name)]
+    assert missing == []

@@ -1,0 +1,143 @@
+"""init_distributed / apply_data_parallel / all_reduce_mean: one process, and 2 gloo ranks on CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_parallel import DistributedContext, all_reduce_mean, apply_data_parallel, init_distributed
+
+WORLD = 2
+WORKER = Path(__file__).with_name("_dist_worker.py")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.fixture
+def no_torchrun_env(monkeypatch):
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_init_without_torchrun_is_a_single_rank(no_torchrun_env):
+    ctx = init_distributed("gloo", "cpu")
+    assert ctx == DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert ctx.is_main
+    assert not dist.is_initialized()
+
+
+def test_is_main_only_on_rank_zero():
+    assert not DistributedContext(1, 1, 2, torch.device("cpu")).is_main
+
+
+def test_single_rank_data_parallel_returns_the_model(no_torchrun_env):
+    model = nn.Linear(3, 2)
+    assert apply_data_parallel(model, init_distributed("gloo", "cpu")) is model
+
+
+def test_all_reduce_mean_without_group_is_a_detached_copy():
+    value = torch.tensor([1.0, -2.0, 3.5], requires_grad=True)
+    out = all_reduce_mean(value)
+    assert torch.equal(out, value.detach())
+    assert out.data_ptr() != value.data_ptr()
+    assert not out.requires_grad
+    out += 1
+    assert torch.equal(value.detach(), torch.tensor([1.0, -2.0, 3.5]))
+
+
+# ----------------------------------------------------------------------------- 2 gloo ranks
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory) -> list[dict]:
+    """Start the WORLD ranks once, as torchrun would, and load what each one recorded."""
+    out = tmp_path_factory.mktemp("gloo")
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=120)[0].decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.dist
+def test_gloo_context_from_torchrun_env(gloo_results):
+    for rank, res in enumerate(gloo_results):
+        assert res["ctx"] == (rank, rank, WORLD, "cpu", rank == 0)
+        assert res["initialized"]
+        assert res["backend"] == "gloo"
+        assert res["dist_world"] == WORLD
+        assert res["initialized_after_shutdown"] is False
+
+
+@pytest.mark.dist
+def test_gloo_all_reduce_mean_equals_hand_mean(gloo_results):
+    hand_mean = sum(res["value"] for res in gloo_results) / WORLD
+    assert torch.equal(hand_mean, torch.tensor([1.5, 15.0, -1.5]))
+    for res in gloo_results:
+        torch.testing.assert_close(res["reduced"], hand_mean, rtol=0, atol=1e-7)
+        assert res["input_untouched"]
+
+
+@pytest.mark.dist
+def test_gloo_data_parallel_gradients_equal_full_batch_gradients(gloo_results):
+    for res in gloo_results:
+        assert res["wrapper"] == "DistributedDataParallel"
+        assert res["ddp_grads"].keys() == res["reference_grads"].keys()
+        for name, grad in res["ddp_grads"].items():
+            torch.testing.assert_close(grad, res["reference_grads"][name], rtol=1e-6, atol=1e-6)
+    # each rank's own half gives a different gradient, so the averaging above did real work
+    for res in gloo_results:
+        assert any(
+            not torch.allclose(res["local_grads"][n], res["reference_grads"][n], atol=1e-4) for n in res["local_grads"]
+        )
+
+
+@pytest.mark.dist
+def test_gloo_data_parallel_starts_from_rank0_weights(gloo_results):
+    rank0 = gloo_results[0]["own_params"]
+    assert not torch.equal(gloo_results[1]["own_params"]["0.weight"], rank0["0.weight"])  # built differently
+    for res in gloo_results:
+        assert res["broadcast_params"].keys() == rank0.keys()
+        for name, param in res["broadcast_params"].items():
+            assert torch.equal(param, rank0[name])

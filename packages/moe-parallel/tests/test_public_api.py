@@ -1,0 +1,33 @@
+"""Snapshot of moe_parallel's public interface. Changing it is an interface change: update
+docs/interfaces.md and this snapshot together, and bump the version (semver)."""
+
+import importlib.metadata
+
+import moe_parallel
+
+PUBLIC_NAMES = [
+    "ATTENTION_DIMS",
+    "DistributedContext",
+    "EXPERT_DIMS",
+    "ParallelConfig",
+    "ParallelLayout",
+    "__version__",
+    "all_reduce_mean",
+    "apply_data_parallel",
+    "init_distributed",
+    "shutdown_distributed",
+]
+
+
+def test_version_is_semver_0_1() -> None:
+    assert moe_parallel.__version__ == "0.1.0"
+    assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
+
+
+def test_public_names_match_snapshot() -> None:
+    assert sorted(moe_parallel.__all__) == PUBLIC_NAMES
+
+
+def test_every_public_name_resolves() -> None:
+    missing = [name for name in moe_parallel.__all__ if not hasattr(moe_parallel, name)]
+    assert missing == []

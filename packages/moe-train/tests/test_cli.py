@@ -1,0 +1,104 @@
+"""The command line, in process: exit codes, one-line errors, nothing half-written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from moe_models import ModelConfig, build_model
+
+from moe_train import cli
+from moe_train.checkpoint import load_checkpoint
+from moe_train.config import load_config
+from moe_train.trainer import prepare, train
+
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu"}
+
+
+def _args(overrides: dict[str, str]) -> list[str]:
+    return [token for key, value in overrides.items() for token in (f"--{key}", value)]
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--train.stepz", "5"], "did you mean 'train.steps'?"),
+        (["--train.steps", "x"], "expects int"),
+        (["--config", "missing.yaml"], "config file 'missing.yaml' not found"),
+        (["--parallel.dp_shard", "3"], "!= world_size 1"),
+        (["--parallel.tp", "2"], "world_size 1"),
+        (["--model.moe_expert_backend", "grouped_gemm"], "expert backend 'grouped_gemm' is not available here"),
+        (["--run.recompute_modules", "layers.*.mlpp"], "run.recompute_modules: recompute module pattern"),
+        (["--train.global_batch_size", "4", "--train.micro_batch_size", "3"], "train.global_batch_size=4"),
+        (["--train.steps"], "needs a value"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    micro_overrides: dict[str, str], capsys: pytest.CaptureFixture[str], extra: list[str], expected: str
+) -> None:
+    code = cli.main(["train", *_args(micro_overrides), *extra])
+    assert code == cli.EXIT_USAGE
+    assert expected in _error_line(capsys)
+    assert not Path(micro_overrides["run.output_dir"]).exists()
+
+
+def test_env_prints_the_capability_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for row in ("torch", "dist gloo", "experts backend torch", "experts backend loop", "deep_ep", "transformer_engine"):
+        assert row in out
+    assert cli.main(["env", "extra"]) == cli.EXIT_USAGE
+
+
+def test_no_arguments_means_train_tiny(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    monkeypatch.setattr(cli, "_train", lambda config, rest: seen.update(config=config, rest=rest) or 0)
+    assert cli.main([]) == 0
+    assert seen == {"config": "tiny", "rest": []}
+    assert cli.main(["--train.steps", "3"]) == 0
+    assert seen == {"config": "tiny", "rest": ["--train.steps", "3"]}
+
+
+def test_train_writes_metrics_for_every_step_and_loss_falls(
+    micro_overrides: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["train", *_args(micro_overrides), "--train.steps", "40", "--train.lr", "0.01"]) == 0
+    out_dir = Path(micro_overrides["run.output_dir"])
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    assert all(METRIC_KEYS <= r.keys() for r in records)
+    assert records[-1]["loss"] < 0.75 * records[0]["loss"]
+    assert records[0]["loss"] == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.05)  # near uniform at init
+    assert all(r["tflops_per_gpu"] > 0 and 0 < r["mfu"] for r in records)
+    assert (out_dir / "checkpoints" / "step_40").is_dir()
+    assert not list((out_dir / "checkpoints").glob(".*partial"))
+    for picture in ("loss.svg", "expert_load.svg"):
+        assert (out_dir / picture).read_text().startswith("<svg")
+    stdout = capsys.readouterr().out
+    assert "step 40/40" in stdout and "done: 40 steps" in stdout
+
+
+def test_checkpoint_restores_the_trained_weights(micro_overrides: dict[str, str]) -> None:
+    cfg = load_config("tiny", {**micro_overrides, "train.steps": "3"})
+    setup = prepare(cfg, world_size=1)
+    summary = train(setup)
+    fresh = build_model(cfg.model)
+    assert not torch.equal(fresh.lm_head.weight, setup.model.lm_head.weight)
+    assert load_checkpoint(Path(summary.checkpoint), fresh) == 3
+    for (name, trained), (_, restored) in zip(setup.model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(trained, restored), name
+
+
+def test_python_dash_m_entry_point() -> None:
+    done = subprocess.run([sys.executable, "-m", "moe_train", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "moe-train 0.1.0"
+    assert isinstance(ModelConfig(), ModelConfig)

@@ -1,0 +1,84 @@
+from pathlib import Path
+
+import pytest
+from moe_models import ModelConfig
+from moe_parallel import ParallelConfig
+
+from moe_train.config import ConfigError, ExperimentConfig, load_config, preset_names
+
+
+def test_tiny_preset_is_the_default_and_loads() -> None:
+    assert "tiny" in preset_names()
+    cfg = load_config()
+    assert isinstance(cfg, ExperimentConfig)
+    assert isinstance(cfg.model, ModelConfig) and isinstance(cfg.parallel, ParallelConfig)
+    assert cfg.model.num_moe_experts == 8 and cfg.model.moe_router_topk == 2
+    assert cfg.run.output_dir == "outputs/tiny"
+
+
+def test_overrides_are_parsed_to_the_field_type() -> None:
+    cfg = load_config(
+        "tiny",
+        {
+            "train.steps": "7",
+            "train.lr": "1e-3",
+            "model.qk_layernorm": "false",
+            "run.recompute_modules": "layers.*.mlp,layers.0.attention",
+            "parallel.etp": "none",
+            "run.output_dir": "123",
+        },
+    )
+    assert cfg.train.steps == 7
+    assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
+    assert cfg.model.qk_layernorm is False
+    assert cfg.run.recompute_modules == ["layers.*.mlp", "layers.0.attention"]
+    assert cfg.parallel.etp is None
+    assert cfg.run.output_dir == "123"
+
+
+def test_yaml_file_with_sections(tmp_path: Path) -> None:
+    path = tmp_path / "exp.yaml"
+    path.write_text("train:\n  steps: 3\n  lr: 0.01\nmodel:\n  num_layers: 1\n")
+    cfg = load_config(str(path), {"train.steps": "4"})
+    assert (cfg.train.steps, cfg.train.lr, cfg.model.num_layers) == (4, 0.01, 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"train.stepz": "5"}, "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+        ({"trian.steps": "5"}, "unknown config section 'trian'; did you mean 'train'?"),
+        ({"train.steps": "five"}, "config key 'train.steps' expects int, got 'five'"),
+        ({"train.steps": "1.5"}, "config key 'train.steps' expects int, got 1.5"),
+        ({"model.qk_layernorm": "maybe"}, "config key 'model.qk_layernorm' expects bool"),
+        ({"model.moe_router_topk": "9"}, "model.moe_router_topk=9 with model.num_moe_experts=8"),
+        ({"model.num_attention_heads": "3"}, "model.num_attention_heads=3 is not a multiple of model.num_query_groups=2"),
+        ({"train.steps": "0"}, "train.steps=0: must be positive"),
+        ({"train.min_lr": "1.0"}, "train.min_lr=1.0"),
+        ({"run.device": "tpu"}, "run.device='tpu'"),
+    ],
+)
+def test_bad_values_name_the_field(overrides: dict[str, str], expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_file_and_unknown_preset() -> None:
+    with pytest.raises(ConfigError, match="config file 'nope.yaml' not found"):
+        load_config("nope.yaml")
+    with pytest.raises(ConfigError, match="did you mean tiny"):
+        load_config("tinyy")
+
+
+def test_bad_yaml_shapes(tmp_path: Path) -> None:
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping of sections"):
+        load_config(str(tmp_path / "list.yaml"))
+    (tmp_path / "sec.yaml").write_text("train: 5\n")
+    with pytest.raises(ConfigError, match="section 'train' must be a mapping"):
+        load_config(str(tmp_path / "sec.yaml"))
+    (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(str(tmp_path / "bad.yaml"))

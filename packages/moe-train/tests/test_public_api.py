@@ -1,0 +1,31 @@
+"""Snapshot of moe_train's public interface. Changing it is an interface change: update
+docs/interfaces.md and this snapshot together, and bump the version (semver)."""
+
+import importlib.metadata
+
+import moe_train
+
+PUBLIC_NAMES = [
+    "ConfigError",
+    "DataConfig",
+    "ExperimentConfig",
+    "RunConfig",
+    "TrainConfig",
+    "__version__",
+    "load_config",
+    "preset_names",
+]
+
+
+def test_version_is_semver_0_1() -> None:
+    assert moe_train.__version__ == "0.1.0"
+    assert importlib.metadata.version("moe-train") == moe_train.__version__
+
+
+def test_public_names_match_snapshot() -> None:
+    assert sorted(moe_train.__all__) == PUBLIC_NAMES
+
+
+def test_every_public_name_resolves() -> None:
+    missing = [name for name in moe_train.__all__ if not hasattr(moe_train, name)]
+    assert missing == []
