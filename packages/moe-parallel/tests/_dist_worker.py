@@ -51,7 +51,10 @@ def main(out_dir: Path) -> None:
     # equal the gradient of the mean loss over the whole batch in one process
     x, y = _full_batch()
     per_rank = BATCH // ctx.world_size
-    x_local, y_local = x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank], y[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+    x_local, y_local = (
+        x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank],
+        y[ctx.rank * per_rank : (ctx.rank + 1) * per_rank],
+    )
     ddp = apply_data_parallel(_model(0), ctx)
     result["wrapper"] = type(ddp).__name__
     nn.functional.mse_loss(ddp(x_local), y_local).backward()

@@ -36,6 +36,11 @@ def test_init_without_torchrun_is_a_single_rank(no_torchrun_env):
     assert not dist.is_initialized()
 
 
+def test_auto_device_follows_cuda_availability(no_torchrun_env):
+    expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert init_distributed().device == expected
+
+
 def test_is_main_only_on_rank_zero():
     assert not DistributedContext(1, 1, 2, torch.device("cpu")).is_main
 

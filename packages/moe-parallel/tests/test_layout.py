@@ -153,6 +153,15 @@ def test_hand_checked_coords_world8_tp2_dp4():
     assert folded.coords(5, "expert") == {"etp": 0, "ep": 5, "edp": 0, "pp": 0}
 
 
+def test_hand_checked_coords_dp_shard_faster_than_dp_replicate():
+    layout = ParallelLayout(16, tp=2, cp=2, dp_replicate=2, dp_shard=2, ep=4, etp=1)  # edp 4
+    # 13 = 0b1101: tp=1, cp=0, dp_shard=1, dp_replicate=1
+    assert layout.coords(13, "attention") == {"tp": 1, "cp": 0, "dp_shard": 1, "dp_replicate": 1, "pp": 0}
+    assert layout.coords(13, "expert") == {"etp": 0, "ep": 1, "edp": 3, "pp": 0}
+    assert layout.group_ranks("dp_replicate", "attention")[0] == [0, 8]
+    assert layout.group_ranks("cp", "attention")[0] == [0, 2]
+
+
 def test_hand_checked_coords_with_pipeline():
     layout = ParallelLayout(8, tp=2, pp=2, ep=2)  # dp_shard 2, etp 2, edp 1
     assert layout.coords(6, "attention") == {"tp": 0, "cp": 0, "dp_shard": 1, "dp_replicate": 0, "pp": 1}
@@ -228,8 +237,8 @@ def test_sizes_multiply_to_world(case):
     assert math.prod(layout.sizes("attention").values()) == layout.world_size
     assert math.prod(layout.sizes("expert").values()) == layout.world_size
     assert layout.edp * layout.etp * layout.ep * layout.pp == layout.world_size
-    assert tuple(layout.sizes("attention")) == ATTENTION_DIMS
-    assert tuple(layout.sizes("expert")) == EXPERT_DIMS
+    assert tuple(layout.sizes("attention")) == ATTENTION_DIMS == ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+    assert tuple(layout.sizes("expert")) == EXPERT_DIMS == ("etp", "ep", "edp", "pp")
 
 
 @settings(max_examples=150, deadline=None)

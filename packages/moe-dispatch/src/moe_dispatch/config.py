@@ -24,15 +24,11 @@ class RouterConfig:
         if self.num_experts < 1:
             raise ValueError(f"num_experts={self.num_experts}: must be at least 1")
         if not 1 <= self.topk <= self.num_experts:
-            raise ValueError(
-                f"topk={self.topk} with num_experts={self.num_experts}: topk must be in [1, num_experts]"
-            )
+            raise ValueError(f"topk={self.topk} with num_experts={self.num_experts}: topk must be in [1, num_experts]")
         if self.score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"score_function={self.score_function!r}: choose one of {SCORE_FUNCTIONS}")
         if self.load_balancing_type not in LOAD_BALANCING_TYPES:
-            raise ValueError(
-                f"load_balancing_type={self.load_balancing_type!r}: choose one of {LOAD_BALANCING_TYPES}"
-            )
+            raise ValueError(f"load_balancing_type={self.load_balancing_type!r}: choose one of {LOAD_BALANCING_TYPES}")
         if self.aux_loss_coeff < 0:
             raise ValueError(f"aux_loss_coeff={self.aux_loss_coeff}: must be >= 0")
         if self.router_dtype not in ROUTER_DTYPES:

@@ -26,11 +26,11 @@ class _ContiguousGrad(torch.autograd.Function):
     the expanded (stride-0) gradients that reductions such as ``sum()`` produce."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         if grad.numel() == 0:  # .contiguous() keeps the stride-0 layout of an empty expanded gradient
             return torch.empty_like(grad, memory_format=torch.contiguous_format)
         return grad.contiguous()

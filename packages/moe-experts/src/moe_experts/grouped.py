@@ -50,4 +50,7 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         e, h, f2 = self.w_gate_up_EH2F.shape
-        return f"num_experts={e}, hidden={h}, ffn={f2 // 2}, activation={self.activation_name}, backend={self.backend.name}"
+        return (
+            f"num_experts={e}, hidden={h}, ffn={f2 // 2}, activation={self.activation_name}, "
+            f"backend={self.backend.name}"
+        )

@@ -6,15 +6,16 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import functools
+import types
 from collections.abc import Iterable
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def _checkpointed(forward):  # noqa: ANN001, ANN202
+def _checkpointed(forward):
     @functools.wraps(forward)
-    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def run(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     run.__moe_recompute__ = True  # marks an already-wrapped forward so wrapping twice is a no-op
@@ -29,17 +30,24 @@ def apply_activation_checkpointing(model: nn.Module, patterns: Iterable[str]) ->
     """
     names = [name for name, _ in model.named_modules() if name]
     modules = dict(model.named_modules())
-    wrapped: list[str] = []
+    selected: list[str] = []  # every pattern is checked before any module is touched
     for pattern in patterns:
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             close = difflib.get_close_matches(pattern, names, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"recompute module pattern {pattern!r} matches no submodule{hint}")
-        for name in matched:
-            module = modules[name]
-            if getattr(module.forward, "__moe_recompute__", False):
-                continue
-            module.forward = _checkpointed(module.forward)
-            wrapped.append(name)
+        selected.extend(matched)
+    wrapped: list[str] = []
+    for name in selected:
+        module = modules[name]
+        if getattr(module.forward, "__moe_recompute__", False):
+            continue
+        forward = module.forward
+        if isinstance(forward, types.MethodType) and forward.__self__ is module:
+            # bound to the module, so copy.deepcopy rebinds it to the copy instead of the original
+            module.forward = types.MethodType(_checkpointed(forward.__func__), module)
+        else:
+            module.forward = _checkpointed(forward)
+        wrapped.append(name)
     return wrapped

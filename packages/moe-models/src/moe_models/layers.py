@@ -24,9 +24,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotary_cos_sin(
-    seq_len: int, head_dim: int, base: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[S, D]`` for positions 0..S-1, computed in fp32 on the fly (no cached state)."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles_SD2 = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)

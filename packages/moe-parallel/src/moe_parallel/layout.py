@@ -63,7 +63,9 @@ class ParallelLayout:
             )
         expert_model = self.etp * self.ep * self.pp
         if self.world_size % expert_model:
-            fits = [d for d in _divisors(self.world_size // self.pp) if (self.world_size // self.pp) % (d * self.etp) == 0]
+            fits = [
+                d for d in _divisors(self.world_size // self.pp) if (self.world_size // self.pp) % (d * self.etp) == 0
+            ]
             raise ValueError(
                 f"etp({self.etp}) x ep({self.ep}) x pp({self.pp}) = {expert_model} does not divide world_size "
                 f"{self.world_size}; with etp={self.etp} and pp={self.pp}, ep can be one of {fits}"
@@ -106,7 +108,8 @@ class ParallelLayout:
         lines = [f"{'rank':>4}  attention ({' '.join(ATTENTION_DIMS)})    experts ({' '.join(EXPERT_DIMS)})"]
         for rank in range(self.world_size):
             a, e = self.coords(rank, "attention"), self.coords(rank, "expert")
-            row = f"{rank:>4}  {' '.join(f'{k}={v}' for k, v in a.items()):<38} {' '.join(f'{k}={v}' for k, v in e.items())}"
+            attention, experts = " ".join(f"{k}={v}" for k, v in a.items()), " ".join(f"{k}={v}" for k, v in e.items())
+            row = f"{rank:>4}  {attention:<38} {experts}"
             if num_experts is not None and num_experts % self.ep == 0:
                 per_rank = num_experts // self.ep
                 row += f"  holds experts {e['ep'] * per_rank}..{(e['ep'] + 1) * per_rank - 1}"

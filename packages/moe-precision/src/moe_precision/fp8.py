@@ -41,7 +41,9 @@ class Float8Tensor:
 def current_scale(x: torch.Tensor, fmt: FP8Format, margin: int = 0) -> torch.Tensor:
     """``fp8_max / amax / 2**margin`` in fp32; 1.0 for an all-zero or empty tensor."""
     amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-    scale = fmt.max / (amax * 2.0**margin)
+    # tensor / tensor: a correctly rounded fp32 division (as TE's __fdiv_rn); torch computes
+    # python_scalar / tensor as reciprocal * scalar, which is off by one ulp for about a quarter of amaxes
+    scale = torch.full_like(amax, fmt.max) / (amax * 2.0**margin)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
