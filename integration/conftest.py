@@ -1,10 +1,11 @@
 import os
-from collections.abc import Callable
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 
 def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run a console script of this environment (moe-train, torchrun) and capture its output."""

@@ -188,3 +188,16 @@ def test_get_activation():
     assert set(ACTIVATIONS) == {"swiglu"}
     with pytest.raises(ValueError, match="swiglu"):
         get_activation("relu")
+
+
+def test_unaligned_sizes_fall_back_to_loop_under_auto_and_fail_clearly_under_torch() -> None:
+    torch.manual_seed(0)
+    counts = torch.tensor([2, 0, 3])
+    x = torch.randn(5, 6)
+    auto = GroupedExperts(3, 6, 5, backend="auto")
+    loop = GroupedExperts(3, 6, 5, backend="loop")
+    loop.load_state_dict(auto.state_dict())
+    torch.testing.assert_close(auto(x, counts), loop(x, counts))
+    forced = GroupedExperts(3, 6, 5, backend="torch")
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        forced(x, counts)

@@ -1,9 +1,9 @@
 from pathlib import Path
 
 import pytest
+
 from moe_models import ModelConfig
 from moe_parallel import ParallelConfig
-
 from moe_train.config import ConfigError, ExperimentConfig, load_config, preset_names
 
 
@@ -52,7 +52,10 @@ def test_yaml_file_with_sections(tmp_path: Path) -> None:
         ({"train.steps": "1.5"}, "config key 'train.steps' expects int, got 1.5"),
         ({"model.qk_layernorm": "maybe"}, "config key 'model.qk_layernorm' expects bool"),
         ({"model.moe_router_topk": "9"}, "model.moe_router_topk=9 with model.num_moe_experts=8"),
-        ({"model.num_attention_heads": "3"}, "model.num_attention_heads=3 is not a multiple of model.num_query_groups=2"),
+        (
+            {"model.num_attention_heads": "3"},
+            "model.num_attention_heads=3 is not a multiple of model.num_query_groups=2",
+        ),
         ({"train.steps": "0"}, "train.steps=0: must be positive"),
         ({"train.min_lr": "1.0"}, "train.min_lr=1.0"),
         ({"run.device": "tpu"}, "run.device='tpu'"),

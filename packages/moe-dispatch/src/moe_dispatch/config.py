@@ -13,6 +13,8 @@ ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """Router settings, validated at construction (invalid combinations name both fields)."""
+
     num_experts: int
     topk: int = 2
     score_function: str = "softmax"

@@ -22,6 +22,8 @@ class DispatchHandle:
 
 @dataclass(frozen=True)
 class DispatchResult:
+    """The expert-major tokens for the local experts and the handle that combine needs."""
+
     tokens_NH: torch.Tensor  # expert-major rows for the local experts
     tokens_per_expert_E: torch.Tensor  # int64, rows per local expert
     handle: DispatchHandle

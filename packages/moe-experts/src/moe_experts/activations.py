@@ -18,6 +18,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"swiglu": swig
 
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation called ``name``; a ValueError lists the known ones."""
     try:
         return ACTIVATIONS[name]
     except KeyError:

@@ -37,6 +37,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def torch_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """One ``torch.nn.functional.grouped_mm`` call for all experts."""
     offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
     return _ContiguousGrad.apply(F.grouped_mm(x_NK, w_EKM, offs=offsets_E))
 
@@ -49,6 +50,7 @@ def grouped_gemm_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E
 
 
 def loop_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """Reference back end: one matmul per expert."""
     chunks = torch.split(x_NK, tokens_per_expert_E.tolist(), dim=0)
     outs = [chunk @ w_EKM[e] for e, chunk in enumerate(chunks)]
     if not outs:

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from moe_experts.activations import get_activation
-from moe_experts.backends import resolve_backend
+from moe_experts.backends import GroupedMM, loop_grouped_mm, resolve_backend
+
+GROUPED_MM_ROW_ALIGN_BYTES = 16  # torch grouped_mm rejects rows that are not 16-byte aligned
 
 
 class GroupedExperts(nn.Module):
@@ -30,6 +32,7 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.activation_name = activation
         self.activation = get_activation(activation)
+        self.requested_backend = backend
         self.backend = resolve_backend(backend)
         self.w_gate_up_EH2F = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_hidden_size))
         self.w_down_EFH = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
@@ -41,12 +44,25 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_down_EFH, std=std / math.sqrt(2.0 * num_layers))
 
     def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        gmm = self.backend.gmm
-        assert gmm is not None  # resolve_backend only returns implemented back ends
+        gmm = self._grouped_mm(x_NH.element_size())
         # experts compute in the activation dtype (bf16 under autocast, whose op lists lack grouped_mm)
         w_gate_up, w_down = self.w_gate_up_EH2F.to(x_NH.dtype), self.w_down_EFH.to(x_NH.dtype)
         hidden_NF = self.activation(gmm(x_NH, w_gate_up, tokens_per_expert_E))
         return gmm(hidden_NF, w_down, tokens_per_expert_E)
+
+    def _grouped_mm(self, element_size: int) -> GroupedMM:
+        assert self.backend.gmm is not None  # resolve_backend only returns implemented back ends
+        _, hidden, ffn2 = self.w_gate_up_EH2F.shape
+        aligned = all(n * element_size % GROUPED_MM_ROW_ALIGN_BYTES == 0 for n in (hidden, ffn2 // 2))
+        if self.backend.name != "torch" or aligned:
+            return self.backend.gmm
+        if self.requested_backend == "auto":
+            return loop_grouped_mm
+        raise ValueError(
+            f"expert backend 'torch' needs hidden_size ({hidden}) and ffn_hidden_size ({ffn2 // 2}) rows of a "
+            f"multiple of {GROUPED_MM_ROW_ALIGN_BYTES} bytes ({element_size}-byte elements); "
+            "use backend 'loop' or 'auto'"
+        )
 
     def extra_repr(self) -> str:
         e, h, f2 = self.w_gate_up_EH2F.shape

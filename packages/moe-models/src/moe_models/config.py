@@ -6,12 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_dispatch import RouterConfig
+from moe_experts import BACKENDS
 
 FAMILIES = ("qwen3_moe",)
 
 
 @dataclass
 class ModelConfig:
+    """Architecture of a model family, Megatron-Core flag names; validated at construction."""
+
     family: str = "qwen3_moe"
     vocab_size: int = 256
     hidden_size: int = 128
@@ -51,6 +54,10 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"model.num_query_groups={self.num_query_groups}"
+            )
+        if self.moe_expert_backend not in ("auto", *BACKENDS):
+            raise ValueError(
+                f"model.moe_expert_backend={self.moe_expert_backend!r}: choose one of {('auto', *BACKENDS)}"
             )
         self.router_config()  # validates num_moe_experts / moe_router_topk / aux-loss fields
 

@@ -17,11 +17,14 @@ from moe_models.config import ModelConfig
 
 @dataclass(frozen=True)
 class ParameterCount:
+    """Total parameters, and those active for one token."""
+
     total: int
     active: int  # used per token: routed experts counted topk times out of num_moe_experts
 
 
 def count_parameters(c: ModelConfig) -> ParameterCount:
+    """Total and active parameter counts of ``c``, computed from the config alone."""
     q, kv, h = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels, c.hidden_size
     attention = h * (q + 2 * kv) + q * h + (2 * c.kv_channels if c.qk_layernorm else 0)
     norms = 2 * h
@@ -37,6 +40,7 @@ def count_parameters(c: ModelConfig) -> ParameterCount:
 
 
 def training_flops_per_token(c: ModelConfig, seq_len: int, convention: str = "megatron") -> float:
+    """Training FLOPs per token (forward + backward) in the ``megatron`` or ``torchtitan`` convention."""
     h, d = c.hidden_size, c.kv_channels
     q, kv = c.num_attention_heads * d, c.num_query_groups * d
     if convention == "megatron":

@@ -33,6 +33,7 @@ def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.devic
 
 
 def apply_rotary(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[B, N, S, D]``) by the rotary angles (rotate-half layout, as HuggingFace)."""
     half = x_BNSD.shape[-1] // 2
     rotated = torch.cat([-x_BNSD[..., half:], x_BNSD[..., :half]], dim=-1)
     return (x_BNSD * cos_SD + rotated * sin_SD).to(x_BNSD.dtype)

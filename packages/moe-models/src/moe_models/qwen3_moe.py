@@ -16,12 +16,16 @@ from moe_models.layers import Attention, MoEBlock, RMSNorm, rotary_cos_sin
 
 @dataclass(frozen=True)
 class ModelOutput:
+    """Logits plus the MoE side results the trainer needs (aux loss, expert load)."""
+
     logits: torch.Tensor  # [B, S, V]
     aux_loss: torch.Tensor  # scalar: sum of the layers' load-balancing losses (coefficients applied)
     tokens_per_expert_LE: torch.Tensor  # int64 expert load of every MoE layer, for logging
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + moe(norm(x))."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c = config
@@ -41,6 +45,8 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3MoE(nn.Module):
+    """Qwen3-MoE-style decoder-only language model: ``model(input_ids) -> ModelOutput``."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

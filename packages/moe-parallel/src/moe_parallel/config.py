@@ -9,6 +9,8 @@ from moe_parallel.layout import ParallelLayout
 
 @dataclass
 class ParallelConfig:
+    """The ``parallel`` config section: sizes of each parallel dimension and the process-group backend."""
+
     tp: int = 1
     cp: int = 1
     dp_replicate: int = 1

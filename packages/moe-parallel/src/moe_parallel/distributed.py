@@ -12,6 +12,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class DistributedContext:
+    """This process's rank, local rank, world size and device."""
+
     rank: int
     local_rank: int
     world_size: int
@@ -40,6 +42,7 @@ def init_distributed(backend: str = "auto", device_type: str = "auto") -> Distri
 
 
 def shutdown_distributed() -> None:
+    """Leave the process group, if one was joined."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -21,6 +21,8 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelLayout:
+    """Validated sizes of every parallel dimension over ``world_size`` ranks, with parallel folding."""
+
     world_size: int
     tp: int = 1
     cp: int = 1
@@ -82,6 +84,9 @@ class ParallelLayout:
         return self.world_size // (self.etp * self.ep * self.pp)
 
     def sizes(self, side: str) -> dict[str, int]:
+        """Sizes of the ``"attention"`` or ``"expert"`` layout, fastest-varying dimension first."""
+        if side not in ("attention", "expert"):
+            raise ValueError(f"side={side!r}: choose 'attention' or 'expert'")
         dims = ATTENTION_DIMS if side == "attention" else EXPERT_DIMS
         return {d: getattr(self, d) for d in dims}
 
@@ -96,6 +101,8 @@ class ParallelLayout:
 
     def group_ranks(self, dim: str, side: str) -> list[list[int]]:
         """Every process group along ``dim``: ranks that differ only in that coordinate."""
+        if dim not in self.sizes(side):
+            raise ValueError(f"dim={dim!r} is not a dimension of the {side} layout {tuple(self.sizes(side))}")
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coords(rank, side)

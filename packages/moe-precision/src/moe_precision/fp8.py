@@ -14,6 +14,8 @@ import torch
 
 
 class FP8Format(Enum):
+    """The two OCP FP8 formats: E4M3 (max 448) and E5M2 (max 57344)."""
+
     E4M3 = "e4m3"  # forward tensors: more mantissa
     E5M2 = "e5m2"  # gradients: more range
 
@@ -48,6 +50,7 @@ def current_scale(x: torch.Tensor, fmt: FP8Format, margin: int = 0) -> torch.Ten
 
 
 def quantize_tensorwise(x: torch.Tensor, fmt: FP8Format = FP8Format.E4M3, margin: int = 0) -> Float8Tensor:
+    """Scale ``x`` so its amax lands on the format's max, then cast to FP8 (saturating)."""
     if not x.is_floating_point():
         raise TypeError(f"quantize_tensorwise needs a floating-point tensor, got {x.dtype}")
     scale = current_scale(x, fmt, margin)
@@ -56,4 +59,5 @@ def quantize_tensorwise(x: torch.Tensor, fmt: FP8Format = FP8Format.E4M3, margin
 
 
 def dequantize_tensorwise(q: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Back to ``dtype``: ``data / scale``."""
     return (q.data.float() / q.scale).to(dtype)

@@ -1,8 +1,8 @@
 """The ``moe-train`` command line.
 
-    moe-train                          # = moe-train train --config tiny
-    moe-train train --config NAME_OR_PATH [--section.key value ...]
-    moe-train env                      # capability table
+moe-train                          # = moe-train train --config tiny
+moe-train train --config NAME_OR_PATH [--section.key value ...]
+moe-train env                      # capability table
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-
-from moe_experts import BackendUnavailableError
 
 from moe_train import __version__
 from moe_train.config import ConfigError, load_config, preset_names
@@ -73,7 +71,7 @@ def _train(config: str, override_tokens: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("--") and argv[0] not in ("-h", "--help", "--version"):
+    if not argv or (argv[0].startswith("--") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["train", *argv]
     args, rest = _parser().parse_known_args(argv)
     try:
@@ -85,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_table(capability_rows()))
             return 0
         return _train(args.config, rest)
-    except (ConfigError, BackendUnavailableError) as err:
+    except ConfigError as err:
         print(f"moe-train: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

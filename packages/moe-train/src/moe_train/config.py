@@ -4,6 +4,7 @@ moe_models.ModelConfig, ``parallel`` is moe_parallel.ParallelConfig)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from moe_models import ModelConfig
 from moe_parallel import ParallelConfig
 
@@ -24,6 +26,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
+    """The ``data`` config section."""
+
     source: str = "stdlib"  # byte-level tokens of the Python standard library's source files
     seq_len: int = 128
     cache_dir: str = ""  # "" = $XDG_CACHE_HOME/moe-train (or ~/.cache/moe-train)
@@ -31,6 +35,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
+    """The ``train`` config section: steps, batch sizes, AdamW and the learning-rate schedule."""
+
     steps: int = 100
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 0  # sequences per rank per forward; 0 = global_batch_size / data-parallel size
@@ -47,6 +53,8 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
+    """The ``run`` config section: output, devices, metrics, checkpoints, recompute."""
+
     output_dir: str = "outputs/run"
     log_interval: int = 10
     device: str = "auto"  # auto | cpu | cuda
@@ -58,6 +66,8 @@ class RunConfig:
 
 @dataclass
 class ExperimentConfig:
+    """A whole experiment: one section per owning package."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -72,6 +82,7 @@ SECTIONS: dict[str, type] = typing.get_type_hints(ExperimentConfig)
 
 
 def preset_names() -> list[str]:
+    """Names of the built-in presets (``moe-train train --config NAME``)."""
     files = resources.files("moe_train.presets").iterdir()
     return sorted(p.name.removesuffix(".yaml") for p in files if p.name.endswith(".yaml"))
 
@@ -124,10 +135,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
         return [_coerce(key, v, item) for v in value]
     if isinstance(value, str) and annotation is not str:
-        try:
+        with contextlib.suppress(yaml.YAMLError):
             value = yaml.safe_load(value)
-        except yaml.YAMLError:
-            pass
     if annotation is bool:
         if isinstance(value, bool):
             return value

@@ -18,7 +18,7 @@ def line_chart_svg(xs: Sequence[float], ys: Sequence[float], title: str, x_label
     def py(y: float) -> float:
         return HEIGHT - PAD - (y - y0) / (y1 - y0) * (HEIGHT - 2 * PAD)
 
-    points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
+    points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True))
     ticks = "".join(
         f'<text x="{PAD - 6}" y="{py(v) + 4:.1f}" text-anchor="end" font-size="11">{v:.2f}</text>'
         for v in (y0, (y0 + y1) / 2, y1)
@@ -52,13 +52,15 @@ def heatmap_svg(rows: Sequence[Sequence[float]], title: str, row_label: str, col
             cells.append(
                 f'<rect x="{PAD + c * cell_w:.1f}" y="{PAD + r * cell_h:.1f}" width="{cell_w:.1f}" '
                 f'height="{cell_h:.1f}" fill="rgb({red},{255 - red},{blue})" stroke="white">'
-                f"<title>{escape(row_label)} {r}, {escape(col_label)} {c}: {value:g} ({value / mean:.2f}x mean)</title></rect>"
+                f"<title>{escape(row_label)} {r}, {escape(col_label)} {c}: "
+                f"{value:g} ({value / mean:.2f}x mean)</title></rect>"
             )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif">'
         f'<rect width="100%" height="100%" fill="white"/>'
         f'<text x="{WIDTH / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>{"".join(cells)}'
-        f'<text x="{WIDTH / 2}" y="{HEIGHT - 14}" text-anchor="middle" font-size="12">{escape(col_label)} (0..{n_cols - 1})</text>'
+        f'<text x="{WIDTH / 2}" y="{HEIGHT - 14}" text-anchor="middle" font-size="12">'
+        f"{escape(col_label)} (0..{n_cols - 1})</text>"
         f'<text x="16" y="{HEIGHT / 2}" text-anchor="middle" font-size="12" '
         f'transform="rotate(-90 16 {HEIGHT / 2})">{escape(row_label)} (0..{n_rows - 1})</text></svg>'
     )

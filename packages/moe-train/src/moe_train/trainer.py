@@ -14,6 +14,9 @@ from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from moe_experts import BackendUnavailableError
 from moe_memory import apply_activation_checkpointing
 from moe_models import build_model, training_flops_per_token
 from moe_parallel import (
@@ -23,8 +26,6 @@ from moe_parallel import (
     apply_data_parallel,
     init_distributed,
 )
-from torch import nn
-
 from moe_train.checkpoint import save_checkpoint
 from moe_train.config import ConfigError, ExperimentConfig
 from moe_train.data import TokenStream, stdlib_token_file
@@ -95,15 +96,19 @@ def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
     )
     ctx = init_distributed(cfg.parallel.backend, device_type)
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
-    with torch.device(ctx.device):
-        model = build_model(cfg.model)
+    try:
+        with torch.device(ctx.device):
+            model = build_model(cfg.model)
+    except BackendUnavailableError as err:
+        raise ConfigError(f"model.moe_expert_backend={cfg.model.moe_expert_backend!r}: {err}") from None
     try:
         recomputed = apply_activation_checkpointing(model, cfg.run.recompute_modules)
     except ValueError as err:
         raise ConfigError(f"run.recompute_modules: {err}") from None
     data_path = stdlib_token_file(Path(cfg.data.cache_dir) if cfg.data.cache_dir else None)
-    return Setup(cfg, ctx, layout, model, dtype, micro, cfg.train.global_batch_size // (micro * layout.dp),
-                 data_path, recomputed)
+    return Setup(
+        cfg, ctx, layout, model, dtype, micro, cfg.train.global_batch_size // (micro * layout.dp), data_path, recomputed
+    )
 
 
 class Progress:
@@ -167,8 +172,9 @@ def train(setup: Setup) -> TrainSummary:
         lm_sum = torch.zeros((), device=ctx.device)
         aux_sum = torch.zeros((), device=ctx.device)
         for micro in range(setup.grad_accum):
-            batch = stream.batch(step, cfg.train.global_batch_size,
-                                 ctx.rank * per_rank + micro * setup.micro_batch, setup.micro_batch)
+            batch = stream.batch(
+                step, cfg.train.global_batch_size, ctx.rank * per_rank + micro * setup.micro_batch, setup.micro_batch
+            )
             inputs, labels = batch.input_ids_BS.to(ctx.device), batch.labels_BS.to(ctx.device)
             last = micro == setup.grad_accum - 1
             sync = contextlib.nullcontext() if last or model is bare_model else model.no_sync()

@@ -1,0 +1,37 @@
+"""The documentation that states our interfaces stays in step with the code."""
+
+import importlib
+import importlib.util
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+
+
+def test_interfaces_page_is_generated_from_the_code() -> None:
+    spec = importlib.util.spec_from_file_location("gen_interfaces", ROOT / "docs" / "gen_interfaces.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert sorted(generator.PACKAGES) == PACKAGES
+    assert (ROOT / "docs" / "interfaces.md").read_text() == generator.render(), "run docs/gen_interfaces.py"
+
+
+@pytest.mark.parametrize("dist", PACKAGES)
+def test_package_layout_and_pinned_internal_dependencies(dist: str) -> None:
+    project = tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())["project"]
+    module = importlib.import_module(dist.replace("-", "_"))
+    assert project["version"] == module.__version__
+    assert (ROOT / "packages" / dist / "src" / module.__name__ / "py.typed").is_file()
+    requirements = project["dependencies"] + sum(project.get("optional-dependencies", {}).values(), [])
+    ours = [r for r in requirements if r.startswith("moe-")]
+    assert all(r.endswith(">=0.1,<0.2") for r in ours), ours
+    assert any(r.startswith("torch>=2.9") for r in project["dependencies"])
+
+
+def test_readme_states_the_two_commands_and_ci_runs_the_test_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "uv run moe-train" in readme and "uv run nox" in readme
+    assert "\nuv run nox\n" in (ROOT / ".ci" / "run").read_text()
