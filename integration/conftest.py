@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,7 +12,22 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     """Run a console script of this environment (moe-train, torchrun) and capture its output."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     executable = str(Path(sys.executable).parent / args[0])
-    return subprocess.run([executable, *args[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    # a session of its own, so a hung torchrun is killed together with its worker processes
+    with subprocess.Popen(
+        [executable, *args[1:]],
+        cwd=cwd,
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture

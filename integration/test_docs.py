@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import itertools
 import tomllib
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def test_package_layout_and_pinned_internal_dependencies(dist: str) -> None:
     module = importlib.import_module(dist.replace("-", "_"))
     assert project["version"] == module.__version__
     assert (ROOT / "packages" / dist / "src" / module.__name__ / "py.typed").is_file()
-    requirements = project["dependencies"] + sum(project.get("optional-dependencies", {}).values(), [])
+    requirements = [*project["dependencies"], *itertools.chain(*project.get("optional-dependencies", {}).values())]
     ours = [r for r in requirements if r.startswith("moe-")]
     assert all(r.endswith(">=0.1,<0.2") for r in ours), ours
     assert any(r.startswith("torch>=2.9") for r in project["dependencies"])
