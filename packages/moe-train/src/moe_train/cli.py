@@ -56,15 +56,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(config: str, override_tokens: list[str]) -> int:
+    from moe_parallel import shutdown_distributed
+
     from moe_train.trainer import prepare, train
 
     cfg = load_config(config, _parse_overrides(override_tokens))
-    setup = prepare(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     try:
-        train(setup)
+        train(prepare(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
     finally:
-        from moe_parallel import shutdown_distributed
-
         shutdown_distributed()
     return 0
 

@@ -162,6 +162,7 @@ def train(setup: Setup) -> TrainSummary:
         f"moe-train: {cfg.model.family} {n_params / 1e6:.2f}M params, {ctx.world_size} rank(s) on {ctx.device.type}, "
         f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens "
         f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {peak:.3f} TFLOPS ({peak_source})"
+        + (f", recomputing {', '.join(setup.recomputed)}" if setup.recomputed else "")
     )
     load_LE = None
     for step in range(cfg.train.steps):
