@@ -57,7 +57,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(config: str, override_tokens: list[str]) -> int:
     from moe_parallel import shutdown_distributed
-
     from moe_train.trainer import prepare, train
 
     cfg = load_config(config, _parse_overrides(override_tokens))
