@@ -39,26 +39,42 @@ def line_chart_svg(xs: Sequence[float], ys: Sequence[float], title: str, x_label
     )
 
 
+def _diverging(ratio: float) -> str:
+    """Blue below the mean, white at the mean, red at twice the mean or more."""
+    low, mid, high = (59, 76, 192), (245, 245, 245), (180, 4, 38)
+    ratio = max(0.0, min(ratio, 2.0))
+    start, end, t = (low, mid, ratio) if ratio < 1 else (mid, high, ratio - 1)
+    return "rgb({},{},{})".format(*(round(a + (b - a) * t) for a, b in zip(start, end, strict=True)))
+
+
 def heatmap_svg(rows: Sequence[Sequence[float]], title: str, row_label: str, col_label: str) -> str:
-    """Cells shaded by value relative to the row mean: white at 0, blue at 1x, red at >= 2x."""
+    """One cell per value, coloured by its ratio to the row mean (the ratio is written in the cell)."""
     n_rows, n_cols = len(rows), len(rows[0])
     cell_w, cell_h = (WIDTH - 2 * PAD) / n_cols, (HEIGHT - 2 * PAD) / n_rows
+    font = max(6, min(11, int(cell_w / 3)))
     cells = []
     for r, row in enumerate(rows):
         mean = sum(row) / len(row) or 1.0
         for c, value in enumerate(row):
-            ratio = min(value / mean, 2.0) / 2.0
-            red, blue = int(255 * ratio), int(255 * (1 - abs(ratio - 0.5) * 2))
+            x, y = PAD + c * cell_w, PAD + r * cell_h
             cells.append(
-                f'<rect x="{PAD + c * cell_w:.1f}" y="{PAD + r * cell_h:.1f}" width="{cell_w:.1f}" '
-                f'height="{cell_h:.1f}" fill="rgb({red},{255 - red},{blue})" stroke="white">'
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{cell_w:.1f}" height="{cell_h:.1f}" '
+                f'fill="{_diverging(value / mean)}" stroke="white">'
                 f"<title>{escape(row_label)} {r}, {escape(col_label)} {c}: "
                 f"{value:g} ({value / mean:.2f}x mean)</title></rect>"
             )
+            if n_cols <= 32 and n_rows <= 32:
+                cells.append(
+                    f'<text x="{x + cell_w / 2:.1f}" y="{y + cell_h / 2 + font / 3:.1f}" text-anchor="middle" '
+                    f'font-size="{font}">{value / mean:.2f}</text>'
+                )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif">'
         f'<rect width="100%" height="100%" fill="white"/>'
-        f'<text x="{WIDTH / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>{"".join(cells)}'
+        f'<text x="{WIDTH / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>'
+        f'<text x="{WIDTH / 2}" y="36" text-anchor="middle" font-size="11">'
+        "blue: below the layer mean, white: at the mean, red: twice the mean or more</text>"
+        f"{''.join(cells)}"
         f'<text x="{WIDTH / 2}" y="{HEIGHT - 14}" text-anchor="middle" font-size="12">'
         f"{escape(col_label)} (0..{n_cols - 1})</text>"
         f'<text x="16" y="{HEIGHT / 2}" text-anchor="middle" font-size="12" '

@@ -243,5 +243,7 @@ def _write_pictures(out_dir: Path, records: list[dict[str, Any]], load_LE: torch
         line_chart_svg(steps, [r["loss"] for r in records], "training loss", "step", "cross-entropy (nats/byte)")
     )
     (out_dir / "expert_load.svg").write_text(
-        heatmap_svg(load_LE.tolist(), "expert load at the last step (relative to the layer mean)", "layer", "expert")
+        heatmap_svg(
+            load_LE.tolist(), "tokens per expert at the last step, as a multiple of the layer mean", "layer", "expert"
+        )
     )
