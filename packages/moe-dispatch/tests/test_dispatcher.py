@@ -88,7 +88,9 @@ def test_dispatch_layout_matches_hand_grouping(routing, hidden):
         stop = start + len(pairs)
         block = res.tokens_NH[start:stop]
         assert torch.equal(block, x[[t for t, _ in pairs]] if pairs else x.new_zeros(0, hidden))
-        assert torch.equal(res.handle.weights_N[start:stop], torch.tensor([probs[t, k].item() for t, k in pairs]))
+        # each pair's row is recorded for combine, in the same expert-major order
+        rows = [res.handle.pmap.row_of_pair_TK[t, k].item() for t, k in pairs]
+        assert rows == list(range(start, stop))
         start = stop
     assert res.handle.num_tokens == num_tokens
 

@@ -8,13 +8,16 @@ import moe_dispatch
 PUBLIC_NAMES = [
     "DispatchHandle",
     "DispatchResult",
+    "InFlight",
     "LocalDispatcher",
+    "PermutationMap",
     "RouterConfig",
     "RoutingResult",
+    "TokenDispatcher",
     "TopKRouter",
     "__version__",
+    "make_permutation_map",
     "permute",
-    "sort_by_expert",
     "switch_aux_loss",
     "unpermute",
 ]

@@ -1,45 +1,109 @@
-"""Token dispatchers. Dispatch returns a :class:`DispatchHandle` value that combine consumes, so
-several micro-batches can be in flight at once and nothing is kept on the dispatcher."""
+"""Token dispatchers in Megatron's six stages.
+
+    dispatch_preprocess -> token_dispatch -> dispatch_postprocess -> experts ->
+    combine_preprocess -> token_combine -> combine_postprocess
+
+Only ``token_dispatch`` and ``token_combine`` communicate, so a scheduler can overlap them with
+another micro-batch's compute. Every stage takes and returns explicit values: the state of one
+dispatch travels in its :class:`DispatchHandle`, never on the dispatcher, so several micro-batches can
+be in flight at once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from moe_dispatch.permutation import permute, sort_by_expert, unpermute
+from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, unpermute
 from moe_dispatch.router import RoutingResult
 
 
 @dataclass(frozen=True)
 class DispatchHandle:
-    """What combine needs to undo a dispatch."""
+    """What combine needs to undo one dispatch."""
 
-    row_map_N: torch.Tensor  # source token of each expert-major row
-    weights_N: torch.Tensor  # router probability of each row
-    num_tokens: int
+    pmap: PermutationMap  # permutation of the tokens this rank's experts received
+    probs_TK: torch.Tensor  # combine weights, in the layout pmap.row_of_pair_TK uses
+    num_tokens: int  # tokens this rank routed (the length of combine's output)
+    extra: dict[str, Any] = field(default_factory=dict)  # dispatcher-specific (splits, gathered sizes...)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Tokens between two stages, with the handle of the dispatch they belong to."""
+
+    tokens: torch.Tensor
+    handle: DispatchHandle
 
 
 @dataclass(frozen=True)
 class DispatchResult:
     """The expert-major tokens for the local experts and the handle that combine needs."""
 
-    tokens_NH: torch.Tensor  # expert-major rows for the local experts
-    tokens_per_expert_E: torch.Tensor  # int64, rows per local expert
+    tokens_NH: torch.Tensor  # expert-major rows for the local experts (padding rows are zero)
+    tokens_per_expert_E: torch.Tensor  # int64 rows per local expert, padding included
     handle: DispatchHandle
 
 
-class LocalDispatcher:
-    """Single-process dispatcher: all experts are local, so no communication happens."""
+class TokenDispatcher(ABC):
+    """The six-stage protocol; ``dispatch`` and ``combine`` run the stages of each half in order."""
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    num_experts: int  # global number of experts
+    num_local_experts: int
+
+    @abstractmethod
+    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> InFlight: ...
+
+    @abstractmethod
+    def token_dispatch(self, state: InFlight) -> InFlight: ...
+
+    @abstractmethod
+    def dispatch_postprocess(self, state: InFlight) -> DispatchResult: ...
+
+    @abstractmethod
+    def combine_preprocess(self, y_NH: torch.Tensor, handle: DispatchHandle) -> InFlight: ...
+
+    @abstractmethod
+    def token_combine(self, state: InFlight) -> InFlight: ...
+
+    @abstractmethod
+    def combine_postprocess(self, state: InFlight) -> torch.Tensor: ...
 
     def dispatch(self, x_TH: torch.Tensor, routing: RoutingResult) -> DispatchResult:
-        row_map_N, pair_order_N = sort_by_expert(routing.expert_idx_TK)
-        weights_N = routing.probs_TK.flatten().index_select(0, pair_order_N)
-        handle = DispatchHandle(row_map_N, weights_N, num_tokens=x_TH.shape[0])
-        return DispatchResult(permute(x_TH, row_map_N), routing.tokens_per_expert_E, handle)
+        return self.dispatch_postprocess(self.token_dispatch(self.dispatch_preprocess(x_TH, routing)))
 
     def combine(self, y_NH: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        return unpermute(y_NH, handle.row_map_N, handle.weights_N, handle.num_tokens)
+        return self.combine_postprocess(self.token_combine(self.combine_preprocess(y_NH, handle)))
+
+
+class LocalDispatcher(TokenDispatcher):
+    """Single-process dispatcher: all experts are local, so the communication stages are identities."""
+
+    def __init__(self, num_experts: int, pad_multiple: int = 1) -> None:
+        self.num_experts = self.num_local_experts = num_experts
+        self.pad_multiple = pad_multiple
+
+    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> InFlight:
+        pmap = make_permutation_map(
+            routing.expert_idx_TK, self.num_experts, routing.keep_TK, self.pad_multiple, routing.pad_to
+        )
+        handle = DispatchHandle(pmap, routing.probs_TK, num_tokens=x_TH.shape[0])
+        return InFlight(permute(x_TH, pmap), handle)
+
+    def token_dispatch(self, state: InFlight) -> InFlight:
+        return state
+
+    def dispatch_postprocess(self, state: InFlight) -> DispatchResult:
+        return DispatchResult(state.tokens, state.handle.pmap.tokens_per_expert_E, state.handle)
+
+    def combine_preprocess(self, y_NH: torch.Tensor, handle: DispatchHandle) -> InFlight:
+        return InFlight(y_NH, handle)
+
+    def token_combine(self, state: InFlight) -> InFlight:
+        return state
+
+    def combine_postprocess(self, state: InFlight) -> torch.Tensor:
+        return unpermute(state.tokens, state.handle.pmap, state.handle.probs_TK)

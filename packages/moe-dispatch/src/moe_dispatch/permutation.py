@@ -1,32 +1,84 @@
-"""Token permutation into expert-major order and its exact inverse (plain torch reference)."""
+"""Token permutation into expert-major order and its exact inverse (plain torch reference).
+
+A :class:`PermutationMap` is computed once from the routing and describes both directions:
+``token_of_row_N`` (which token each expert-major row copies, -1 for padding rows) and
+``row_of_pair_TK`` (which row holds each (token, choice) pair, -1 where the pair was dropped).
+``permute`` gathers rows by the first, ``unpermute`` sums each token's rows by the second, so combine
+needs no scatter and no atomics. Every expert's block can be padded to a multiple of ``pad_multiple``
+rows (8/16/32 for FP8 GEMMs) or to a fixed ``pad_to`` rows (capacity padding); padding rows are zero.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
-def sort_by_expert(expert_idx_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Order of the T*K (token, expert) pairs grouped by expert, stable in token order.
+@dataclass(frozen=True)
+class PermutationMap:
+    token_of_row_N: torch.Tensor  # int64, source token of each expert-major row; -1 for padding
+    row_of_pair_TK: torch.Tensor  # int64, row holding pair (t, k); -1 where the pair was dropped
+    tokens_per_expert_E: torch.Tensor  # int64 rows per expert, padding included
+    num_tokens: int
 
-    Returns ``(row_map_N, pair_order_N)``: for permuted row n, the source token id and the index
-    of its pair in the flattened ``[T*K]`` routing tensors.
-    """
-    topk = expert_idx_TK.shape[1]
-    pair_order_N = torch.argsort(expert_idx_TK.flatten(), stable=True)
-    row_map_N = torch.div(pair_order_N, topk, rounding_mode="floor")
-    return row_map_N, pair_order_N
-
-
-def permute(x_TH: torch.Tensor, row_map_N: torch.Tensor) -> torch.Tensor:
-    """Copy each token once per chosen expert, rows in expert-major order."""
-    return x_TH.index_select(0, row_map_N)
+    @property
+    def num_rows(self) -> int:
+        return self.token_of_row_N.shape[0]
 
 
-def unpermute(
-    y_NH: torch.Tensor, row_map_N: torch.Tensor, weights_N: torch.Tensor | None, num_tokens: int
-) -> torch.Tensor:
-    """Sum the expert outputs of each token back into token order, optionally weighted."""
-    if weights_N is not None:
-        y_NH = y_NH * weights_N.unsqueeze(-1).to(y_NH.dtype)
-    out_TH = y_NH.new_zeros(num_tokens, y_NH.shape[-1])
-    return out_TH.index_add(0, row_map_N, y_NH)
+def make_permutation_map(
+    expert_idx_TK: torch.Tensor,
+    num_experts: int,
+    keep_TK: torch.Tensor | None = None,
+    pad_multiple: int = 1,
+    pad_to: int | None = None,
+) -> PermutationMap:
+    """Group the kept (token, expert) pairs by expert, stable in token order, with optional padding."""
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple={pad_multiple}: must be at least 1")
+    num_tokens, topk = expert_idx_TK.shape
+    device = expert_idx_TK.device
+    flat_idx = expert_idx_TK.flatten()
+    kept = torch.ones_like(flat_idx, dtype=torch.bool) if keep_TK is None else keep_TK.flatten()
+    # dropped pairs sort after every expert, so they fall off the end
+    sort_key = torch.where(kept, flat_idx, torch.full_like(flat_idx, num_experts))
+    pair_order = torch.argsort(sort_key, stable=True)
+    counts_E = torch.bincount(flat_idx[kept], minlength=num_experts)
+    if pad_to is not None:
+        if bool((counts_E > pad_to).any()):
+            raise ValueError(f"pad_to={pad_to} is smaller than an expert's {int(counts_E.max())} kept tokens")
+        padded_E = torch.full_like(counts_E, pad_to)
+    else:
+        padded_E = (counts_E + pad_multiple - 1) // pad_multiple * pad_multiple
+    num_kept = int(counts_E.sum())
+    # row of the j-th kept pair of expert e: start of e's padded block + j
+    block_start_E = torch.cumsum(padded_E, 0) - padded_E
+    kept_start_E = torch.cumsum(counts_E, 0) - counts_E
+    sorted_pairs = pair_order[:num_kept]
+    sorted_expert = flat_idx[sorted_pairs]
+    rank_in_expert = torch.arange(num_kept, device=device) - kept_start_E[sorted_expert]
+    rows = block_start_E[sorted_expert] + rank_in_expert
+    row_of_pair = torch.full((num_tokens * topk,), -1, dtype=torch.int64, device=device)
+    row_of_pair[sorted_pairs] = rows
+    token_of_row = torch.full((int(padded_E.sum()),), -1, dtype=torch.int64, device=device)
+    token_of_row[rows] = torch.div(sorted_pairs, topk, rounding_mode="floor")
+    return PermutationMap(token_of_row, row_of_pair.view(num_tokens, topk), padded_E, num_tokens)
+
+
+def permute(x_TH: torch.Tensor, pmap: PermutationMap) -> torch.Tensor:
+    """Copy each token once per kept choice into expert-major rows; padding rows are zero."""
+    valid_N = pmap.token_of_row_N >= 0
+    rows_NH = x_TH.index_select(0, pmap.token_of_row_N.clamp(min=0))
+    return rows_NH * valid_N.unsqueeze(-1).to(rows_NH.dtype)
+
+
+def unpermute(y_NH: torch.Tensor, pmap: PermutationMap, probs_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_k probs[t, k] * y[row_of_pair[t, k]]`` over kept pairs (probs 1 when omitted)."""
+    num_tokens, topk = pmap.row_of_pair_TK.shape
+    if y_NH.shape[0] == 0:  # no kept pair: gather from one zero row so gradients still reach probs
+        y_NH = y_NH.new_zeros(1, y_NH.shape[-1]) + y_NH.sum()
+    kept_TK = pmap.row_of_pair_TK >= 0
+    rows_TKH = y_NH.index_select(0, pmap.row_of_pair_TK.clamp(min=0).flatten()).view(num_tokens, topk, y_NH.shape[-1])
+    weights_TK = kept_TK.to(y_NH.dtype) if probs_TK is None else probs_TK.to(y_NH.dtype) * kept_TK
+    return torch.einsum("tkh,tk->th", rows_TKH, weights_TK)

@@ -16,8 +16,10 @@ class RoutingResult:
 
     probs_TK: torch.Tensor  # combine weights of the chosen experts, router dtype
     expert_idx_TK: torch.Tensor  # int64 expert ids, each row distinct
-    tokens_per_expert_E: torch.Tensor  # int64 counts of (token, expert) pairs per expert
+    tokens_per_expert_E: torch.Tensor  # int64 counts of kept (token, expert) pairs per expert
     aux_loss: torch.Tensor  # scalar, already multiplied by aux_loss_coeff (zero when disabled)
+    keep_TK: torch.Tensor | None = None  # bool, pairs kept under a capacity; None = dropless
+    pad_to: int | None = None  # rows every expert block is padded to (pad_to_capacity), else None
 
     @property
     def num_tokens(self) -> int:
