@@ -73,3 +73,12 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
+
+
+@nox.session
+def benchmarks(session: nox.Session) -> None:
+    """Every benchmarks/*.py script in its quick mode; full runs write benchmarks/results/*.json."""
+    sync(session)
+    REPORTS.mkdir(exist_ok=True)
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        session.run("python", str(script), "--quick", "--out", str(REPORTS / f"bench-{script.stem}.json"))
