@@ -104,3 +104,19 @@ def test_python_dash_m_entry_point() -> None:
     done = subprocess.run([sys.executable, "-m", "moe_train", "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "moe-train 0.1.0"
     assert isinstance(ModelConfig(), ModelConfig)
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(micro_overrides: dict[str, str]) -> None:
+    # the aux loss balances each micro-batch on its own, so it is off for an exact comparison
+    common = {"train.steps": "3", "run.save_checkpoint": "false", "model.moe_aux_loss_coeff": "0"}
+    losses = []
+    for micro in ("4", "1"):  # 1 micro-batch of 4 sequences vs 4 accumulated micro-batches of 1
+        overrides = {**micro_overrides, **common, "train.micro_batch_size": micro}
+        overrides["run.output_dir"] += micro
+        summary_setup = prepare(load_config("tiny", overrides), world_size=1)
+        assert summary_setup.grad_accum == 4 // int(micro)
+        train(summary_setup)
+        records = Path(overrides["run.output_dir"], "metrics.jsonl").read_text().splitlines()
+        losses.append([(json.loads(r)["loss"], json.loads(r)["grad_norm"]) for r in records])
+    # Adam hides a gradient scale, the gradient norm does not
+    assert [v for pair in losses[0] for v in pair] == pytest.approx([v for pair in losses[1] for v in pair], rel=1e-5)

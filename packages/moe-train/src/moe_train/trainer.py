@@ -183,11 +183,16 @@ def train(setup: Setup) -> TrainSummary:
                 with autocast:
                     out = model(inputs)
                 lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-                ((lm_loss + out.aux_loss) / setup.grad_accum).backward()
+                (lm_loss + out.aux_loss).backward()
             lm_sum += lm_loss.detach()
             aux_sum += out.aux_loss.detach()
             load_LE = out.tokens_per_expert_LE if micro == 0 else load_LE + out.tokens_per_expert_LE
         clip = cfg.train.clip_grad if cfg.train.clip_grad > 0 else math.inf
+        # the accumulated gradient is a sum over micro-batches; dividing it (not each loss) also scales
+        # the load-balancing gradients the routers attach inside the backward
+        grads = [p.grad for p in params if p.grad is not None]
+        if setup.grad_accum > 1:
+            torch._foreach_div_(grads, float(setup.grad_accum))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         optimizer.step()
         loss = all_reduce_mean(lm_sum / setup.grad_accum).item()
