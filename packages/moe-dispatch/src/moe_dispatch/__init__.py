@@ -1,25 +1,68 @@
 """moe-dispatch: routers, token permutation and token dispatchers for Mixture-of-Experts training."""
 
+from moe_dispatch.accounting import bytes_sent, rows_sent
+from moe_dispatch.allgather import AllGatherDispatcher
+from moe_dispatch.alltoall import AllToAllDispatcher
+from moe_dispatch.capacity import capacity_keep_mask, get_capacity
+from moe_dispatch.collectives import all_gather_uneven, all_to_all, reduce_scatter_uneven
 from moe_dispatch.config import RouterConfig
+from moe_dispatch.deepep import FlexDispatcher
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight, LocalDispatcher, TokenDispatcher
-from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, unpermute
-from moe_dispatch.router import RoutingResult, TopKRouter, switch_aux_loss
+from moe_dispatch.ep_base import ExpertParallelDispatcher
+from moe_dispatch.expert_bias import update_expert_bias
+from moe_dispatch.factory import DISPATCHERS, build_dispatcher
+from moe_dispatch.load_balancing import (
+    AuxLossAutoScaler,
+    attach_aux_loss,
+    global_aux_loss,
+    seq_aux_loss,
+    switch_aux_loss,
+    z_loss,
+)
+from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, triton_available, unpermute
+from moe_dispatch.replay import RoutingReplay
+from moe_dispatch.router import RoutingResult, TopKRouter
+from moe_dispatch.scores import group_limited_topk
+from moe_dispatch.stats import routing_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DISPATCHERS",
+    "AllGatherDispatcher",
+    "AllToAllDispatcher",
+    "AuxLossAutoScaler",
     "DispatchHandle",
     "DispatchResult",
+    "ExpertParallelDispatcher",
+    "FlexDispatcher",
     "InFlight",
     "LocalDispatcher",
     "PermutationMap",
     "RouterConfig",
+    "RoutingReplay",
     "RoutingResult",
     "TokenDispatcher",
     "TopKRouter",
     "__version__",
+    "all_gather_uneven",
+    "all_to_all",
+    "attach_aux_loss",
+    "build_dispatcher",
+    "bytes_sent",
+    "capacity_keep_mask",
+    "get_capacity",
+    "global_aux_loss",
+    "group_limited_topk",
     "make_permutation_map",
     "permute",
+    "reduce_scatter_uneven",
+    "routing_stats",
+    "rows_sent",
+    "seq_aux_loss",
     "switch_aux_loss",
+    "triton_available",
     "unpermute",
+    "update_expert_bias",
+    "z_loss",
 ]

@@ -25,7 +25,9 @@ from moe_dispatch.router import RoutingResult
 class DispatchHandle:
     """What combine needs to undo one dispatch."""
 
-    pmap: PermutationMap  # permutation of the tokens this rank's experts received
+    # permutation of the tokens this rank's experts received; between the dispatch stages of the
+    # distributed dispatchers it may hold their send-side map instead (replaced in dispatch_postprocess)
+    pmap: PermutationMap
     probs_TK: torch.Tensor  # combine weights, in the layout pmap.row_of_pair_TK uses
     num_tokens: int  # tokens this rank routed (the length of combine's output)
     extra: dict[str, Any] = field(default_factory=dict)  # dispatcher-specific (splits, gathered sizes...)

@@ -6,13 +6,23 @@ A :class:`PermutationMap` is computed once from the routing and describes both d
 ``permute`` gathers rows by the first, ``unpermute`` sums each token's rows by the second, so combine
 needs no scatter and no atomics. Every expert's block can be padded to a multiple of ``pad_multiple``
 rows (8/16/32 for FP8 GEMMs) or to a fixed ``pad_to`` rows (capacity padding); padding rows are zero.
+
+``permute`` and ``unpermute`` take ``backend="auto" | "torch" | "triton"``: the fused Triton kernels of
+:mod:`moe_dispatch.triton_permutation` (same contract) or the plain-torch code below. ``auto`` picks triton when
+the tensors are on CUDA and triton is importable. triton is imported only when that backend is used.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -66,15 +76,53 @@ def make_permutation_map(
     return PermutationMap(token_of_row, row_of_pair.view(num_tokens, topk), padded_E, num_tokens)
 
 
-def permute(x_TH: torch.Tensor, pmap: PermutationMap) -> torch.Tensor:
+@functools.cache
+def triton_available() -> bool:
+    """Whether the ``triton`` package imports here (it ships with torch on Linux; not on macOS)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_module():
+    try:
+        importlib.import_module("triton")
+    except ImportError as err:
+        raise ImportError(
+            "backend='triton' needs the 'triton' package, which is not importable here "
+            f"({err}); install triton (it ships with torch on Linux) or use backend='torch'"
+        ) from err
+    return importlib.import_module("moe_dispatch.triton_permutation")
+
+
+def resolve_backend(backend: str, *tensors: torch.Tensor) -> Literal["torch", "triton"]:
+    """The backend ``permute``/``unpermute`` use for these tensors (``auto``: triton on CUDA when importable)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: must be one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if all(t.is_cuda for t in tensors) and triton_available() else "torch"
+    return backend  # type: ignore[return-value]
+
+
+def permute(x_TH: torch.Tensor, pmap: PermutationMap, *, backend: Backend = "auto") -> torch.Tensor:
     """Copy each token once per kept choice into expert-major rows; padding rows are zero."""
+    if resolve_backend(backend, x_TH) == "triton":
+        return _triton_module().permute(x_TH, pmap)
     valid_N = pmap.token_of_row_N >= 0
+    if x_TH.shape[0] == 0:  # no tokens, only padding rows (pad_to): nothing to index into
+        return x_TH.new_zeros(pmap.num_rows, x_TH.shape[-1]) + x_TH.sum()
     rows_NH = x_TH.index_select(0, pmap.token_of_row_N.clamp(min=0))
     return rows_NH * valid_N.unsqueeze(-1).to(rows_NH.dtype)
 
 
-def unpermute(y_NH: torch.Tensor, pmap: PermutationMap, probs_TK: torch.Tensor | None = None) -> torch.Tensor:
+def unpermute(
+    y_NH: torch.Tensor, pmap: PermutationMap, probs_TK: torch.Tensor | None = None, *, backend: Backend = "auto"
+) -> torch.Tensor:
     """``out[t] = sum_k probs[t, k] * y[row_of_pair[t, k]]`` over kept pairs (probs 1 when omitted)."""
+    if resolve_backend(backend, y_NH) == "triton":
+        return _triton_module().unpermute(y_NH, pmap, probs_TK)
     num_tokens, topk = pmap.row_of_pair_TK.shape
     if y_NH.shape[0] == 0:  # no kept pair: gather from one zero row so gradients still reach probs
         y_NH = y_NH.new_zeros(1, y_NH.shape[-1]) + y_NH.sum()

@@ -1,43 +1,60 @@
-"""Top-k router: scores tokens against experts and returns an explicit :class:`RoutingResult`."""
+"""Top-k router: scores tokens against experts and returns an explicit :class:`RoutingResult`.
+
+Megatron-Core's router features, each behind a :class:`~moe_dispatch.config.RouterConfig` field:
+softmax / sigmoid scores, ``pre_softmax``, group-limited (device/node-limited) top-k, a top-k scaling
+factor, fp32/fp64 router math, combinable balancing losses (``aux_loss``, ``seq_aux_loss``,
+``global_aux_loss``) and a z-loss attached to the combine weights, aux-loss-free expert bias, expert
+capacity with token dropping and padding, forced balancing for benchmarks, and routing replay.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from moe_dispatch.capacity import capacity_keep_mask, get_capacity
 from moe_dispatch.config import RouterConfig
+from moe_dispatch.expert_bias import update_expert_bias
+from moe_dispatch.load_balancing import (
+    attach_aux_loss,
+    aux_loss_scores,
+    global_aux_loss,
+    seq_aux_loss,
+    switch_aux_loss,
+    topk_counts,
+    z_loss,
+)
+from moe_dispatch.replay import RoutingReplay
+from moe_dispatch.scores import balanced_expert_idx, probs_for_selection, select_experts, selection_scores
+from moe_dispatch.stats import routing_stats
+
+__all__ = ["RoutingResult", "TopKRouter", "switch_aux_loss"]
 
 
 @dataclass(frozen=True)
 class RoutingResult:
     """What the router decided for a flat batch of T tokens choosing K of E experts."""
 
-    probs_TK: torch.Tensor  # combine weights of the chosen experts, router dtype
+    probs_TK: torch.Tensor  # combine weights of the chosen experts, router dtype; zero for dropped pairs
     expert_idx_TK: torch.Tensor  # int64 expert ids, each row distinct
     tokens_per_expert_E: torch.Tensor  # int64 counts of kept (token, expert) pairs per expert
-    aux_loss: torch.Tensor  # scalar, already multiplied by aux_loss_coeff (zero when disabled)
+    aux_loss: torch.Tensor  # detached scalar for logging: all coefficient-weighted balancing losses + z-loss
     keep_TK: torch.Tensor | None = None  # bool, pairs kept under a capacity; None = dropless
     pad_to: int | None = None  # rows every expert block is padded to (pad_to_capacity), else None
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)  # detached, coefficient-weighted, per type
+    capacity: int | None = None  # pairs each expert may keep; None = dropless
 
     @property
     def num_tokens(self) -> int:
         return self.probs_TK.shape[0]
 
-
-def switch_aux_loss(scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, topk: int) -> torch.Tensor:
-    """Switch-Transformer load-balancing loss, ``E * sum_e f_e * P_e``.
-
-    ``f_e`` is the fraction of the T*K assignments that went to expert e and ``P_e`` the mean router
-    probability of expert e; the loss is 1.0 for a perfectly uniform router.
-    """
-    num_tokens, num_experts = scores_TE.shape
-    if num_tokens == 0:
-        return scores_TE.sum() * 0.0
-    fraction_E = tokens_per_expert_E.to(scores_TE.dtype) / (num_tokens * topk)
-    mean_prob_E = scores_TE.mean(dim=0)
-    return num_experts * torch.sum(fraction_E * mean_prob_E)
+    def stats(self) -> dict[str, Any]:
+        """:func:`moe_dispatch.stats.routing_stats` of this forward (dropped pairs included)."""
+        return routing_stats(self.tokens_per_expert_E, self.expert_idx_TK.numel())
 
 
 class TopKRouter(nn.Module):
@@ -45,27 +62,135 @@ class TopKRouter(nn.Module):
 
     Softmax scoring follows Megatron's default (``pre_softmax=False``): the top-k logits are selected
     and the softmax is taken over them, which equals a full softmax renormalised over the top-k.
+
+    Load-balancing losses and the z-loss are computed in training mode only. Their coefficient-weighted
+    sum reaches the backward attached to ``probs_TK`` (:class:`~moe_dispatch.load_balancing.AuxLossAutoScaler`,
+    gradient 1.0, no global scale: the trainer divides the accumulated gradients by the number of
+    micro-batches), so the model need not return it; ``RoutingResult.aux_loss`` is a detached copy for
+    logging, and adding it to the loss changes no gradient. The attached gradient flows only if
+    ``probs_TK`` is used by the loss (the dispatcher's combine does so).
+
+    ``stats_group``: the data-parallel process group ``global_aux_loss`` sums expert counts over and
+    :meth:`update_expert_bias` defaults to; parallelize code may set the attribute later. ``replay``: a
+    :class:`~moe_dispatch.replay.RoutingReplay` that records or replays the chosen experts.
     """
 
-    def __init__(self, hidden_size: int, config: RouterConfig) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        config: RouterConfig,
+        stats_group: dist.ProcessGroup | None = None,
+        replay: RoutingReplay | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.stats_group = stats_group
+        self.replay = replay
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        if config.enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=True)
+        else:
+            self.expert_bias: torch.Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.weight, std=std)
 
-    def forward(self, x_TH: torch.Tensor) -> RoutingResult:
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """``.to(dtype)`` / ``.half()`` leave ``expert_bias`` in fp32 (it follows device moves only)."""
+        bias = self._buffers.pop("expert_bias", None)
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            if bias is not None:
+                moved = fn(bias)
+                self._buffers["expert_bias"] = bias.to(device=moved.device) if moved.device != bias.device else bias
+        return result
+
+    @torch.no_grad()
+    def update_expert_bias(
+        self, tokens_per_expert_E: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """:func:`moe_dispatch.expert_bias.update_expert_bias` with this router's rate; ``group`` defaults
+        to ``stats_group``. Call after the optimizer step with the counts the step's forwards returned."""
+        if self.expert_bias is None:
+            raise RuntimeError("update_expert_bias needs RouterConfig(enable_expert_bias=True)")
+        group = self.stats_group if group is None else group
+        return update_expert_bias(self.expert_bias, tokens_per_expert_E, self.config.bias_update_rate, group)
+
+    def _select(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = logits_TE.shape[0]
+        if self.replay is not None and self.replay.mode == "replay":
+            return self.replay.next(num_tokens, cfg.topk, cfg.num_experts, logits_TE.device)
+        if cfg.force_load_balancing:
+            idx_TK = balanced_expert_idx(num_tokens, cfg.num_experts, cfg.topk, logits_TE.device)
+        else:
+            with torch.no_grad():
+                scores_TE = selection_scores(logits_TE.detach(), cfg)
+                if self.expert_bias is not None:
+                    scores_TE = scores_TE + self.expert_bias.to(scores_TE.dtype)
+                idx_TK = select_experts(scores_TE, cfg)
+        if self.replay is not None and self.replay.mode == "record":
+            self.replay.store(idx_TK)
+        return idx_TK
+
+    def _losses(self, logits_TE: torch.Tensor, seq_len: int | None) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        losses: dict[str, torch.Tensor] = {}
+        coeffs = cfg.aux_loss_coeffs
+        if any(c > 0 for c in coeffs.values()):
+            scores_TE = aux_loss_scores(logits_TE, cfg.score_function)
+            for kind, coeff in coeffs.items():
+                if coeff == 0:
+                    continue
+                if kind == "aux_loss":
+                    loss = switch_aux_loss(scores_TE, topk_counts(scores_TE, cfg.topk), cfg.topk)
+                elif kind == "seq_aux_loss":
+                    if seq_len is None:
+                        raise ValueError(
+                            "load_balancing_type includes 'seq_aux_loss': call the router as router(x_TH, seq_len=S)"
+                        )
+                    loss = seq_aux_loss(scores_TE, cfg.topk, seq_len)
+                else:  # global_aux_loss
+                    loss = global_aux_loss(scores_TE, cfg.topk, self.stats_group)
+                losses[kind] = coeff * loss
+        if cfg.z_loss_coeff:
+            losses["z_loss"] = cfg.z_loss_coeff * z_loss(logits_TE)
+        return losses
+
+    def forward(self, x_TH: torch.Tensor, seq_len: int | None = None) -> RoutingResult:
+        """Route T tokens. ``seq_len``: tokens per sequence (batch-major), needed by ``seq_aux_loss`` only."""
         cfg = self.config
         dtype = cfg.torch_router_dtype
         logits_TE = torch.nn.functional.linear(x_TH.to(dtype), self.weight.to(dtype))
-        top_logits_TK, expert_idx_TK = torch.topk(logits_TE, k=cfg.topk, dim=-1)
-        probs_TK = torch.softmax(top_logits_TK, dim=-1)
-        tokens_per_expert_E = torch.bincount(expert_idx_TK.flatten(), minlength=cfg.num_experts)
-        if cfg.load_balancing_type == "aux_loss" and cfg.aux_loss_coeff > 0 and self.training:
-            scores_TE = torch.softmax(logits_TE, dim=-1)
-            aux_loss = cfg.aux_loss_coeff * switch_aux_loss(scores_TE, tokens_per_expert_E, cfg.topk)
+        num_tokens = logits_TE.shape[0]
+
+        expert_idx_TK = self._select(logits_TE)
+        probs_TK = probs_for_selection(logits_TE, expert_idx_TK, cfg)
+
+        keep_TK = pad_to = capacity = None
+        if cfg.capacity_factor is not None:
+            capacity = get_capacity(num_tokens, cfg.num_experts, cfg.topk, cfg.capacity_factor)
+            keep_TK = capacity_keep_mask(expert_idx_TK, probs_TK, cfg.num_experts, capacity, cfg.token_drop_policy)
+            probs_TK = probs_TK * keep_TK.to(probs_TK.dtype)
+            pad_to = capacity if cfg.pad_to_capacity else None
+            kept_ids = expert_idx_TK[keep_TK]
         else:
-            aux_loss = logits_TE.new_zeros(())
-        return RoutingResult(probs_TK, expert_idx_TK, tokens_per_expert_E, aux_loss)
+            kept_ids = expert_idx_TK.flatten()
+        tokens_per_expert_E = torch.bincount(kept_ids, minlength=cfg.num_experts)
+
+        losses = self._losses(logits_TE, seq_len) if self.training else {}
+        total = sum(losses.values(), logits_TE.new_zeros(()))
+        if losses and total.requires_grad and torch.is_grad_enabled():
+            probs_TK = attach_aux_loss(probs_TK, total)
+        return RoutingResult(
+            probs_TK,
+            expert_idx_TK,
+            tokens_per_expert_E,
+            total.detach(),
+            keep_TK,
+            pad_to,
+            {k: v.detach() for k, v in losses.items()},
+            capacity,
+        )

@@ -3,12 +3,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from moe_dispatch import RouterConfig
 from moe_experts import BACKENDS
 
 FAMILIES = ("qwen3_moe",)
+
+# ModelConfig field (Megatron flag) -> RouterConfig field
+ROUTER_FIELDS = {
+    "num_moe_experts": "num_experts",
+    "moe_router_topk": "topk",
+    "moe_router_score_function": "score_function",
+    "moe_router_pre_softmax": "pre_softmax",
+    "moe_router_num_groups": "num_groups",
+    "moe_router_group_topk": "group_topk",
+    "moe_router_topk_scaling_factor": "topk_scaling_factor",
+    "moe_router_load_balancing_type": "load_balancing_type",
+    "moe_aux_loss_coeff": "aux_loss_coeff",
+    "moe_z_loss_coeff": "z_loss_coeff",
+    "moe_router_enable_expert_bias": "enable_expert_bias",
+    "moe_router_bias_update_rate": "bias_update_rate",
+    "moe_expert_capacity_factor": "capacity_factor",
+    "moe_token_drop_policy": "token_drop_policy",
+    "moe_pad_expert_input_to_capacity": "pad_to_capacity",
+    "moe_router_force_load_balancing": "force_load_balancing",
+    "moe_router_dtype": "router_dtype",
+}
 
 
 @dataclass
@@ -25,8 +47,22 @@ class ModelConfig:
     num_moe_experts: int = 8
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 256
-    moe_aux_loss_coeff: float = 1e-2
-    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    # one or several of aux_loss | seq_aux_loss | global_aux_loss | none, one coefficient each (or one for all)
+    moe_router_load_balancing_type: list[str] = field(default_factory=lambda: ["aux_loss"])
+    moe_aux_loss_coeff: list[float] = field(default_factory=lambda: [1e-2])
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: str = "probs"  # probs | position
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_router_force_load_balancing: bool = False
+    moe_router_dtype: str = "fp32"  # fp32 | fp64
     moe_expert_backend: str = "auto"  # auto | torch | loop | grouped_gemm | te
     rotary_base: float = 1_000_000.0
     norm_epsilon: float = 1e-6
@@ -35,6 +71,11 @@ class ModelConfig:
     init_method_std: float = 0.02
 
     def __post_init__(self) -> None:
+        # one value or a list, as Megatron's flags take them
+        if isinstance(self.moe_router_load_balancing_type, str):
+            self.moe_router_load_balancing_type = [self.moe_router_load_balancing_type]
+        if isinstance(self.moe_aux_loss_coeff, int | float):
+            self.moe_aux_loss_coeff = [float(self.moe_aux_loss_coeff)]
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r}: choose one of {FAMILIES}")
         for name in (
@@ -62,20 +103,13 @@ class ModelConfig:
         self.router_config()  # validates num_moe_experts / moe_router_topk / aux-loss fields
 
     def router_config(self) -> RouterConfig:
+        values = {theirs: getattr(self, ours) for ours, theirs in ROUTER_FIELDS.items()}
+        for name in ("load_balancing_type", "aux_loss_coeff"):  # Megatron takes one value or a list
+            values[name] = values[name][0] if len(values[name]) == 1 else tuple(values[name])
         try:
-            return RouterConfig(
-                num_experts=self.num_moe_experts,
-                topk=self.moe_router_topk,
-                load_balancing_type=self.moe_router_load_balancing_type,
-                aux_loss_coeff=self.moe_aux_loss_coeff,
-            )
+            return RouterConfig(**values)
         except ValueError as err:  # name the model-level fields the user actually set
             msg = str(err)
-            for ours, theirs in (
-                ("num_experts", "model.num_moe_experts"),
-                ("topk", "model.moe_router_topk"),
-                ("load_balancing_type", "model.moe_router_load_balancing_type"),
-                ("aux_loss_coeff", "model.moe_aux_loss_coeff"),
-            ):
-                msg = msg.replace(f"{ours}=", f"{theirs}=")
+            for ours, theirs in ROUTER_FIELDS.items():
+                msg = re.sub(rf"(?<![\w.]){theirs}\b", f"model.{ours}", msg)
             raise ValueError(msg) from None

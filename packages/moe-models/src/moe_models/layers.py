@@ -77,7 +77,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RoutingResult]:
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        routing = self.router(x_TH)
+        routing = self.router(x_TH, seq_len=x_BSH.shape[1])  # tokens are batch-major
         dispatched = self.dispatcher.dispatch(x_TH, routing)
         y_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_E)
         out_TH = self.dispatcher.combine(y_NH, dispatched.handle)

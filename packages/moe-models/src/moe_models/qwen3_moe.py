@@ -19,8 +19,10 @@ class ModelOutput:
     """Logits plus the MoE side results the trainer needs (aux loss, expert load)."""
 
     logits: torch.Tensor  # [B, S, V]
-    aux_loss: torch.Tensor  # scalar: sum of the layers' load-balancing losses (coefficients applied)
-    tokens_per_expert_LE: torch.Tensor  # int64 expert load of every MoE layer, for logging
+    # detached scalar for logging: the layers' load-balancing losses (coefficients applied); their
+    # gradients are attached to the router probabilities, so the loss to backward is the LM loss alone
+    aux_loss: torch.Tensor
+    tokens_per_expert_LE: torch.Tensor  # int64 kept (token, expert) pairs per MoE layer: logging, expert bias
 
 
 class DecoderLayer(nn.Module):
@@ -72,6 +74,10 @@ class Qwen3MoE(nn.Module):
                 module.reset_parameters(std=std, num_layers=self.config.num_layers)
             elif isinstance(module, TopKRouter):
                 module.reset_parameters(std=std)
+
+    def routers(self) -> list[TopKRouter]:
+        """The router of every MoE layer, in layer order (the rows of ``tokens_per_expert_LE``)."""
+        return [layer.mlp.router for layer in self.layers]
 
     def forward(self, input_ids_BS: torch.Tensor) -> ModelOutput:
         x_BSH = self.embed_tokens(input_ids_BS)

@@ -132,7 +132,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v] if not value.startswith("[") else yaml.safe_load(value)
         if not isinstance(value, list):
-            raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
+            value = [value]  # one value where a list is allowed, as Megatron's list flags accept
         return [_coerce(key, v, item) for v in value]
     if isinstance(value, str) and annotation is not str:
         with contextlib.suppress(yaml.YAMLError):

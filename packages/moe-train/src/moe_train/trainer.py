@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -183,7 +184,7 @@ def train(setup: Setup) -> TrainSummary:
                 with autocast:
                     out = model(inputs)
                 lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-                (lm_loss + out.aux_loss).backward()
+                lm_loss.backward()  # the routers' balancing losses ride along on their probabilities
             lm_sum += lm_loss.detach()
             aux_sum += out.aux_loss.detach()
             load_LE = out.tokens_per_expert_LE if micro == 0 else load_LE + out.tokens_per_expert_LE
@@ -195,6 +196,10 @@ def train(setup: Setup) -> TrainSummary:
             torch._foreach_div_(grads, float(setup.grad_accum))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         optimizer.step()
+        if cfg.model.moe_router_enable_expert_bias:
+            # counts the forwards returned, so a recomputed layer is not counted twice
+            for router, counts_E in zip(bare_model.routers(), load_LE, strict=True):
+                router.update_expert_bias(counts_E, group=dist.group.WORLD if ctx.world_size > 1 else None)
         loss = all_reduce_mean(lm_sum / setup.grad_accum).item()
         aux = all_reduce_mean(aux_sum / setup.grad_accum).item()
         load = all_reduce_mean(load_LE.float())
@@ -212,6 +217,9 @@ def train(setup: Setup) -> TrainSummary:
             "mfu": tflops / peak,
             "step_time_s": step_time,
             "expert_load_max_over_mean": (load.max(dim=1).values / load.mean(dim=1)).mean().item(),
+            # (token, expert) pairs dropped by a capacity factor, over all layers
+            "dropped_fraction": 1.0
+            - load.sum().item() / (tokens_per_step / ctx.world_size * cfg.model.moe_router_topk * len(load)),
         }
         if log is not None:
             log.write(record)

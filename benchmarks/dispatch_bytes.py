@@ -1,0 +1,122 @@
+"""Bytes each expert-parallel dispatcher sends per token, against the minimum (once per distinct remote rank).
+
+Setting (default): ep=4, 64 experts (16 a rank), top-k=8, hidden 1024, bf16 (2 bytes), uniform random
+routing (each token K distinct experts), 4096 tokens on each of the 4 ranks, several seeds. Bytes are a
+function of the routing, computed with the accounting functions the dispatchers use
+(:mod:`moe_dispatch.accounting`); the all-to-all figure is also read off the layout the
+:class:`~moe_dispatch.alltoall.AllToAllDispatcher` actually builds (its send map) and checked equal, and
+the mean is checked against the closed form for uniform routing. Dispatch payload only: combine sends
+the same rows back (of the expert output width), and routing metadata is left out.
+
+    uv run python benchmarks/dispatch_bytes.py [--quick] [--out benchmarks/results/dispatch_bytes.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from moe_dispatch.accounting import SCHEMES, bytes_sent
+from moe_dispatch.alltoall import send_map
+
+ROOT = Path(__file__).resolve().parent
+
+
+def uniform_routing(num_tokens: int, num_experts: int, topk: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=-1).indices
+
+
+def expected_remote_ranks(num_experts: int, topk: int, ep: int) -> float:
+    """Mean distinct remote ranks a token reaches under uniform top-k routing: (ep-1) * P(rank hit)."""
+    per_rank = num_experts // ep
+    miss = math.comb(num_experts - per_rank, topk) / math.comb(num_experts, topk)
+    return (ep - 1) * (1 - miss)
+
+
+def measure(args: argparse.Namespace, seed: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(seed)
+    totals = dict.fromkeys(SCHEMES, 0)
+    layout_rows = 0
+    for rank in range(args.ep):
+        idx = uniform_routing(args.tokens, args.experts, args.topk, gen)
+        for scheme in SCHEMES:
+            totals[scheme] += bytes_sent(scheme, idx, None, args.experts, args.ep, rank, args.hidden, args.element_size)
+        smap, _, _ = send_map(idx, None, args.experts, args.ep)  # what AllToAllDispatcher sends
+        layout_rows += int(smap.tokens_per_expert_E.sum() - smap.tokens_per_expert_E[rank])
+    layout_bytes = layout_rows * args.hidden * args.element_size
+    assert layout_bytes == totals["alltoall_dedup"], (layout_bytes, totals["alltoall_dedup"])
+    num_tokens = args.tokens * args.ep
+    return {scheme: total / num_tokens for scheme, total in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "dispatch_bytes.json")
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and seeds (CI)")
+    parser.add_argument("--ep", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--element-size", type=int, default=2, help="bytes per element (bf16: 2)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per rank")
+    parser.add_argument("--seeds", type=int, default=None)
+    args = parser.parse_args()
+    args.tokens = args.tokens or (512 if args.quick else 4096)
+    args.seeds = args.seeds or (2 if args.quick else 5)
+
+    runs = [measure(args, seed) for seed in range(args.seeds)]
+    minimum = "alltoall_dedup"  # one row per distinct remote rank: the least any dispatcher can send
+    row_bytes = args.hidden * args.element_size
+    expected_min = expected_remote_ranks(args.experts, args.topk, args.ep) * row_bytes
+    mean_min = statistics.fmean(run[minimum] for run in runs)
+    assert abs(mean_min - expected_min) / expected_min < 0.02, (mean_min, expected_min)
+
+    summary = {}
+    for scheme in SCHEMES:
+        ratios = [run[scheme] / run[minimum] for run in runs]
+        summary[scheme] = {
+            "bytes_per_token": statistics.fmean(run[scheme] for run in runs),
+            "rows_per_token": statistics.fmean(run[scheme] for run in runs) / row_bytes,
+            "ratio_to_minimum": statistics.fmean(ratios),
+            "ratio_spread": [min(ratios), max(ratios)],
+        }
+    report = {
+        "benchmark": "dispatch_bytes",
+        "what": "dispatch payload bytes sent to other ep ranks per token; minimum = once per distinct remote rank",
+        "baseline": minimum,
+        "inputs": {
+            "ep": args.ep,
+            "num_experts": args.experts,
+            "topk": args.topk,
+            "hidden": args.hidden,
+            "element_size": args.element_size,
+            "dtype": "bf16" if args.element_size == 2 else f"{args.element_size}-byte",
+            "tokens_per_rank": args.tokens,
+            "seeds": args.seeds,
+            "routing": "uniform random top-k (distinct experts)",
+        },
+        "expected_minimum_bytes_per_token": expected_min,
+        "results": summary,
+        "device": "cpu (bytes are computed from the routing, not timed)",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for scheme, row in summary.items():
+        print(
+            f"{scheme:15s} {row['bytes_per_token']:10.1f} B/token  {row['rows_per_token']:5.3f} rows/token  "
+            f"x{row['ratio_to_minimum']:.3f} of minimum"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

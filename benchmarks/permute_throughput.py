@@ -1,0 +1,152 @@
+"""Throughput of permute + unpermute (forward) against a plain memory copy of the same number of bytes.
+
+Setting (default): 4096 tokens, hidden 1024, 32 experts, top-k 4, uniform random routing (distinct experts per
+token), no dropping or padding, fp32 on CPU (the plain-torch path). With CUDA present the triton path (and the
+torch path) are also timed on the GPU, in bf16. The permutation map is built once, outside the timing.
+
+Bytes counted for one permute + unpermute, with N = T * K rows of H elements:
+permute reads N rows and writes N rows, unpermute reads N rows and writes T rows: (3 N + T) H elements. The
+baseline is ``dst.copy_(src)`` of a tensor of (3 N + T) H / 2 elements (the same bytes read + written). Both run
+interleaved in one process, several repetitions each; the ratio is
+(permute+unpermute bytes/s) / (copy bytes/s) = median copy time / median permute+unpermute time (1.0: as fast as a
+copy of the same bytes).
+
+    uv run python benchmarks/permute_throughput.py [--quick] [--out benchmarks/results/permute_throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moe_dispatch.permutation import make_permutation_map, permute, triton_available, unpermute
+
+ROOT = Path(__file__).resolve().parent
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, backend: str) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, experts, topk = args.tokens, args.hidden, args.experts, args.topk
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=-1).indices.to(device)
+    pmap = make_permutation_map(idx, experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    probs = torch.rand(tokens, topk, generator=gen).to(device, dtype)
+    rows = pmap.num_rows
+    elements = (3 * rows + tokens) * hidden
+    src = torch.randn(elements // 2, generator=gen).to(device, dtype)
+    dst = torch.empty_like(src)
+    moved_bytes = elements * x.element_size()
+
+    def permute_unpermute():
+        with torch.no_grad():
+            return unpermute(permute(x, pmap, backend=backend), pmap, probs, backend=backend)
+
+    def copy():
+        dst.copy_(src)
+
+    # the work is what it claims to be: unpermute(permute(x)) = sum_k probs * x
+    expected = probs.float().sum(1, keepdim=True) * x.float()
+    torch.testing.assert_close(permute_unpermute().float(), expected, rtol=2e-2, atol=2e-2)
+    for _ in range(args.warmup):
+        permute_unpermute()
+        copy()
+    perm_times, copy_times = [], []
+    for rep in range(args.reps):  # interleaved, alternating which goes first
+        pair = [(perm_times, permute_unpermute), (copy_times, copy)]
+        for times, fn in pair if rep % 2 == 0 else pair[::-1]:
+            times.append(timed(fn, device))
+    ratios = [c / p for c, p in zip(copy_times, perm_times, strict=True)]
+    perm_s, copy_s = statistics.median(perm_times), statistics.median(copy_times)
+    return {
+        "backend": backend,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": rows,
+        "bytes_moved": moved_bytes,
+        "permute_unpermute_s": {"median": perm_s, "all": perm_times},
+        "copy_s": {"median": copy_s, "all": copy_times},
+        "permute_unpermute_GBps": moved_bytes / perm_s / 1e9,
+        "copy_GBps": moved_bytes / copy_s / 1e9,
+        "ratio": copy_s / perm_s,
+        "ratio_spread": [min(ratios), max(ratios)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "permute_throughput.json")
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI)")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--experts", type=int, default=None)
+    parser.add_argument("--topk", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    args.tokens = args.tokens or (512 if args.quick else 4096)
+    args.hidden = args.hidden or (256 if args.quick else 1024)
+    args.experts = args.experts or (8 if args.quick else 32)
+    args.topk = args.topk or (2 if args.quick else 4)
+    args.reps = args.reps or 9
+
+    results = [measure(args, torch.device("cpu"), torch.float32, "torch")]
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        results.append(measure(args, cuda, torch.bfloat16, "torch"))
+        if triton_available():
+            results.append(measure(args, cuda, torch.bfloat16, "triton"))
+
+    report = {
+        "benchmark": "permute_throughput",
+        "what": "permute + unpermute forward (map built once) vs dst.copy_(src) of the same bytes read + written",
+        "baseline": "memory copy",
+        "bytes_model": "(3 * rows + tokens) * hidden elements: permute reads+writes rows, unpermute reads rows "
+        "and writes tokens (probs and index reads left out)",
+        "inputs": {
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "num_experts": args.experts,
+            "topk": args.topk,
+            "routing": "uniform random top-k (distinct experts), no dropping, no padding",
+            "reps": args.reps,
+            "warmup": args.warmup,
+        },
+        "results": results,
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for row in results:
+        print(
+            f"{row['backend']:6s} {row['device']:24s} {row['dtype']:8s} permute+unpermute "
+            f"{row['permute_unpermute_GBps']:7.2f} GB/s  copy {row['copy_GBps']:7.2f} GB/s  "
+            f"ratio {row['ratio']:.3f} [{row['ratio_spread'][0]:.3f}, {row['ratio_spread'][1]:.3f}]"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""All-to-all dispatcher with uneven splits, sending each token once per destination rank.
+
+A token whose chosen experts share a rank crosses to that rank once, with its (local expert id, prob)
+pairs for that rank; the receiver permutes by expert, and on combine sums the weighted outputs of that
+token's local experts into one row, which goes back to the source, where the rows of a token's
+destinations are summed. This is DeepEP's layout; it sends the minimum (one row per distinct
+(token, remote rank) pair, :mod:`moe_dispatch.accounting`), against one row per (token, expert) pair for
+a naive per-expert all-to-all.
+
+    dispatch_preprocess   (local)  send map: rows grouped by destination rank, one per (token, rank);
+                                   the rows, their local expert ids and probs
+    token_dispatch        (comm)   all-to-all of the row counts, then of the rows, probs and expert ids
+                                   (then all-gather over etp when expert tensor parallelism is on)
+    dispatch_postprocess  (local)  expert-major permutation of the received rows
+    combine_preprocess    (local)  weighted unpermute: one row per received row
+    token_combine         (comm)   reduce-scatter (sum) over etp, then all-to-all back
+    combine_postprocess   (local)  sum each token's returned rows
+
+The send map is a :class:`~moe_dispatch.permutation.PermutationMap` whose "experts" are the ep ranks and
+whose kept pairs are each token's first pair per rank, so ``permute`` builds the send buffer and
+``unpermute`` (weights 1) sums the returned rows: both directions reuse the permutation kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe_dispatch.accounting import destination_rank_TK
+from moe_dispatch.collectives import all_gather_uneven, all_to_all, exchange_splits, gather_sizes, reduce_scatter_uneven
+from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight
+from moe_dispatch.ep_base import ExpertParallelDispatcher
+from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, unpermute
+from moe_dispatch.router import RoutingResult
+
+
+def first_pair_per_rank_TK(dest_TK: torch.Tensor, keep_TK: torch.Tensor) -> torch.Tensor:
+    """bool [T, K]: pair (t, k) is kept and no earlier kept pair of token t goes to the same rank."""
+    same_KK = dest_TK.unsqueeze(2) == dest_TK.unsqueeze(1)  # [T, k, j]
+    earlier_KK = torch.ones(dest_TK.shape[1], dest_TK.shape[1], dtype=torch.bool, device=dest_TK.device).tril(-1)
+    dup_TK = (same_KK & earlier_KK & keep_TK.unsqueeze(1)).any(dim=2)
+    return keep_TK & ~dup_TK
+
+
+def send_map(expert_idx_TK: torch.Tensor, keep_TK: torch.Tensor | None, num_experts: int, ep_size: int):
+    """(map, dest_TK, keep_TK): the send layout, one row per distinct (token, destination rank), grouped
+    by rank and in token order within a rank; ``map.tokens_per_expert_E`` holds the per-rank splits."""
+    dest_TK = destination_rank_TK(expert_idx_TK, num_experts, ep_size)
+    keep_TK = torch.ones_like(dest_TK, dtype=torch.bool) if keep_TK is None else keep_TK
+    return make_permutation_map(dest_TK, ep_size, first_pair_per_rank_TK(dest_TK, keep_TK)), dest_TK, keep_TK
+
+
+class AllToAllDispatcher(ExpertParallelDispatcher):
+    """Deduplicated all-to-all over the ep group (all-gather / reduce-scatter over etp)."""
+
+    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> InFlight:
+        idx_TK = routing.expert_idx_TK
+        smap, dest_TK, keep_TK = send_map(idx_TK, routing.keep_TK, self.num_experts, self.ep_size)
+        token_S = smap.token_of_row_N  # no padding rows: every row is a real (token, rank)
+        rank_S = torch.repeat_interleave(torch.arange(self.ep_size, device=idx_TK.device), smap.tokens_per_expert_E)
+        # the pairs of each sent row that go to its rank, as local expert ids (-1 elsewhere) and probs
+        for_row_SK = (dest_TK.index_select(0, token_S) == rank_S.unsqueeze(1)) & keep_TK.index_select(0, token_S)
+        local_SK = idx_TK.index_select(0, token_S) - rank_S.unsqueeze(1) * self.num_local_experts
+        local_SK = torch.where(for_row_SK, local_SK, torch.full_like(local_SK, -1))
+        probs_SK = routing.probs_TK.index_select(0, token_S) * for_row_SK.to(routing.probs_TK.dtype)
+        extra = {
+            "send_map": smap,
+            "send_splits": smap.tokens_per_expert_E.tolist(),
+            "local_idx": local_SK,
+            "pad_to": routing.pad_to,
+        }
+        handle = DispatchHandle(smap, probs_SK, x_TH.shape[0], extra)
+        return InFlight(permute(x_TH, smap), handle)
+
+    def token_dispatch(self, state: InFlight) -> InFlight:
+        h = state.handle
+        send_splits = h.extra["send_splits"]
+        recv_splits = exchange_splits(send_splits, self.ep_group, state.tokens.device)
+        x, probs, local_idx = (
+            all_to_all(t, recv_splits, send_splits, self.ep_group)
+            for t in (state.tokens, h.probs_TK, h.extra["local_idx"])
+        )
+        etp_sizes = None
+        if self.uses_etp:
+            etp_sizes = gather_sizes(x.shape[0], self.etp_group, x.device)
+            x, probs, local_idx = (all_gather_uneven(t, etp_sizes, self.etp_group) for t in (x, probs, local_idx))
+        extra = {**h.extra, "recv_splits": recv_splits, "etp_sizes": etp_sizes, "local_idx": local_idx}
+        return InFlight(x, dataclasses.replace(h, probs_TK=probs, extra=extra))
+
+    def dispatch_postprocess(self, state: InFlight) -> DispatchResult:
+        h = state.handle
+        local_RK = h.extra["local_idx"]
+        pmap = self.local_permutation_map(local_RK, local_RK >= 0, h.extra["pad_to"])
+        extra = {k: h.extra[k] for k in ("send_map", "send_splits", "recv_splits", "etp_sizes")}
+        handle = DispatchHandle(pmap, h.probs_TK, h.num_tokens, extra)
+        return DispatchResult(permute(state.tokens, pmap), pmap.tokens_per_expert_E, handle)
+
+    def combine_preprocess(self, y_NH: torch.Tensor, handle: DispatchHandle) -> InFlight:
+        return InFlight(unpermute(y_NH, handle.pmap, handle.probs_TK), handle)
+
+    def token_combine(self, state: InFlight) -> InFlight:
+        h, y = state.handle, state.tokens
+        if self.uses_etp:
+            y = reduce_scatter_uneven(y, h.extra["etp_sizes"], self.etp_group)
+        return InFlight(all_to_all(y, h.extra["send_splits"], h.extra["recv_splits"], self.ep_group), h)
+
+    def combine_postprocess(self, state: InFlight) -> torch.Tensor:
+        smap: PermutationMap = state.handle.extra["send_map"]
+        return unpermute(state.tokens, smap)
+
+    def rows_sent(self, handle: DispatchHandle, remote_only: bool = True) -> int:
+        """Token rows this rank sent in the dispatch of ``handle`` (the same number come back on combine);
+        ``remote_only`` leaves out the rows to itself, which never leave the device."""
+        splits = handle.extra["send_splits"]
+        return sum(splits) - (splits[self.ep_rank] if remote_only else 0)
+
+    def dispatch_bytes(self, handle: DispatchHandle, hidden: int, element_size: int) -> int:
+        """Payload bytes this rank sent to other ep ranks in the dispatch of ``handle`` (ep exchange only)."""
+        return self.rows_sent(handle) * hidden * element_size

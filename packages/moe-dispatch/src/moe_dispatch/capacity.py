@@ -1,0 +1,38 @@
+"""Expert capacity and token dropping (Megatron's ``--moe-expert-capacity-factor`` / ``--moe-token-drop-policy``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def get_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Pairs each expert may keep: ``ceil(num_tokens * topk / num_experts * capacity_factor)``."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def capacity_keep_mask(
+    expert_idx_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, capacity: int, policy: str = "probs"
+) -> torch.Tensor:
+    """bool [T, K]: the pairs each expert keeps, at most ``capacity`` per expert.
+
+    ``policy="probs"`` keeps each expert's highest-probability pairs (ties: earlier token first);
+    ``policy="position"`` keeps the first pairs in token order.
+    """
+    if policy not in ("probs", "position"):
+        raise ValueError(f"policy={policy!r}: choose 'probs' or 'position'")
+    flat_idx = expert_idx_TK.flatten()
+    num_pairs = flat_idx.numel()
+    device = flat_idx.device
+    if policy == "probs":
+        priority = torch.sort(probs_TK.detach().flatten(), descending=True, stable=True).indices
+    else:  # flat pair t*K + k: token order
+        priority = torch.arange(num_pairs, device=device)
+    by_expert = priority[torch.sort(flat_idx[priority], stable=True).indices]  # grouped by expert, by priority
+    counts_E = torch.bincount(flat_idx, minlength=num_experts)
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    rank = torch.arange(num_pairs, device=device) - start_E[flat_idx[by_expert]]
+    keep = torch.zeros(num_pairs, dtype=torch.bool, device=device)
+    keep[by_expert] = rank < capacity
+    return keep.view_as(expert_idx_TK)

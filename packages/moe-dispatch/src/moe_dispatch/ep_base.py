@@ -1,0 +1,73 @@
+"""What the expert-parallel dispatchers share: the ep / etp groups, the local expert range, padding.
+
+Layout: rank ``r`` of the expert-parallel group ``ep_group`` owns experts ``[r*E/ep, (r+1)*E/ep)``. With
+expert tensor parallelism, the ranks of one ``etp_group`` hold the same experts (the same ep rank in
+their ep groups), each a slice of the FFN width: after the ep exchange they all-gather their tokens so
+each computes its slice for all of them, and on combine the partial outputs are summed by a
+reduce-scatter over etp before the ep return.
+
+Capacity padding: a routing with ``pad_to=C`` caps every expert at C pairs per source rank, so an expert
+block on the receiving side is padded to ``C * ep * etp`` rows (every source rank of the ep x etp grid
+may fill its C), as Megatron's drop-and-pad all-to-all does. All ranks must use the same ``pad_to``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from moe_dispatch.collectives import group_rank, group_size
+from moe_dispatch.dispatcher import TokenDispatcher
+from moe_dispatch.permutation import PermutationMap, make_permutation_map
+
+
+class ExpertParallelDispatcher(TokenDispatcher):
+    """Base of the dispatchers that move tokens between the ranks of an expert-parallel group."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        ep_group: ProcessGroup | None = None,
+        etp_group: ProcessGroup | None = None,
+        pad_multiple: int = 1,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs an initialised torch.distributed process group")
+        if pad_multiple < 1:
+            raise ValueError(f"pad_multiple={pad_multiple}: must be at least 1")
+        self.ep_group = ep_group if ep_group is not None else dist.group.WORLD
+        self.etp_group = etp_group
+        self.ep_size = group_size(self.ep_group)
+        self.ep_rank = group_rank(self.ep_group)
+        self.etp_size = 1 if etp_group is None else group_size(etp_group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {self.ep_size}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_local_expert = self.ep_rank * self.num_local_experts
+        self.pad_multiple = pad_multiple
+
+    @property
+    def uses_etp(self) -> bool:
+        return self.etp_size > 1
+
+    def local_permutation_map(
+        self, local_idx_RK: torch.Tensor, keep_RK: torch.Tensor, pad_to: int | None
+    ) -> PermutationMap:
+        """Expert-major map of the received rows onto the local experts (``local_idx`` is ignored where
+        ``keep`` is False)."""
+        padded = None if pad_to is None else pad_to * self.ep_size * self.etp_size
+        return make_permutation_map(
+            torch.where(keep_RK, local_idx_RK, torch.zeros_like(local_idx_RK)),
+            self.num_local_experts,
+            keep_RK,
+            self.pad_multiple,
+            padded,
+        )
+
+
+def placeholder_map(num_tokens: int, device: torch.device) -> PermutationMap:
+    """The map an in-flight handle carries before the receiving side's map exists: every token to one
+    block, in token order (the identity). Replaced in ``dispatch_postprocess``."""
+    return make_permutation_map(torch.zeros(num_tokens, 1, dtype=torch.int64, device=device), 1)

@@ -1,0 +1,48 @@
+"""``build_dispatcher(name, ...)``: one entry point for the token dispatchers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed import ProcessGroup
+
+from moe_dispatch.dispatcher import LocalDispatcher, TokenDispatcher
+
+DISPATCHERS = ("local", "allgather", "alltoall", "flex")
+
+
+def build_dispatcher(
+    name: str,
+    num_experts: int,
+    ep_group: ProcessGroup | None = None,
+    etp_group: ProcessGroup | None = None,
+    pad_multiple: int = 1,
+    **kwargs: Any,
+) -> TokenDispatcher:
+    """``local`` (one process, all experts), ``allgather``, ``alltoall`` (deduplicated) or ``flex`` (DeepEP).
+
+    ``ep_group`` defaults to the whole world for the distributed ones; ``etp_group`` turns on expert
+    tensor parallelism (allgather / alltoall). Extra keyword arguments go to ``FlexDispatcher``
+    (``num_nvl_bytes``, ``num_rdma_bytes``).
+    """
+    if name not in DISPATCHERS:
+        raise ValueError(f"dispatcher {name!r}: choose one of {DISPATCHERS}")
+    if kwargs and name != "flex":
+        raise TypeError(f"dispatcher {name!r} takes no extra arguments, got {sorted(kwargs)}")
+    if name == "local":
+        if ep_group is not None or etp_group is not None:
+            raise ValueError("dispatcher 'local' keeps every expert in one process: pass no ep_group / etp_group")
+        return LocalDispatcher(num_experts, pad_multiple)
+    if name == "flex":
+        if etp_group is not None:
+            raise ValueError("dispatcher 'flex' does not support expert tensor parallelism: use 'alltoall'")
+        from moe_dispatch.deepep import FlexDispatcher
+
+        return FlexDispatcher(num_experts, ep_group, pad_multiple, **kwargs)
+    if name == "allgather":
+        from moe_dispatch.allgather import AllGatherDispatcher
+
+        return AllGatherDispatcher(num_experts, ep_group, etp_group, pad_multiple)
+    from moe_dispatch.alltoall import AllToAllDispatcher
+
+    return AllToAllDispatcher(num_experts, ep_group, etp_group, pad_multiple)

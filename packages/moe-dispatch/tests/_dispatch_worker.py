@@ -1,0 +1,276 @@
+"""One rank of the gloo dispatcher checks in test_dispatchers_dist.py: ``python _dispatch_worker.py OUT_DIR``.
+
+The parent starts WORLD_SIZE processes with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Every
+case builds the same global batch on every rank (fixed seed): rank r routes its own tokens through a
+distributed dispatcher and a sharded SwiGLU expert; the reference is LocalDispatcher on all ranks'
+tokens with all experts whole, in this process. Each rank saves both sides for its own tokens and
+expert shard to ``OUT_DIR/rank{r}.pt``; the parent asserts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_dispatch.accounting import rows_sent
+from moe_dispatch.alltoall import AllToAllDispatcher
+from moe_dispatch.dispatcher import LocalDispatcher
+from moe_dispatch.factory import build_dispatcher
+from moe_dispatch.router import RoutingResult
+
+HIDDEN, FFN = 6, 8
+
+
+@dataclass
+class Case:
+    name: str
+    tokens: list[int]  # tokens per global rank
+    num_experts: int
+    topk: int
+    mode: str = "random"  # random | subset (only `pool` experts) | hot (every token to expert `hot`)
+    pool: tuple[int, ...] = ()
+    hot: int = 0
+    capacity: int | None = None  # keep the first C pairs per expert per rank, pad_to = C
+    pad_multiple: int = 1
+    seed: int = 0
+
+
+def global_batch(case: Case):
+    """Per global rank: x, expert_idx, probs (dropped pairs zeroed), keep; and the full expert weights."""
+    gen = torch.Generator().manual_seed(1000 + case.seed)
+    per_rank = []
+    for num_tokens in case.tokens:
+        x = torch.randn(num_tokens, HIDDEN, generator=gen)
+        rows = []
+        for _ in range(num_tokens):
+            if case.mode == "hot":
+                rest = [e for e in torch.randperm(case.num_experts, generator=gen).tolist() if e != case.hot]
+                rows.append([case.hot, *rest[: case.topk - 1]])
+            else:
+                choices = list(case.pool) if case.mode == "subset" else list(range(case.num_experts))
+                rows.append([choices[i] for i in torch.randperm(len(choices), generator=gen)[: case.topk].tolist()])
+        idx = torch.tensor(rows, dtype=torch.int64).reshape(num_tokens, case.topk)
+        probs = torch.softmax(torch.randn(num_tokens, case.topk, generator=gen), dim=-1)
+        keep = None
+        if case.capacity is not None:
+            seen = [0] * case.num_experts
+            keep_rows = []
+            for row in idx.tolist():
+                keep_rows.append([seen[e] < case.capacity for e in row])
+                for e in row:
+                    seen[e] += 1
+            keep = torch.tensor(keep_rows, dtype=torch.bool).reshape(num_tokens, case.topk)
+            probs = probs * keep
+        per_rank.append((x, idx, probs, keep))
+    weights = [torch.randn(case.num_experts, *shape, generator=gen) * 0.5 for shape in [(HIDDEN, FFN)] * 2]
+    weights.append(torch.randn(case.num_experts, FFN, HIDDEN, generator=gen) * 0.5)
+    cot = [torch.randn(n, HIDDEN, generator=gen) for n in case.tokens]
+    return per_rank, weights, cot
+
+
+def swiglu_experts(tokens_NH, tokens_per_expert_E, w_gate, w_up, w_down):
+    """Each expert's contiguous rows through silu(x Wg) * (x Wu) @ Wd; with FFN-sharded weights the
+    outputs are partial sums of the full expert's."""
+    chunks = torch.split(tokens_NH, tokens_per_expert_E.tolist(), dim=0)
+    outs = [(F.silu(c @ w_gate[e]) * (c @ w_up[e])) @ w_down[e] for e, c in enumerate(chunks)]
+    return torch.cat(outs, dim=0) if outs else tokens_NH.new_zeros(0, HIDDEN)
+
+
+def routing(idx, probs, keep, num_experts, pad_to):
+    counts = torch.bincount(idx[keep] if keep is not None else idx.flatten(), minlength=num_experts)
+    return RoutingResult(probs, idx, counts, probs.new_zeros(()), keep, pad_to)
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def reference(case: Case, per_rank, weights, cot):
+    """LocalDispatcher on the whole batch, all experts whole: output, grads of x / probs / weights."""
+    x = leaf(torch.cat([p[0] for p in per_rank]))
+    idx = torch.cat([p[1] for p in per_rank])
+    probs = leaf(torch.cat([p[2] for p in per_rank]))
+    keep = None if case.capacity is None else torch.cat([p[3] for p in per_rank])
+    ws = [leaf(w) for w in weights]
+    disp = LocalDispatcher(case.num_experts)
+    res = disp.dispatch(x, routing(idx, probs, keep, case.num_experts, None))
+    out = disp.combine(swiglu_experts(res.tokens_NH, res.tokens_per_expert_E, *ws), res.handle)
+    (out * torch.cat(cot)).sum().backward()
+    return out.detach(), x.grad, probs.grad, [w.grad for w in ws]
+
+
+class Layout:
+    """ep x etp grid over the world: ep groups are rows of consecutive ranks, etp groups the columns."""
+
+    def __init__(self, ep: int, etp: int):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        assert ep * etp == world
+        self.ep, self.etp = ep, etp
+        self.ep_rank, self.etp_rank = rank % ep, rank // ep
+        self.ep_group = self.etp_group = None
+        for row in range(etp):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(row * ep, (row + 1) * ep)))
+            if row == self.etp_rank:
+                self.ep_group = group
+        if etp > 1:
+            for col in range(ep):
+                group = dist.new_group(list(range(col, world, ep)))
+                if col == self.ep_rank:
+                    self.etp_group = group
+
+
+def expert_shard(case: Case, layout: Layout, weights):
+    """This rank's local experts, FFN slice ``etp_rank`` of ``etp``."""
+    local = case.num_experts // layout.ep
+    experts = slice(layout.ep_rank * local, (layout.ep_rank + 1) * local)
+    width = FFN // layout.etp
+    ffn = slice(layout.etp_rank * width, (layout.etp_rank + 1) * width)
+    gate, up, down = weights
+    return experts, ffn, [leaf(gate[experts][:, :, ffn]), leaf(up[experts][:, :, ffn]), leaf(down[experts][:, ffn])]
+
+
+def hand_rows_per_local_expert(case: Case, layout: Layout, per_rank) -> list[int]:
+    """Kept pairs per local expert over every rank whose tokens reach this one (the whole world with etp,
+    this ep group without), padded as the dispatcher should."""
+    local = case.num_experts // layout.ep
+    rank = dist.get_rank()
+    sources = (
+        range(len(case.tokens)) if layout.etp > 1 else range(rank - layout.ep_rank, rank - layout.ep_rank + layout.ep)
+    )
+    counts = [0] * local
+    for src in sources:
+        _, idx, _, keep = per_rank[src]
+        for t, row in enumerate(idx.tolist()):
+            for k, e in enumerate(row):
+                if e // local == layout.ep_rank and (keep is None or bool(keep[t, k])):
+                    counts[e - layout.ep_rank * local] += 1
+    if case.capacity is not None:
+        return [case.capacity * layout.ep * layout.etp] * local
+    m = case.pad_multiple
+    return [(c + m - 1) // m * m for c in counts]
+
+
+def hand_distinct_destinations(case: Case, layout: Layout, idx, keep) -> tuple[int, int]:
+    """(all, remote) distinct (token, destination ep rank) pairs of this rank's kept pairs."""
+    local = case.num_experts // layout.ep
+    pairs = {
+        (t, e // local) for t, row in enumerate(idx.tolist()) for k, e in enumerate(row) if keep is None or keep[t, k]
+    }
+    return len(pairs), sum(1 for _, d in pairs if d != layout.ep_rank)
+
+
+def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False) -> dict:
+    rank = dist.get_rank()
+    cases = [case, Case(**{**case.__dict__, "seed": case.seed + 77})] if in_flight else [case]
+    disp = build_dispatcher(name, case.num_experts, layout.ep_group, layout.etp_group, case.pad_multiple)
+    state_before = dict(vars(disp))
+    batches = []
+    for c in cases:
+        per_rank, weights, cot = global_batch(c)
+        x, idx, probs, keep = per_rank[rank]
+        x, probs = leaf(x), leaf(probs)
+        experts, ffn, shard = expert_shard(c, layout, weights)
+        res = disp.dispatch(x, routing(idx, probs, keep, c.num_experts, c.capacity))
+        batches.append((c, per_rank, weights, cot, x, idx, probs, keep, experts, ffn, shard, res))
+    outs = {}
+    for i in reversed(range(len(batches))):  # combine in reverse order of dispatch
+        c, *_, shard, res = batches[i]
+        outs[i] = disp.combine(swiglu_experts(res.tokens_NH, res.tokens_per_expert_E, *shard), res.handle)
+    state_unchanged = vars(disp) == state_before  # every per-dispatch value lives in the handles
+    loss = sum((outs[i] * batches[i][3][rank]).sum() for i in outs)
+    loss.backward()
+
+    records = []
+    for i, (c, per_rank, weights, cot, x, idx, probs, keep, experts, ffn, shard, res) in enumerate(batches):
+        ref_out, ref_gx, ref_gp, ref_gw = reference(c, per_rank, weights, cot)
+        start = sum(c.tokens[:rank])
+        mine = slice(start, start + c.tokens[rank])
+        rec = {
+            "out": outs[i].detach(),
+            "ref_out": ref_out[mine],
+            "grad_x": x.grad,
+            "ref_grad_x": ref_gx[mine],
+            "grad_probs": probs.grad,
+            "ref_grad_probs": ref_gp[mine],
+            "grad_w": [w.grad for w in shard],
+            "ref_grad_w": [ref_gw[0][experts][:, :, ffn], ref_gw[1][experts][:, :, ffn], ref_gw[2][experts][:, ffn]],
+            "tokens_per_expert": res.tokens_per_expert_E.clone(),
+            "hand_tokens_per_expert": hand_rows_per_local_expert(c, layout, per_rank),
+        }
+        if isinstance(disp, AllToAllDispatcher):
+            total, remote = hand_distinct_destinations(c, layout, idx, keep)
+            rec["bytes"] = {
+                "dispatcher_rows_all": disp.rows_sent(res.handle, remote_only=False),
+                "dispatcher_bytes": disp.dispatch_bytes(res.handle, HIDDEN, x.element_size()),
+                "accounting_bytes": rows_sent("alltoall_dedup", idx, keep, c.num_experts, layout.ep, layout.ep_rank)
+                * HIDDEN
+                * x.element_size(),
+                "hand_rows_all": total,
+                "hand_bytes": remote * HIDDEN * x.element_size(),
+            }
+        records.append(rec)
+    return {
+        "case": case.name,
+        "dispatcher": name,
+        "state_unchanged": state_unchanged,
+        "ep": layout.ep,
+        "etp": layout.etp,
+        "records": records,
+    }
+
+
+def cases_for(world: int) -> list[tuple[Case, int, int, bool]]:
+    """(case, ep, etp, two_in_flight)."""
+    if world == 2:
+        return [
+            (Case("random", [5, 7], 4, 2, seed=1), 2, 1, False),
+            (Case("rank_without_tokens", [6, 0], 4, 2, seed=2), 2, 1, False),
+            (Case("no_tokens_anywhere", [0, 0], 4, 2, seed=3), 2, 1, False),
+            (Case("experts_without_tokens", [4, 5], 4, 2, mode="subset", pool=(0, 1), seed=4), 2, 1, False),
+            (Case("all_tokens_one_expert", [5, 3], 4, 1, mode="hot", hot=3, seed=5), 2, 1, False),
+            (Case("capacity_drop_pad_to", [6, 5], 4, 2, capacity=2, seed=6), 2, 1, False),
+            (Case("pad_multiple", [5, 4], 6, 3, pad_multiple=4, seed=7), 2, 1, False),
+            (Case("two_in_flight", [5, 6], 4, 2, seed=8), 2, 1, True),
+        ]
+    return [
+        (Case("random_ep4", [5, 0, 7, 3], 8, 3, seed=11), 4, 1, False),
+        (Case("many_per_rank_ep4", [6, 4, 5, 2], 8, 4, mode="subset", pool=(0, 1, 2, 3, 6), seed=12), 4, 1, False),
+        (Case("capacity_ep4", [6, 5, 7, 4], 8, 2, capacity=1, seed=13), 4, 1, False),
+        (Case("two_in_flight_ep4", [4, 6, 3, 5], 8, 2, seed=14), 4, 1, True),
+        (Case("etp_random", [4, 6, 0, 5], 4, 2, seed=21), 2, 2, False),
+        (Case("etp_hot", [3, 2, 4, 1], 4, 1, mode="hot", hot=1, seed=22), 2, 2, False),
+        (Case("etp_capacity_pad_to", [6, 5, 4, 7], 4, 2, capacity=2, seed=23), 2, 2, False),
+        (Case("etp_pad_multiple", [5, 3, 6, 2], 4, 2, pad_multiple=4, seed=24), 2, 2, False),
+        (Case("etp_two_in_flight", [4, 5, 3, 6], 4, 2, seed=25), 2, 2, True),
+    ]
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    layouts: dict[tuple[int, int], Layout] = {}
+    results = []
+    for case, ep, etp, in_flight in cases_for(world):
+        if (ep, etp) not in layouts:
+            layouts[(ep, etp)] = Layout(ep, etp)
+        for name in ("allgather", "alltoall"):
+            results.append(run_case(case, name, layouts[(ep, etp)], in_flight))
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(results, out_dir / f"rank{os.environ['RANK']}.pt")
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    try:
+        main(out)
+    except BaseException:
+        (out / f"error{os.environ.get('RANK', '?')}.txt").write_text(traceback.format_exc())
+        raise

@@ -1,0 +1,9 @@
+import os
+
+import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter. Triton reads TRITON_INTERPRET when a kernel
+# is decorated, so it must be set before moe_dispatch.triton_permutation is first imported: conftest runs before
+# any test module is imported, whatever order the modules run in.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,159 @@
+"""All-gather and all-to-all dispatchers on 2 and 4 gloo ranks against the single-process LocalDispatcher.
+
+Each world size is launched once per module (``_dispatch_worker.py`` runs every case and saves both
+sides); the tests here assert. Cases: random routings, a rank with no tokens, no tokens anywhere,
+experts with no tokens, all tokens on one expert, capacity dropping with pad_to, pad_multiple, two
+dispatches in flight combined in reverse order, ep=4, and ep=2 x etp=2 with an FFN-sharded SwiGLU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("_dispatch_worker.py")
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(world: int, out: Path) -> list[list[dict]]:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=150)[0].decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _launch(2, tmp_path_factory.mktemp("dispatch2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _launch(4, tmp_path_factory.mktemp("dispatch4"))
+
+
+def _runs(request, world: str):
+    """(rank, run) for every rank's record of every case x dispatcher."""
+    per_rank = request.getfixturevalue(world)
+    return [(rank, run) for rank, runs in enumerate(per_rank) for run in runs]
+
+
+WORLDS = ["world2", "world4"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+def test_forward_and_gradients_match_local_dispatcher(request, world):
+    runs = _runs(request, world)
+    assert {run["dispatcher"] for _, run in runs} == {"allgather", "alltoall"}
+    for rank, run in runs:
+        for rec in run["records"]:
+            where = f"{run['case']} / {run['dispatcher']} / rank {rank}"
+            assert rec["out"].shape == rec["ref_out"].shape, where
+            torch.testing.assert_close(rec["out"], rec["ref_out"], **TOL, msg=lambda m, w=where: f"{w}: out {m}")
+            torch.testing.assert_close(rec["grad_x"], rec["ref_grad_x"], **TOL, msg=lambda m, w=where: f"{w}: dx {m}")
+            torch.testing.assert_close(
+                rec["grad_probs"], rec["ref_grad_probs"], **TOL, msg=lambda m, w=where: f"{w}: dprobs {m}"
+            )
+            for got, ref in zip(rec["grad_w"], rec["ref_grad_w"], strict=True):
+                torch.testing.assert_close(got, ref, **TOL, msg=lambda m, w=where: f"{w}: dW {m}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+def test_reference_is_not_trivial(request, world):
+    """The comparisons above would pass vacuously if the reference were all zeros."""
+    for _, run in _runs(request, world):
+        for rec in run["records"]:
+            if rec["ref_out"].numel():
+                assert rec["ref_out"].abs().max() > 1e-3
+                assert rec["ref_grad_x"].abs().max() > 1e-3
+    # some rank's expert weights get a gradient in every case with tokens
+    per_case: dict = {}
+    for _, run in _runs(request, world):
+        key = (run["case"], run["dispatcher"])
+        grads = run["records"][0]["ref_grad_w"]
+        per_case[key] = max(per_case.get(key, 0.0), max(float(g.abs().max()) if g.numel() else 0.0 for g in grads))
+    for (case, _), biggest in per_case.items():
+        assert (biggest > 1e-3) == (case != "no_tokens_anywhere"), case
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+def test_rows_per_local_expert_match_hand_count_with_padding(request, world):
+    for rank, run in _runs(request, world):
+        for rec in run["records"]:
+            assert rec["tokens_per_expert"].dtype == torch.int64
+            assert rec["tokens_per_expert"].tolist() == rec["hand_tokens_per_expert"], (run["case"], rank)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_to_all_sends_each_token_once_per_destination_rank(request, world):
+    seen_dedup = False
+    for _, run in _runs(request, world):
+        if run["dispatcher"] != "alltoall":
+            continue
+        for rec in run["records"]:
+            b = rec["bytes"]
+            assert b["dispatcher_rows_all"] == b["hand_rows_all"]
+            assert b["dispatcher_bytes"] == b["hand_bytes"]
+            assert b["accounting_bytes"] == b["hand_bytes"]
+            seen_dedup |= b["hand_rows_all"] > 0
+    assert seen_dedup
+
+
+@pytest.mark.dist
+def test_cases_cover_zero_token_ranks_etp_and_in_flight(world2, world4):
+    """The edge cases the module promises were actually run."""
+    names = {run["case"] for runs in (*world2, *world4) for run in runs}
+    assert {"rank_without_tokens", "no_tokens_anywhere", "experts_without_tokens", "all_tokens_one_expert"} <= names
+    assert {"capacity_drop_pad_to", "pad_multiple", "two_in_flight", "etp_two_in_flight"} <= names
+    assert any(run["etp"] == 2 and run["ep"] == 2 for run in world4[0])
+    assert any(run["ep"] == 4 for run in world4[0])
+    assert all(len(run["records"]) == 2 for run in world4[0] if "in_flight" in run["case"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+def test_dispatchers_keep_no_per_dispatch_state(request, world):
+    for _, run in _runs(request, world):
+        assert run["state_unchanged"], run["case"]
