@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_dispatch.permutation import make_permutation_map, permute, resolve_backend, unpermute
+from moe_dispatch.permutation import make_permutation_map, permute, permute_probs, resolve_backend, unpermute
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -221,3 +221,26 @@ def test_imports_and_runs_without_triton():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 9), st.integers(1, 5), st.integers(1, 3), st.integers(0, 2**31 - 1), st.sampled_from([1, 4]))
+def test_permute_probs_puts_each_pairs_prob_on_its_row(num_tokens, num_experts, topk, seed, pad_multiple):
+    topk = min(topk, num_experts)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=-1).indices
+    keep = torch.rand(num_tokens, topk, generator=gen) > 0.3
+    probs = torch.rand(num_tokens, topk, generator=gen, requires_grad=True)
+    pmap = make_permutation_map(idx, num_experts, keep, pad_multiple)
+    probs_N = permute_probs(probs, pmap)
+    expected = [0.0] * pmap.num_rows
+    for t in range(num_tokens):
+        for k in range(topk):
+            if keep[t, k]:
+                expected[pmap.row_of_pair_TK[t, k]] = probs[t, k].item()
+    assert probs_N.tolist() == expected
+    # weighting rows before an unweighted combine equals the weighted combine
+    y = torch.randn(pmap.num_rows, 3, generator=gen)
+    torch.testing.assert_close(unpermute(y * probs_N[:, None], pmap), unpermute(y, pmap, probs))
+    probs_N.sum().backward()
+    torch.testing.assert_close(probs.grad, keep.float())

@@ -34,6 +34,7 @@ PUBLIC_NAMES = [
     "group_limited_topk",
     "make_permutation_map",
     "permute",
+    "permute_probs",
     "reduce_scatter_uneven",
     "routing_stats",
     "rows_sent",

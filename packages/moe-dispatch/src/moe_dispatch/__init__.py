@@ -19,7 +19,14 @@ from moe_dispatch.load_balancing import (
     switch_aux_loss,
     z_loss,
 )
-from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, triton_available, unpermute
+from moe_dispatch.permutation import (
+    PermutationMap,
+    make_permutation_map,
+    permute,
+    permute_probs,
+    triton_available,
+    unpermute,
+)
 from moe_dispatch.replay import RoutingReplay
 from moe_dispatch.router import RoutingResult, TopKRouter
 from moe_dispatch.scores import group_limited_topk
@@ -56,6 +63,7 @@ __all__ = [
     "group_limited_topk",
     "make_permutation_map",
     "permute",
+    "permute_probs",
     "reduce_scatter_uneven",
     "routing_stats",
     "rows_sent",
