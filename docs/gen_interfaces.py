@@ -19,6 +19,9 @@ CONSTANTS = {
     "ATTENTION_DIMS": "Attention-side dimension names, fastest-varying first.",
     "EXPERT_DIMS": "Expert-side dimension names, fastest-varying first.",
     "FAMILIES": "Model families this version builds.",
+    "DISPATCHERS": "Dispatcher names build_dispatcher accepts.",
+    "SWIGLU_OAI_ALPHA": "GPT-OSS clamped SwiGLU sigmoid scale (1.702).",
+    "SWIGLU_OAI_LIMIT": "GPT-OSS clamped SwiGLU clamp limit (7.0).",
 }
 HEADER = """# Public interfaces
 

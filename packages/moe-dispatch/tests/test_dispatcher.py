@@ -200,3 +200,21 @@ def test_empty_batch():
     assert out.shape == (0, 5)
     out.sum().backward()
     assert x.grad.shape == (0, 5)
+
+
+@SETTINGS
+@given(routings(), st.integers(1, 4))
+def test_probs_applied_by_the_experts_combine_to_the_weighted_result(routing, hidden):
+    idx, num_experts, gen = routing
+    num_tokens, topk = idx.shape
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    probs = random_probs(num_tokens, topk, gen)
+    dispatcher = LocalDispatcher(num_experts, pad_multiple=4)
+    res = dispatcher.dispatch(x, routing_result(idx, probs, num_experts))
+    y = torch.tanh(res.tokens_NH) + 1.0  # an expert whose padding rows are not zero
+    weighted = dispatcher.combine(y, res.handle)
+    applied = dispatcher.combine(y * res.row_probs()[:, None], res.probs_applied())
+    torch.testing.assert_close(applied, weighted)
+    # naive: sum over the chosen experts of prob * f(x)
+    torch.testing.assert_close(weighted, (torch.tanh(x) + 1.0) * probs.sum(1, keepdim=True))
+    assert res.handle.probs_TK is probs  # the original handle is left as it was

@@ -142,8 +142,14 @@ def test_extra_repr_names_backend_and_sizes():
 
 
 def test_construction_errors():
-    with pytest.raises(ValueError, match="activation='gelu'"):
-        GroupedExperts(2, 8, 8, activation="gelu")
+    with pytest.raises(ValueError, match="activation='relu'"):
+        GroupedExperts(2, 8, 8, activation="relu")
+    with pytest.raises(ValueError, match="divisible by etp_size=3"):
+        GroupedExperts(2, 8, 8, etp_size=3, etp_rank=0)
+    with pytest.raises(ValueError, match="etp_rank=2"):
+        GroupedExperts(2, 8, 8, etp_size=2, etp_rank=2)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        GroupedExperts(2, 8, 8, backend="loop")(torch.zeros(3, 8), torch.tensor([1, 1, 1]))
     with pytest.raises(ValueError, match="nope"):
         GroupedExperts(2, 8, 8, backend="nope")
 
@@ -184,8 +190,10 @@ def test_swiglu_forward_backward_match_formula(rows, ffn, seed):
 
 
 def test_get_activation():
-    assert get_activation("swiglu") is swiglu
-    assert set(ACTIVATIONS) == {"swiglu"}
+    assert get_activation("swiglu").fn is swiglu
+    assert set(ACTIVATIONS) == {"swiglu", "geglu", "swiglu_oai", "squared_relu", "gelu"}
+    gated = {name for name, act in ACTIVATIONS.items() if act.gated}
+    assert gated == {"swiglu", "geglu", "swiglu_oai"}
     with pytest.raises(ValueError, match="swiglu"):
         get_activation("relu")
 
@@ -201,3 +209,35 @@ def test_unaligned_sizes_fall_back_to_loop_under_auto_and_fail_clearly_under_tor
     forced = GroupedExperts(3, 6, 5, backend="torch")
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         forced(x, counts)
+
+
+def test_checkpoint_names_and_shapes_per_activation_and_bias():
+    assert set(GroupedExperts(2, 8, 12, backend="loop").state_dict()) == {"w_gate_up_EH2F", "w_down_EFH"}
+    gelu = GroupedExperts(2, 8, 12, activation="gelu", backend="loop", bias=True)
+    shapes = {name: tuple(t.shape) for name, t in gelu.state_dict().items()}
+    assert shapes == {
+        "w_gate_up_EH2F": (2, 8, 12),
+        "w_down_EFH": (2, 12, 8),
+        "b_gate_up_E2F": (2, 12),
+        "b_down_EH": (2, 8),
+    }
+    oai = GroupedExperts(2, 8, 12, activation="swiglu_oai", backend="loop", bias=True, etp_rank=1, etp_size=2)
+    shapes = {name: tuple(t.shape) for name, t in oai.state_dict().items()}
+    assert shapes == {
+        "w_gate_up_EH2F": (2, 8, 12),
+        "w_down_EFH": (2, 6, 8),
+        "b_gate_up_E2F": (2, 12),
+        "b_down_EH": (2, 8),
+    }
+    assert "etp_rank=1, etp_size=2" in repr(oai) and "bias=True" in repr(oai)
+
+
+def test_meta_device_build_then_materialize_matches_cpu_build():
+    with torch.device("meta"):
+        meta = GroupedExperts(3, 8, 12, backend="loop", bias=True, seed=7)
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    meta.reset_parameters()
+    cpu = GroupedExperts(3, 8, 12, backend="loop", bias=True, seed=7)
+    for (name, a), b in zip(meta.state_dict().items(), cpu.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

@@ -7,16 +7,31 @@ import moe_experts
 
 PUBLIC_NAMES = [
     "ACTIVATIONS",
+    "Activation",
     "BACKENDS",
     "BackendUnavailableError",
     "GroupedExperts",
+    "SWIGLU_OAI_ALPHA",
+    "SWIGLU_OAI_LIMIT",
+    "SharedExperts",
+    "SharedExpertsHandle",
+    "WeightedActivation",
     "__version__",
     "backend_availability",
+    "expert_seed",
+    "gate_up_columns",
+    "geglu",
+    "gelu",
     "get_activation",
     "loop_grouped_mm",
     "resolve_backend",
+    "shared_expert_stream",
+    "squared_relu",
     "swiglu",
+    "swiglu_oai",
+    "te_grouped_mm",
     "torch_grouped_mm",
+    "weighted_activation",
 ]
 
 

@@ -11,13 +11,14 @@ be in flight at once.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, unpermute
+from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, permute_probs, unpermute
 from moe_dispatch.router import RoutingResult
 
 
@@ -28,7 +29,8 @@ class DispatchHandle:
     # permutation of the tokens this rank's experts received; between the dispatch stages of the
     # distributed dispatchers it may hold their send-side map instead (replaced in dispatch_postprocess)
     pmap: PermutationMap
-    probs_TK: torch.Tensor  # combine weights, in the layout pmap.row_of_pair_TK uses
+    # combine weights, in the layout pmap.row_of_pair_TK uses; None once the experts applied them
+    probs_TK: torch.Tensor | None
     num_tokens: int  # tokens this rank routed (the length of combine's output)
     extra: dict[str, Any] = field(default_factory=dict)  # dispatcher-specific (splits, gathered sizes...)
 
@@ -48,6 +50,16 @@ class DispatchResult:
     tokens_NH: torch.Tensor  # expert-major rows for the local experts (padding rows are zero)
     tokens_per_expert_E: torch.Tensor  # int64 rows per local expert, padding included
     handle: DispatchHandle
+
+    def row_probs(self) -> torch.Tensor:
+        """The router probability of each row (0 for padding), for experts that apply it themselves."""
+        assert self.handle.probs_TK is not None, "the probabilities were already applied"
+        return permute_probs(self.handle.probs_TK, self.handle.pmap)
+
+    def probs_applied(self) -> DispatchHandle:
+        """The handle to combine with when the experts multiplied their rows by :meth:`row_probs`:
+        combine then sums each token's rows unweighted."""
+        return dataclasses.replace(self.handle, probs_TK=None)
 
 
 class TokenDispatcher(ABC):

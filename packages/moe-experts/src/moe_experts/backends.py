@@ -1,8 +1,16 @@
 """Grouped-GEMM back ends: ``gmm(x_NK, w_EKM, tokens_per_expert_E) -> y_NM`` with rows in expert order.
 
-``torch`` uses ``torch.nn.functional.grouped_mm`` (one kernel for all experts), ``loop`` one matmul per
-expert (the reference). ``grouped_gemm`` and ``te`` need GPU-only packages; they are detected at run
-time, and asking for one that is missing raises :class:`BackendUnavailableError`.
+All back ends share this one interface (autograd included) and are picked by name or by ``"auto"``
+(:data:`AUTO_ORDER`: the first usable of te, grouped_gemm, torch, loop):
+
+- ``torch``: ``torch.nn.functional.grouped_mm`` (one kernel for all experts; 16-byte aligned rows).
+- ``loop``: one matmul per expert (the reference; any shapes).
+- ``grouped_gemm``: ``grouped_gemm.ops.gmm`` (CUDA only).
+- ``te``: Transformer Engine's grouped GEMM (``general_grouped_gemm``, the kernels of ``GroupedLinear``; CUDA
+  only), see :class:`_TEGroupedMM`.
+
+``grouped_gemm`` and ``te`` need GPU-only packages; they are detected at run time (importable module and a CUDA
+device), and asking for one that is missing raises :class:`BackendUnavailableError`.
 """
 
 from __future__ import annotations
@@ -49,6 +57,80 @@ def grouped_gemm_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E
     return ops.gmm(x_NK, w_EKM, tokens_per_expert_E.to("cpu", torch.int64), trans_b=False)
 
 
+class _TEGroupedMM(torch.autograd.Function):
+    """Transformer Engine grouped GEMM (``general_grouped_gemm``, TE >= 2.0, the kernels ``GroupedLinear`` runs).
+
+    TE stores weights ``[out, in]`` and computes ``y_e = x_e @ W_e^T`` (layout ``"TN"``); ours are ``[in, out]``
+    (``w_EKM``), so the adapter hands TE ``w_EKM[e].T`` and transposes the weight gradient back. Forward, dgrad
+    (``"NN"``) and wgrad (``"NT"``) use the same calls as ``transformer_engine.pytorch.GroupedLinear`` (BF16/FP32, no
+    FP8 recipe). Not exercised on the CPU machines; where TE is importable with CUDA the contract suite runs it.
+    """
+
+    @staticmethod
+    def forward(ctx, x_NK, w_EKM, tokens_per_expert_E):
+        from transformer_engine.pytorch.cpp_extensions import general_grouped_gemm
+        from transformer_engine.pytorch.module.base import get_multi_stream_cublas_workspace
+
+        m_splits = [int(n) for n in tokens_per_expert_E.tolist()]
+        w_EMK = w_EKM.transpose(1, 2).contiguous()
+        x_NK = x_NK.contiguous()
+        out_NM = x_NK.new_empty(x_NK.shape[0], w_EKM.shape[-1])
+        general_grouped_gemm(
+            list(w_EMK.unbind(0)),
+            list(torch.split(x_NK, m_splits)),
+            [out_NM],
+            x_NK.dtype,
+            get_multi_stream_cublas_workspace(),
+            single_output=True,
+            m_splits=m_splits,
+        )
+        ctx.save_for_backward(x_NK, w_EMK)
+        ctx.m_splits = m_splits
+        return out_NM
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_NM):
+        from transformer_engine.pytorch.cpp_extensions import general_grouped_gemm
+        from transformer_engine.pytorch.module.base import get_multi_stream_cublas_workspace
+
+        x_NK, w_EMK = ctx.saved_tensors
+        m_splits, grad_NM = ctx.m_splits, grad_NM.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = x_NK.new_empty(x_NK.shape)
+            general_grouped_gemm(
+                list(w_EMK.unbind(0)),
+                list(torch.split(grad_NM, m_splits)),
+                [grad_x],
+                x_NK.dtype,
+                get_multi_stream_cublas_workspace(),
+                single_output=True,
+                layout="NN",
+                m_splits=m_splits,
+                grad=True,
+            )
+        if ctx.needs_input_grad[1]:
+            grad_w_EMK = torch.zeros_like(w_EMK)  # zeros: experts without rows get no GEMM
+            general_grouped_gemm(
+                list(torch.split(x_NK, m_splits)),
+                list(torch.split(grad_NM, m_splits)),
+                list(grad_w_EMK.unbind(0)),
+                x_NK.dtype,
+                get_multi_stream_cublas_workspace(),
+                layout="NT",
+                m_splits=m_splits,
+                grad=True,
+            )
+            grad_w = grad_w_EMK.transpose(1, 2)
+        return grad_x, grad_w, None
+
+
+def te_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """Transformer Engine back end (CUDA + ``transformer_engine`` only): see :class:`_TEGroupedMM`."""
+    return _TEGroupedMM.apply(x_NK, w_EKM, tokens_per_expert_E)
+
+
 def loop_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """Reference back end: one matmul per expert."""
     chunks = torch.split(x_NK, tokens_per_expert_E.tolist(), dim=0)
@@ -88,7 +170,7 @@ BACKENDS: dict[str, Backend] = {
         ("transformer_engine",),
         True,
         "pip install --no-build-isolation 'transformer_engine[pytorch]'",
-        None,
+        te_grouped_mm,
     ),
 }
 

@@ -1,4 +1,32 @@
-"""Routed experts computed with one grouped GEMM per projection."""
+"""Routed experts computed with one grouped GEMM per projection.
+
+Parameters (names and layouts used in checkpoints), with ``E`` local experts, ``H`` hidden, ``F`` the expert FFN
+width and ``Fl = F / etp_size`` the local FFN width:
+
+- ``w_gate_up_EH2F`` ``[E, H, 2*Fl]`` for gated activations: ``swiglu`` / ``geglu`` keep gate in the first ``Fl``
+  columns and up in the last ``Fl``; ``swiglu_oai`` (GPT-OSS) INTERLEAVES them (gate = even columns, up = odd
+  columns, HuggingFace's ``gate_up_proj`` layout). Non-gated activations (``squared_relu``, ``gelu``) use the same
+  name with width ``Fl``: ``[E, H, Fl]``.
+- ``w_down_EFH`` ``[E, Fl, H]``.
+- with ``bias=True``: ``b_gate_up_E2F`` ``[E, 2*Fl]`` (``[E, Fl]`` non-gated, same column layout as the weight)
+  and ``b_down_EH`` ``[E, H]``.
+
+Router probabilities: ``forward(x, tokens_per_expert, probs_N)`` multiplies each row's activation by its
+probability inside the activation (:func:`~moe_experts.fused.weighted_activation`) and scales the down bias by it
+too, so the output rows are ``prob * expert(x)`` (GPT-OSS's ``(act @ W_down + b_down) * prob``) and the caller
+combines without weights. Padding rows carry probability 0 and come out as zeros.
+
+Initialisation is per expert and independent of the expert / tensor-parallel split (:func:`expert_seed`): expert
+``g = first_expert + e`` draws its full (``etp_size = 1``) weights from a generator seeded by ``(seed, g)`` and
+keeps its shard, so any split of experts over ranks, and any ``etp_size``, holds slices of the same weights.
+
+Expert tensor parallelism (``etp_rank`` / ``etp_size``): rank ``r`` holds FFN units ``[r*Fl, (r+1)*Fl)``: those
+columns of gate and of up (for the interleaved layout the matching interleaved column pairs) and those rows of
+``w_down``. Its output is a partial sum: summing the outputs of the etp ranks (the dispatcher's reduce-scatter /
+all-reduce; this module does not communicate) gives the ``etp_size = 1`` output. The down bias is added on etp
+rank 0 only (other ranks add it times 0, so their ``b_down_EH`` gradient is zero): sum ``b_down_EH``'s gradient
+over the etp group, as for any parameter replicated over it.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +35,43 @@ import math
 import torch
 from torch import nn
 
-from moe_experts.activations import get_activation
+from moe_experts.activations import gate_up_columns, get_activation
 from moe_experts.backends import GroupedMM, loop_grouped_mm, resolve_backend
+from moe_experts.fused import weighted_activation
 
 GROUPED_MM_ROW_ALIGN_BYTES = 16  # torch grouped_mm rejects rows that are not 16-byte aligned
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def expert_seed(seed: int, global_expert: int) -> int:
+    """Seed of the generator that initialises global expert ``global_expert`` (a 63-bit mix of both)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ global_expert) >> 1
 
 
 class GroupedExperts(nn.Module):
-    """E gated-FFN experts stored as one tensor per projection.
+    """E FFN experts stored as one tensor per projection (module docstring for layouts, probs, init and ETP).
 
-    ``w_gate_up_EH2F`` holds gate (first F columns) and up (last F columns); ``w_down_EFH`` the down
-    projection. Input rows must be in expert-major order with ``tokens_per_expert_E`` rows each.
+    Input rows must be in expert-major order with ``tokens_per_expert_E`` rows each.
+
+    Args:
+        num_experts: local experts on this rank.
+        hidden_size: H.
+        ffn_hidden_size: the FULL expert FFN width F (before expert tensor parallelism).
+        activation: a name of :data:`~moe_experts.activations.ACTIVATIONS`.
+        backend: ``"auto"`` or a name of :data:`~moe_experts.backends.BACKENDS`.
+        bias: add ``b_gate_up_E2F`` and ``b_down_EH`` (GPT-OSS).
+        first_expert: global id of local expert 0 (expert parallelism: ``ep_rank * num_experts``).
+        seed: base seed of the per-expert init; None draws one from torch's global generator at every
+            :meth:`reset_parameters` (deterministic under ``torch.manual_seed``, but the same on every rank only if
+            the ranks' generators agree: pass a seed with expert parallelism).
+        etp_rank, etp_size: this rank's place in the expert tensor-parallel group (``F % etp_size == 0``).
     """
 
     def __init__(
@@ -27,46 +81,131 @@ class GroupedExperts(nn.Module):
         ffn_hidden_size: int,
         activation: str = "swiglu",
         backend: str = "auto",
+        bias: bool = False,
+        *,
+        first_expert: int = 0,
+        seed: int | None = None,
+        etp_rank: int = 0,
+        etp_size: int = 1,
     ) -> None:
         super().__init__()
+        if etp_size < 1 or not 0 <= etp_rank < etp_size:
+            raise ValueError(f"need 0 <= etp_rank < etp_size, got etp_rank={etp_rank}, etp_size={etp_size}")
+        if ffn_hidden_size % etp_size:
+            raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by etp_size={etp_size}")
+        if first_expert < 0:
+            raise ValueError(f"first_expert={first_expert} must be >= 0")
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.local_ffn_hidden_size = ffn_hidden_size // etp_size
+        self.first_expert, self.seed = first_expert, seed
+        self.etp_rank, self.etp_size = etp_rank, etp_size
         self.activation_name = activation
         self.activation = get_activation(activation)
         self.requested_backend = backend
         self.backend = resolve_backend(backend)
-        self.w_gate_up_EH2F = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_hidden_size))
-        self.w_down_EFH = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        width = self.activation.width_factor * self.local_ffn_hidden_size
+        self.w_gate_up_EH2F = nn.Parameter(torch.empty(num_experts, hidden_size, width))
+        self.w_down_EFH = nn.Parameter(torch.empty(num_experts, self.local_ffn_hidden_size, hidden_size))
+        if bias:
+            self.b_gate_up_E2F = nn.Parameter(torch.empty(num_experts, width))
+            self.b_down_EH = nn.Parameter(torch.empty(num_experts, hidden_size))
+        else:
+            self.register_parameter("b_gate_up_E2F", None)
+            self.register_parameter("b_down_EH", None)
         self.reset_parameters()
 
-    def reset_parameters(self, std: float = 0.02, num_layers: int = 1) -> None:
-        nn.init.normal_(self.w_gate_up_EH2F, std=std)
-        # scaled output init (as Megatron's output_layer_init_method) keeps the residual stream stable
-        nn.init.normal_(self.w_down_EFH, std=std / math.sqrt(2.0 * num_layers))
+    @property
+    def has_bias(self) -> bool:
+        return self.b_down_EH is not None
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def local_gate_up_columns(self) -> torch.Tensor:
+        """Columns of the full (``etp_size = 1``) first projection this etp rank holds, in local order."""
+        fl = self.local_ffn_hidden_size
+        return gate_up_columns(
+            self.activation.layout, self.ffn_hidden_size, self.etp_rank * fl, (self.etp_rank + 1) * fl
+        )
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, num_layers: int = 1) -> None:
+        """Normal(0, std) first projection and normal(0, std / sqrt(2 * num_layers)) down projection (the scaled
+        output init of Megatron's ``output_layer_init_method``), drawn per global expert; biases zero."""
+        if self.w_gate_up_EH2F.is_meta:  # nothing to fill (nn.init is a no-op on meta too)
+            return
+        base = self.seed if self.seed is not None else int(torch.randint(0, 2**62, (), device="cpu").item())
+        cols = self.local_gate_up_columns()
+        fl, f = self.local_ffn_hidden_size, self.ffn_hidden_size
+        rows = slice(self.etp_rank * fl, (self.etp_rank + 1) * fl)
+        down_std = std / math.sqrt(2.0 * num_layers)
+        hidden, width = self.hidden_size, self.activation.width_factor * f
+        for e in range(self.num_experts):
+            gen = torch.Generator().manual_seed(expert_seed(base, self.first_expert + e))
+            # drawn on the CPU, so the values do not depend on the device either
+            w1 = torch.randn(hidden, width, generator=gen, device="cpu").mul_(std)
+            w2 = torch.randn(f, hidden, generator=gen, device="cpu").mul_(down_std)
+            self.w_gate_up_EH2F[e].copy_(w1[:, cols])
+            self.w_down_EFH[e].copy_(w2[rows])
+        if self.b_gate_up_E2F is not None:
+            nn.init.zeros_(self.b_gate_up_E2F)
+            nn.init.zeros_(self.b_down_EH)
+
+    def forward(
+        self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[N, H] -> [N, H]``; with ``probs_N`` (one router probability per row) each row comes out scaled by it.
+
+        Computed in ``x_NH``'s dtype (weights cast: bf16 under autocast, whose op lists lack grouped_mm).
+        """
+        if tokens_per_expert_E.shape != (self.num_experts,):
+            raise ValueError(
+                f"tokens_per_expert_E must have shape ({self.num_experts},), got {tuple(tokens_per_expert_E.shape)}"
+            )
         gmm = self._grouped_mm(x_NH.element_size())
-        # experts compute in the activation dtype (bf16 under autocast, whose op lists lack grouped_mm)
-        w_gate_up, w_down = self.w_gate_up_EH2F.to(x_NH.dtype), self.w_down_EFH.to(x_NH.dtype)
-        hidden_NF = self.activation(gmm(x_NH, w_gate_up, tokens_per_expert_E))
-        return gmm(hidden_NF, w_down, tokens_per_expert_E)
+        dtype = x_NH.dtype
+        w_gate_up, w_down = self.w_gate_up_EH2F.to(dtype), self.w_down_EFH.to(dtype)
+        h_NW = gmm(x_NH, w_gate_up, tokens_per_expert_E)
+        expert_N = None
+        if self.b_gate_up_E2F is not None:
+            expert_N = torch.repeat_interleave(
+                torch.arange(self.num_experts, device=x_NH.device),
+                tokens_per_expert_E.to(x_NH.device),
+                output_size=x_NH.shape[0],
+            )
+            h_NW = h_NW + self.b_gate_up_E2F.to(dtype)[expert_N]
+        a_NF = weighted_activation(h_NW, probs_N, self.activation)
+        y_NH = gmm(a_NF, w_down, tokens_per_expert_E)
+        if self.b_down_EH is not None:
+            b_down = self.b_down_EH.to(dtype)
+            if self.etp_rank != 0:
+                b_down = b_down * 0.0  # added once over the etp group (zero gradient here)
+            b_NH = b_down[expert_N]
+            if probs_N is not None:
+                b_NH = (b_NH * probs_N[:, None]).to(dtype)
+            y_NH = y_NH + b_NH
+        return y_NH
 
     def _grouped_mm(self, element_size: int) -> GroupedMM:
         assert self.backend.gmm is not None  # resolve_backend only returns implemented back ends
-        _, hidden, ffn2 = self.w_gate_up_EH2F.shape
-        aligned = all(n * element_size % GROUPED_MM_ROW_ALIGN_BYTES == 0 for n in (hidden, ffn2 // 2))
+        hidden, ffn = self.hidden_size, self.local_ffn_hidden_size
+        aligned = all(n * element_size % GROUPED_MM_ROW_ALIGN_BYTES == 0 for n in (hidden, ffn))
         if self.backend.name != "torch" or aligned:
             return self.backend.gmm
         if self.requested_backend == "auto":
             return loop_grouped_mm
         raise ValueError(
-            f"expert backend 'torch' needs hidden_size ({hidden}) and ffn_hidden_size ({ffn2 // 2}) rows of a "
-            f"multiple of {GROUPED_MM_ROW_ALIGN_BYTES} bytes ({element_size}-byte elements); "
+            f"expert backend 'torch' needs hidden_size ({hidden}) and ffn_hidden_size ({ffn}, per etp rank) rows of "
+            f"a multiple of {GROUPED_MM_ROW_ALIGN_BYTES} bytes ({element_size}-byte elements); "
             "use backend 'loop' or 'auto'"
         )
 
     def extra_repr(self) -> str:
-        e, h, f2 = self.w_gate_up_EH2F.shape
-        return (
-            f"num_experts={e}, hidden={h}, ffn={f2 // 2}, activation={self.activation_name}, "
-            f"backend={self.backend.name}"
+        text = (
+            f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "
+            f"activation={self.activation_name}, backend={self.backend.name}, bias={self.has_bias}"
         )
+        if self.first_expert:
+            text += f", first_expert={self.first_expert}"
+        if self.etp_size > 1:
+            text += f", etp_rank={self.etp_rank}, etp_size={self.etp_size}"
+        return text

@@ -79,6 +79,8 @@ class MoEBlock(nn.Module):
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         routing = self.router(x_TH, seq_len=x_BSH.shape[1])  # tokens are batch-major
         dispatched = self.dispatcher.dispatch(x_TH, routing)
-        y_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_E)
-        out_TH = self.dispatcher.combine(y_NH, dispatched.handle)
+        # probabilities applied inside the experts' activation: less saved for backward than weighting
+        # the gathered rows in combine
+        y_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_E, dispatched.row_probs())
+        out_TH = self.dispatcher.combine(y_NH, dispatched.probs_applied())
         return out_TH.view_as(x_BSH), routing

@@ -1,0 +1,613 @@
+"""MoE expert block, forward + backward: ours against HuggingFace's Qwen3-MoE block and a dense GEMM chain.
+
+Setting (default): 2048 tokens, hidden 512, 32 experts, top-4, expert FFN 192, fp32 on CPU, the router's own
+(learned, random-init) routing. Three blocks, all with the same shapes, timed interleaved in one process:
+
+- ``ours``: moe_models' ``MoEBlock`` (router -> LocalDispatcher -> GroupedExperts -> combine),
+  ``RouterConfig(num_experts, topk, load_balancing_type="none")`` (HF's block computes no aux loss either);
+  ``ours_probs_in_experts`` too when ``GroupedExperts.forward`` takes ``probs_N`` (probs applied inside the
+  activation, combine without probs). The block bodies are :func:`ours_block` / :func:`ours_probs_in_experts_block`.
+- ``hf``: transformers' ``Qwen3MoeSparseMoeBlock`` with ``experts_implementation="grouped_mm"`` (checked: the
+  ``grouped_mm`` experts forward and ``aten::_grouped_mm`` run, the fallback op does not), ``norm_topk_prob=True``,
+  and the SAME weights (copied into ours; the outputs are compared before timing).
+- ``dense``: the expert GEMMs as if every row went to one expert: ``[T*K, H] @ [H, 2F]`` -> SwiGLU ->
+  ``@ [F, H]`` (same GEMM FLOPs as the experts, no routing, no permutation).
+
+Each repetition runs forward + backward (``out.backward(grad)``, input requires grad, parameter grads reset to
+None); medians over interleaved repetitions (rotating order). Peak memory: each block runs in a fresh process
+(with --quick: in the timing process, after the timing) with glibc's mmap threshold fixed at 64 KiB
+(``MALLOC_MMAP_THRESHOLD_=65536``, ``mallopt`` with --quick): large buffers go to mmap and return to the OS when
+freed, so RSS follows what is allocated. After one warm-up forward + backward the peak-RSS counter is reset
+(``/proc/self/clear_refs`` = 5) and the figure is ``VmHWM - VmRSS`` across one forward + backward: the additional
+resident memory at the peak (saved activations, temporaries, input and parameter gradients). Two figures:
+parameter grads set to None before the pass (allocated in it; the headline ratio), and grads already allocated
+(accumulated into, as with persistent grad buffers). Where the reset is refused the warm-up is skipped and
+``ru_maxrss`` minus the RSS before the first pass is reported. Also reported: the bytes autograd saves for backward
+per block (what accumulates over the layers of a model).
+
+With CUDA present it also measures (bf16) the achieved TFLOPS of the grouped expert GEMMs (GroupedExperts
+forward + backward) for the Qwen3-30B-A3B layer shape (hidden 2048, 128 experts, top-8, FFN 768, 32k tokens,
+balanced routing) against a dense matmul of the same shape measured in the same run.
+
+    uv run python benchmarks/experts_block.py [--quick] [--out benchmarks/results/experts_block.json] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import inspect
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent
+TARGETS = {"ours_over_hf_time": 0.77, "ours_over_dense_time": 1.25, "ours_over_hf_peak_memory": 0.7}
+
+
+# ----------------------------------------------------------------------------------------------- blocks
+
+
+def ours_block(block, x_TH: torch.Tensor) -> torch.Tensor:
+    """Router -> dispatch -> grouped experts -> combine (probs applied in the combine), as MoEBlock.forward."""
+    out, _ = block(x_TH.unsqueeze(0))
+    return out.squeeze(0)
+
+
+def ours_probs_in_experts_block(block, x_TH: torch.Tensor) -> torch.Tensor:
+    """As :func:`ours_block`, with the router probs applied inside the experts' activation and a combine
+    without probs."""
+    from moe_dispatch.permutation import permute_probs, unpermute
+
+    routing = block.router(x_TH, seq_len=x_TH.shape[0])
+    dispatched = block.dispatcher.dispatch(x_TH, routing)
+    probs_N = permute_probs(dispatched.handle.probs_TK, dispatched.handle.pmap)
+    y_NH = block.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_E, probs_N=probs_N)
+    return unpermute(y_NH, dispatched.handle.pmap)
+
+
+def experts_take_probs() -> bool:
+    from moe_experts import GroupedExperts
+
+    return "probs_N" in inspect.signature(GroupedExperts.forward).parameters
+
+
+def build_hf(args: argparse.Namespace, seed: int = 0):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(
+        hidden_size=args.hidden,
+        moe_intermediate_size=args.ffn,
+        num_experts=args.experts,
+        num_experts_per_tok=args.topk,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        experts_implementation="grouped_mm",
+    )
+    assert config._experts_implementation == "grouped_mm"
+    torch.manual_seed(seed)
+    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():  # HF leaves init to PreTrainedModel._init_weights: initializer_range 0.02 normals
+        for p in block.parameters():
+            p.normal_(std=0.02)
+    return block
+
+
+def build_ours(args: argparse.Namespace, hf_block=None, seed: int = 0):
+    from moe_dispatch import RouterConfig
+    from moe_models.layers import MoEBlock
+
+    router = RouterConfig(num_experts=args.experts, topk=args.topk, load_balancing_type="none")
+    torch.manual_seed(seed)
+    block = MoEBlock(args.hidden, args.ffn, router, expert_backend="auto")
+    if hf_block is not None:
+        copy_hf_weights(hf_block, block)
+    return block
+
+
+def copy_hf_weights(hf_block, ours) -> None:
+    """HF router ``gate.weight`` [E, H] = ours ``router.weight``; HF ``gate_up_proj`` [E, 2F, H] (gate rows first,
+    applied as x @ W.T) = ours ``w_gate_up_EH2F`` [E, H, 2F] transposed; HF ``down_proj`` [E, H, F] = ours
+    ``w_down_EFH`` [E, F, H] transposed."""
+    with torch.no_grad():
+        ours.router.weight.copy_(hf_block.gate.weight)
+        ours.experts.w_gate_up_EH2F.copy_(hf_block.experts.gate_up_proj.transpose(1, 2))
+        ours.experts.w_down_EFH.copy_(hf_block.experts.down_proj.transpose(1, 2))
+
+
+class Dense(torch.nn.Module):
+    """The expert GEMM chain on all T*K rows at once: one expert holding every row."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.w_gate_up = torch.nn.Parameter(torch.randn(hidden, 2 * ffn) * 0.02)
+        self.w_down = torch.nn.Parameter(torch.randn(ffn, hidden) * 0.02)
+
+    def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
+        gate, up = (x_NH @ self.w_gate_up).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.w_down
+
+
+def make_variant(name: str, args: argparse.Namespace, hf_block=None):
+    """(module, forward(x) -> out, input x) for one variant; ``hf_block`` supplies the shared weights."""
+    gen = torch.Generator().manual_seed(1)
+    if name == "dense":
+        module = Dense(args.hidden, args.ffn)
+        x = torch.randn(args.tokens * args.topk, args.hidden, generator=gen)
+        return module, module, x
+    x = torch.randn(args.tokens, args.hidden, generator=gen)
+    hf_block = build_hf(args) if hf_block is None else hf_block
+    if name == "hf":
+        return hf_block, lambda x_TH: hf_block(x_TH.unsqueeze(0)).squeeze(0), x
+    ours = build_ours(args, hf_block)
+    if name == "ours":
+        return ours, lambda x_TH: ours_block(ours, x_TH), x
+    if name == "ours_probs_in_experts":
+        return ours, lambda x_TH: ours_probs_in_experts_block(ours, x_TH), x
+    raise ValueError(name)
+
+
+def fwd_bwd(module: torch.nn.Module, fn: Callable, x: torch.Tensor, grad: torch.Tensor) -> None:
+    for p in module.parameters():
+        p.grad = None
+    x.grad = None
+    fn(x).backward(grad)
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def check_hf_runs_grouped_mm(hf_block, x: torch.Tensor) -> dict:
+    """The HF block dispatches to transformers' grouped_mm experts forward, which calls aten::_grouped_mm (not
+    transformers' fallback op): checked by counting the interface calls and by the profiler's op names."""
+    from transformers.integrations import moe
+
+    calls = {"grouped_mm_experts_forward": 0}
+    original = moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    assert original is moe.grouped_mm_experts_forward
+
+    def counting(*a, **k):
+        calls["grouped_mm_experts_forward"] += 1
+        return original(*a, **k)
+
+    moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"] = counting  # local mapping of this interface instance
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            hf_block(x.unsqueeze(0)).sum().backward()
+    finally:
+        del moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    assert moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"] is original
+    names = {e.key for e in prof.key_averages()}
+    grouped = sorted(n for n in names if "grouped_mm" in n)
+    assert calls["grouped_mm_experts_forward"] == 1, calls
+    assert "aten::_grouped_mm" in names, grouped
+    assert not any("fallback" in n for n in grouped), grouped
+    for p in hf_block.parameters():
+        p.grad = None
+    return {"experts_forward_calls": calls["grouped_mm_experts_forward"], "grouped_mm_ops_seen": grouped}
+
+
+def check_same_outputs(args: argparse.Namespace, hf_block, variants: dict) -> dict:
+    """Forward outputs and input gradients of every MoE variant equal HF's (fp32, rtol 1e-4)."""
+    x = variants["hf"][2].clone().requires_grad_()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    ref = variants["hf"][1](x)
+    ref.backward(grad)
+    ref_grad = x.grad.clone()
+    max_err = {}
+    for name, (_, fn, _) in variants.items():
+        if name in ("hf", "dense"):
+            continue
+        x.grad = None
+        out = fn(x)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-6)
+        out.backward(grad)
+        torch.testing.assert_close(x.grad, ref_grad, rtol=1e-4, atol=1e-6)
+        max_err[name] = {"out": (out - ref).abs().max().item(), "grad_x": (x.grad - ref_grad).abs().max().item()}
+    for module, _, _ in variants.values():
+        for p in module.parameters():
+            p.grad = None
+    return max_err
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return False
+    return True
+
+
+def _one_pass_peak_kib(module, fn, x, grad, keep_grads: bool) -> tuple[int, int]:
+    if not keep_grads:
+        for p in module.parameters():
+            p.grad = None
+    x.grad = None
+    gc.collect()
+    _reset_peak()
+    before = _status_kib("VmRSS")
+    if keep_grads:  # gradients accumulate into buffers that already exist, as with persistent grad buffers
+        fn(x).backward(grad)
+    else:
+        fwd_bwd(module, fn, x, grad)
+    return _status_kib("VmHWM") - before, before
+
+
+def measure_memory_child(names: list[str], args: argparse.Namespace) -> dict:
+    """Runs in a fresh process: the additional resident memory at the peak of one forward + backward of each
+    variant in ``names`` (one per process except in --quick)."""
+    torch.set_num_threads(args.threads)
+    results = {}
+    for name in names:
+        module, fn, x = make_variant(name, args)
+        x.requires_grad_()
+        grad = torch.randn(fn(x).shape)
+        if not _reset_peak():  # no VmHWM reset here: first pass, no warm-up, ru_maxrss
+            for p in module.parameters():
+                p.grad = None
+            before = _status_kib("VmRSS")
+            fwd_bwd(module, fn, x, grad)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            results[name] = {
+                "peak_increase_MiB": (peak - before) / 1024,
+                "method": "ru_maxrss - VmRSS over the first fwd+bwd (no warm-up), MALLOC_MMAP_THRESHOLD_=65536",
+            }
+            continue
+        fwd_bwd(module, fn, x, grad)  # warm-up: lazy initialisations, libraries, thread pools
+        fresh, before = _one_pass_peak_kib(module, fn, x, grad, keep_grads=False)
+        fwd_bwd(module, fn, x, grad)  # parameter gradients now exist
+        kept, _ = _one_pass_peak_kib(module, fn, x, grad, keep_grads=True)
+        results[name] = {
+            "peak_increase_MiB": fresh / 1024,
+            "peak_increase_grads_preallocated_MiB": kept / 1024,
+            "rss_before_MiB": before / 1024,
+            "method": "VmHWM - VmRSS over one fwd+bwd after a warm-up (VmHWM reset by clear_refs=5), "
+            "MALLOC_MMAP_THRESHOLD_=65536; peak_increase_MiB: parameter grads set to None before the pass "
+            "(allocated inside it); peak_increase_grads_preallocated_MiB: grads already allocated, accumulated into",
+        }
+        del module, fn, x, grad
+        gc.collect()
+    return results
+
+
+def set_mmap_threshold(nbytes: int = 65536) -> None:
+    """glibc mallopt(M_MMAP_THRESHOLD): what MALLOC_MMAP_THRESHOLD_ does for the child processes, in this one."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD = -3
+
+
+def measure_memory(names: list[str], args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--memory-child", ",".join(names), "--threads", str(args.threads)]
+    for key in ("tokens", "hidden", "experts", "topk", "ffn"):
+        cmd += [f"--{key}", str(getattr(args, key))]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def saved_activation_bytes(module: torch.nn.Module, fn: Callable, x: torch.Tensor) -> dict:
+    """Bytes autograd keeps from this block's forward for its backward (distinct storages, parameters and the
+    input left out): what accumulates over the layers of a full model before the backward starts."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    saved: dict[int, tuple[int, list[int]]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and storage.nbytes():
+            saved[storage.data_ptr()] = (storage.nbytes(), list(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x)
+    del out
+    big = sorted(saved.values(), key=lambda v: -v[0])
+    return {"MiB": sum(v[0] for v in big) / 2**20, "largest": [{"MiB": b / 2**20, "shape": s} for b, s in big[:8]]}
+
+
+# ----------------------------------------------------------------------------------------------- profile
+
+
+def profile(variants: dict, names: list[str], rows: int = 18) -> dict:
+    """torch.profiler (CPU, memory) tables of one forward + backward per variant."""
+    tables = {}
+    for name in names:
+        module, fn, x = variants[name]
+        x = x.clone().requires_grad_()
+        grad = torch.randn(fn(x).shape)
+        fwd_bwd(module, fn, x, grad)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            fwd_bwd(module, fn, x, grad)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+        print(f"--- {name}\n{table}")
+        tables[name] = table
+    return tables
+
+
+# ----------------------------------------------------------------------------------------------- CUDA TFLOPS
+
+
+QWEN3_30B_A3B_LAYER = {"hidden": 2048, "experts": 128, "topk": 8, "ffn": 768, "tokens": 32768}
+
+
+def grouped_gemm_tflops(
+    shape: dict | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, reps: int = 10
+) -> dict:
+    """Achieved TFLOPS of our grouped expert GEMMs against dense matmuls of the same shapes, in one run.
+
+    Balanced routing (every expert gets N / E rows, N = tokens x top-k). Measured: (1) the up-projection GEMM
+    alone, forward: our back end's grouped GEMM ``[N, H] x [E, H, 2F]`` vs one ``[N, H] @ [H, 2F]``; (2) the
+    whole GroupedExperts forward + backward (two grouped GEMMs, SwiGLU) vs the same dense chain. FLOPs:
+    ``2 N H 2F`` for (1); ``3 x (2 N H 2F + 2 N F H)`` for (2) (forward + the two backward GEMMs of each).
+    Defaults: the Qwen3-30B-A3B layer in bf16 on CUDA (called by main only when CUDA is present); any
+    device/dtype/shape works (a tiny fp32 CPU shape serves as a smoke test).
+    """
+    from moe_experts import GroupedExperts
+
+    shape = QWEN3_30B_A3B_LAYER if shape is None else shape
+    hidden, experts, topk, ffn, tokens = (shape[k] for k in ("hidden", "experts", "topk", "ffn", "tokens"))
+    rows = tokens * topk
+    dev = torch.device(device)
+    module = GroupedExperts(experts, hidden, ffn, backend="auto").to(dev, dtype)
+    counts = torch.full((experts,), rows // experts, dtype=torch.int64, device=dev)
+    rows = int(counts.sum())
+    x = torch.randn(rows, hidden, device=dev, dtype=dtype, requires_grad=True)
+    grad = torch.randn(rows, hidden, device=dev, dtype=dtype)
+    w1 = (torch.randn(hidden, 2 * ffn, device=dev, dtype=dtype) * 0.02).requires_grad_()
+    w2 = (torch.randn(ffn, hidden, device=dev, dtype=dtype) * 0.02).requires_grad_()
+    gmm = module._grouped_mm(x.element_size())
+    w_gate_up = module.w_gate_up_EH2F.detach()
+
+    def grouped_gemm():
+        with torch.no_grad():
+            gmm(x, w_gate_up, counts)
+
+    def dense_gemm():
+        with torch.no_grad():
+            x @ w1
+
+    def grouped_experts():
+        x.grad = None
+        module(x, counts).backward(grad)
+
+    def dense_chain():
+        x.grad = None
+        gate, up = (x @ w1).chunk(2, dim=-1)
+        ((F.silu(gate) * up) @ w2).backward(grad)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    flops_up = 2 * rows * hidden * 2 * ffn
+    flops_fwd_bwd = 3 * (flops_up + 2 * rows * ffn * hidden)
+    fns = {
+        "grouped_gemm_up_fwd": (grouped_gemm, flops_up),
+        "dense_gemm_up_fwd": (dense_gemm, flops_up),
+        "grouped_experts_fwd_bwd": (grouped_experts, flops_fwd_bwd),
+        "dense_chain_fwd_bwd": (dense_chain, flops_fwd_bwd),
+    }
+    for fn, _ in fns.values():
+        for _ in range(3):
+            fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):  # interleaved
+        for name, (fn, _) in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    results: dict = {"shape": dict(shape), "dtype": str(dtype).removeprefix("torch."), "backend": module.backend.name}
+    results["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else device
+    for name, (_, flops) in fns.items():
+        med = statistics.median(times[name])
+        results[name] = {"median_s": med, "all_s": times[name], "TFLOPS": flops / med / 1e12}
+    results["grouped_over_dense_gemm_TFLOPS"] = (
+        results["grouped_gemm_up_fwd"]["TFLOPS"] / results["dense_gemm_up_fwd"]["TFLOPS"]
+    )
+    results["grouped_over_dense_fwd_bwd_TFLOPS"] = (
+        results["grouped_experts_fwd_bwd"]["TFLOPS"] / results["dense_chain_fwd_bwd"]["TFLOPS"]
+    )
+    return results
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def summary(times: list[float]) -> dict:
+    return {"median_s": statistics.median(times), "all_s": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "experts_block.json")
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI, under ~20 s)")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--experts", type=int, default=None)
+    parser.add_argument("--topk", type=int, default=None)
+    parser.add_argument("--ffn", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of ours and HF")
+    parser.add_argument(
+        "--headline",
+        choices=("ours", "ours_probs_in_experts"),
+        default="ours",
+        help="our variant the ours_over_* ratios and targets refer to (each variant also gets its own ratios)",
+    )
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.tokens = args.tokens or (256 if args.quick else 2048)
+    args.hidden = args.hidden or (128 if args.quick else 512)
+    args.experts = args.experts or (8 if args.quick else 32)
+    args.topk = args.topk or (2 if args.quick else 4)
+    args.ffn = args.ffn or (64 if args.quick else 192)
+    args.reps = args.reps or (5 if args.quick else 15)
+
+    if args.memory_child:
+        print(json.dumps(measure_memory_child(args.memory_child.split(","), args)))
+        return
+    torch.set_num_threads(args.threads)
+    if args.quick and not args.no_memory:
+        set_mmap_threshold()
+
+    names = ["ours", *(["ours_probs_in_experts"] if experts_take_probs() else []), "hf", "dense"]
+    hf_block = build_hf(args)
+    variants = {name: make_variant(name, args, hf_block) for name in names}
+    grouped_mm_check = check_hf_runs_grouped_mm(hf_block, variants["hf"][2])
+    max_err = check_same_outputs(args, hf_block, variants)
+
+    saved = {name: saved_activation_bytes(m, fn, x.clone().requires_grad_()) for name, (m, fn, x) in variants.items()}
+
+    inputs, grads = {}, {}
+    for name, (_, _, x) in variants.items():
+        inputs[name] = x.clone().requires_grad_()
+        grads[name] = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    runs = {name: (lambda n=name: fwd_bwd(variants[n][0], variants[n][1], inputs[n], grads[n])) for name in names}
+    for _ in range(args.warmup):
+        for run in runs.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(args.reps):  # interleaved, rotating which goes first
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in order:
+            times[name].append(timed(runs[name]))
+    med = {name: statistics.median(t) for name, t in times.items()}
+
+    def ratio_spread(a: str, b: str) -> list[float]:
+        r = [x / y for x, y in zip(times[a], times[b], strict=True)]
+        return [min(r), max(r)]
+
+    h = args.headline if args.headline in med else "ours"  # the variant the headline ratios are of
+    ratios = {
+        "ours_over_hf_time": med[h] / med["hf"],
+        "ours_over_hf_time_spread": ratio_spread(h, "hf"),
+        "ours_over_dense_time": med[h] / med["dense"],
+        "ours_over_dense_time_spread": ratio_spread(h, "dense"),
+        "hf_over_ours_time": med["hf"] / med[h],
+    }
+    for name in names:
+        if name.startswith("ours"):
+            ratios[f"{name}_over_hf_time"] = med[name] / med["hf"]
+            ratios[f"{name}_over_dense_time"] = med[name] / med["dense"]
+
+    memory = {}
+    if not args.no_memory:
+        if args.quick:  # in this process: a child would re-import torch and transformers (~7 s); CI smoke only
+            memory = measure_memory_child(names, args)
+        else:
+            for name in names:
+                memory.update(measure_memory([name], args))
+        ratios["ours_over_hf_peak_memory"] = memory[h]["peak_increase_MiB"] / memory["hf"]["peak_increase_MiB"]
+        for name in names:
+            if not name.startswith("ours"):
+                continue
+            ratios[f"{name}_over_hf_peak_memory"] = (
+                memory[name]["peak_increase_MiB"] / memory["hf"]["peak_increase_MiB"]
+            )
+            if "peak_increase_grads_preallocated_MiB" in memory[name]:
+                ratios[f"{name}_over_hf_peak_memory_grads_preallocated"] = (
+                    memory[name]["peak_increase_grads_preallocated_MiB"]
+                    / memory["hf"]["peak_increase_grads_preallocated_MiB"]
+                )
+    ratios["ours_over_hf_saved_activations"] = saved[h]["MiB"] / saved["hf"]["MiB"]
+    for name in names:
+        if name.startswith("ours"):
+            ratios[f"{name}_over_hf_saved_activations"] = saved[name]["MiB"] / saved["hf"]["MiB"]
+    met = {key: ratios[key] <= target for key, target in TARGETS.items() if key in ratios}
+
+    import transformers
+
+    report = {
+        "benchmark": "experts_block",
+        "what": "MoE expert block forward + backward: ours (router -> dispatch -> grouped experts -> combine) vs "
+        "HuggingFace Qwen3MoeSparseMoeBlock (experts_implementation=grouped_mm, same weights) vs a dense GEMM chain "
+        "with the same expert FLOPs",
+        "inputs": {
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "num_experts": args.experts,
+            "topk": args.topk,
+            "ffn": args.ffn,
+            "dtype": "float32",
+            "routing": "each block's router (same random-init weights), softmax top-k renormalised",
+            "reps": args.reps,
+            "warmup": args.warmup,
+        },
+        "headline_variant": h,
+        "expert_backend_ours": variants["ours"][0].experts.backend.name,
+        "hf_grouped_mm_check": grouped_mm_check,
+        "max_abs_err_vs_hf": max_err,
+        "times_s": {name: summary(t) for name, t in times.items()},
+        "ratios": ratios,
+        "memory": memory,
+        "saved_activations": saved,
+        "saved_activations_method": "distinct storages autograd saves in one forward (saved_tensors_hooks), "
+        "parameters and the block input excluded",
+        "memory_method": next(iter(memory.values()))["method"] if memory else None,
+        "memory_processes": "one fresh process per variant"
+        if not args.quick
+        else "one fresh process, variants in turn",
+        "targets": TARGETS,
+        "targets_met": met,
+        "device": "cpu",
+        "cpu_threads": args.threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+    }
+    if args.profile:
+        report["profile"] = profile(variants, [n for n in names if n != "dense"])
+    if torch.cuda.is_available():
+        # --quick (CI): the same layer with 4096 tokens
+        shape = dict(QWEN3_30B_A3B_LAYER, tokens=4096) if args.quick else None
+        report["cuda_qwen3_30b_a3b_grouped_gemm"] = grouped_gemm_tflops(shape)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for name in names:
+        mem = f"  peak +{memory[name]['peak_increase_MiB']:.1f} MiB" if memory else ""
+        print(f"{name:22s} fwd+bwd median {med[name] * 1e3:8.2f} ms{mem}")
+    for key, value in ratios.items():
+        print(f"{key:40s} {value}")
+    print(f"targets met: {met}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

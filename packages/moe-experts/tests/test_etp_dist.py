@@ -1,0 +1,102 @@
+"""Expert tensor parallelism over 2 gloo processes: the all-reduced partial outputs equal the etp=1 output and
+every shard's weight gradients are the slices of the etp=1 gradients (swiglu and GPT-OSS swiglu_oai, biases,
+router probabilities). The ranks run tests/_etp_worker.py, started once for the module."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD = 2
+WORKER = Path(__file__).with_name("_etp_worker.py")
+ACTIVATIONS = ("swiglu", "swiglu_oai")
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("etp")
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=120)[0].decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_all_reduced_partial_outputs_equal_etp1_output(ranks, activation):
+    for res in ranks:
+        r = res[activation]
+        torch.testing.assert_close(r["y_sum"], r["y_full"], **TOL)
+        # a shard alone is not the answer (else the check above proves nothing)
+        assert not torch.allclose(r["y_part"], r["y_full"], atol=1e-3)
+    torch.testing.assert_close(ranks[0][activation]["y_full"], ranks[1][activation]["y_full"], rtol=0, atol=0)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_input_and_probs_gradients_sum_to_etp1_gradients(ranks, activation):
+    for res in ranks:
+        r = res[activation]
+        torch.testing.assert_close(r["x_grad_sum"], r["x_grad_full"], **TOL)
+        torch.testing.assert_close(r["probs_grad_sum"], r["probs_grad_full"], **TOL)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_shard_weights_and_gradients_are_slices_of_etp1(ranks, activation):
+    seen_cols = []
+    for rank, res in enumerate(ranks):
+        r = res[activation]
+        cols, (lo, hi) = r["cols"], r["rows"]
+        seen_cols.append(cols)
+        for source, target in (("weights_full", "weights_part"), ("grads_full", "grads_part")):
+            full, part = r[source], r[target]
+            torch.testing.assert_close(part["w_gate_up_EH2F"], full["w_gate_up_EH2F"][:, :, cols], **TOL)
+            torch.testing.assert_close(part["w_down_EFH"], full["w_down_EFH"][:, lo:hi], **TOL)
+            torch.testing.assert_close(part["b_gate_up_E2F"], full["b_gate_up_E2F"][:, cols], **TOL)
+        # the down bias is added on etp rank 0 only: its gradient lives there, zero elsewhere
+        expected = r["grads_full"]["b_down_EH"] if rank == 0 else torch.zeros_like(r["grads_full"]["b_down_EH"])
+        torch.testing.assert_close(r["grads_part"]["b_down_EH"], expected, **TOL)
+        assert r["grads_full"]["w_gate_up_EH2F"].abs().sum() > 0
+    # the two shards together hold every column exactly once
+    width = ranks[0][activation]["weights_full"]["w_gate_up_EH2F"].shape[-1]
+    assert sorted(torch.cat(seen_cols).tolist()) == list(range(width))
