@@ -36,3 +36,12 @@ def test_readme_states_the_two_commands_and_ci_runs_the_test_one() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "uv run moe-train" in readme and "uv run nox" in readme
     assert "\nuv run nox\n" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_example_of_the_parts_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Using the parts alone")[1].split("```python")[1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["out_TH"].shape == (2048, 512)
+    assert namespace["router"].expert_bias.abs().sum() > 0  # the bias update ran
