@@ -127,13 +127,16 @@ class Progress:
         step = record["step"]
         if not self.enabled or (step % self.interval and step not in (1, self.total)):
             return
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / step * (self.total - step)
+        now = time.perf_counter()
+        if step == 1:  # the first step pays one-off costs (allocations, warm-up): the rate starts after it
+            self.start = now
+        eta = (now - self.start) / max(step - 1, 1) * (self.total - step)
+        eta_text = "--:--" if step == 1 and self.total > 1 else f"{int(eta) // 60}:{int(eta) % 60:02d}"
         self.message(
             f"step {step:>{len(str(self.total))}}/{self.total}  loss {record['loss']:.4f}  "
             f"aux {record['aux_loss']:.4f}  lr {record['lr']:.2e}  gnorm {record['grad_norm']:.3f}  "
             f"{record['tokens_per_s'] / 1e3:.1f}k tok/s  {record['tflops_per_gpu']:.3f} TFLOPS  "
-            f"MFU {100 * record['mfu']:.1f}%  eta {int(eta) // 60}:{int(eta) % 60:02d}"
+            f"MFU {100 * record['mfu']:.1f}%  eta {eta_text}"
         )
 
 
