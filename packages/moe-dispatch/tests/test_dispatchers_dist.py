@@ -8,10 +8,6 @@ dispatches in flight combined in reverse order, ep=4, and ep=2 x etp=2 with an F
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,53 +17,14 @@ WORKER = Path(__file__).with_name("_dispatch_worker.py")
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launch(world: int, out: Path) -> list[list[dict]]:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-            )
-        )
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=150)[0].decode(errors="replace"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-4000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, launch_gloo_workers):
+    return launch_gloo_workers(WORKER, 2, tmp_path_factory.mktemp("dispatch2"))
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _launch(2, tmp_path_factory.mktemp("dispatch2"))
-
-
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _launch(4, tmp_path_factory.mktemp("dispatch4"))
+def world4(tmp_path_factory, launch_gloo_workers):
+    return launch_gloo_workers(WORKER, 4, tmp_path_factory.mktemp("dispatch4"))
 
 
 def _runs(request, world: str):
