@@ -80,5 +80,5 @@ def benchmarks(session: nox.Session) -> None:
     """Every benchmarks/*.py script in its quick mode; full runs write benchmarks/results/*.json."""
     sync(session)
     REPORTS.mkdir(exist_ok=True)
-    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+    for script in sorted((ROOT / "benchmarks").glob("[!_]*.py")):  # _*.py: helpers the scripts import
         session.run("python", str(script), "--quick", "--out", str(REPORTS / f"bench-{script.stem}.json"))

@@ -35,7 +35,6 @@ balanced routing) against a dense matmul of the same shape measured in the same 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import inspect
@@ -51,6 +50,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _rss import reset_peak, set_mmap_threshold, status_kib  # benchmarks/_rss.py, beside this script
 
 ROOT = Path(__file__).resolve().parent
 TARGETS = {"ours_over_hf_time": 0.77, "ours_over_dense_time": 1.25, "ours_over_hf_peak_memory": 0.7}
@@ -225,34 +225,19 @@ def check_same_outputs(args: argparse.Namespace, hf_block, variants: dict) -> di
 # ----------------------------------------------------------------------------------------------- memory
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        return False
-    return True
-
-
 def _one_pass_peak_kib(module, fn, x, grad, keep_grads: bool) -> tuple[int, int]:
     if not keep_grads:
         for p in module.parameters():
             p.grad = None
     x.grad = None
     gc.collect()
-    _reset_peak()
-    before = _status_kib("VmRSS")
+    reset_peak()
+    before = status_kib("VmRSS")
     if keep_grads:  # gradients accumulate into buffers that already exist, as with persistent grad buffers
         fn(x).backward(grad)
     else:
         fwd_bwd(module, fn, x, grad)
-    return _status_kib("VmHWM") - before, before
+    return status_kib("VmHWM") - before, before
 
 
 def measure_memory_child(names: list[str], args: argparse.Namespace) -> dict:
@@ -264,10 +249,10 @@ def measure_memory_child(names: list[str], args: argparse.Namespace) -> dict:
         module, fn, x = make_variant(name, args)
         x.requires_grad_()
         grad = torch.randn(fn(x).shape)
-        if not _reset_peak():  # no VmHWM reset here: first pass, no warm-up, ru_maxrss
+        if not reset_peak():  # no VmHWM reset here: first pass, no warm-up, ru_maxrss
             for p in module.parameters():
                 p.grad = None
-            before = _status_kib("VmRSS")
+            before = status_kib("VmRSS")
             fwd_bwd(module, fn, x, grad)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             results[name] = {
@@ -290,15 +275,6 @@ def measure_memory_child(names: list[str], args: argparse.Namespace) -> dict:
         del module, fn, x, grad
         gc.collect()
     return results
-
-
-def set_mmap_threshold(nbytes: int = 65536) -> None:
-    """glibc mallopt(M_MMAP_THRESHOLD): what MALLOC_MMAP_THRESHOLD_ does for the child processes, in this one."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, nbytes)  # M_MMAP_THRESHOLD = -3
 
 
 def measure_memory(names: list[str], args: argparse.Namespace) -> dict:
