@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+from hypothesis import strategies as st
 
 GATED = {"swiglu": "halves", "geglu": "halves", "swiglu_oai": "interleaved"}
 ALL_ACTIVATIONS = ("swiglu", "geglu", "swiglu_oai", "squared_relu", "gelu")
@@ -60,3 +61,18 @@ def naive_experts(x_NH, counts, w1_EHW, w2_EFH, name, probs_N=None, b1_EW=None, 
             rows.append(y)
             n += 1
     return torch.stack(rows) if rows else x_NH.new_zeros(0, w2_EFH.shape[-1])
+
+
+@st.composite
+def splits(draw, max_experts=5, max_rows_per_expert=6):
+    """tokens_per_expert with zero-token experts, all rows on one expert and empty input (N=0)."""
+    num_experts = draw(st.integers(1, max_experts))
+    mode = draw(st.sampled_from(["any", "one_expert", "empty"]))
+    if mode == "empty":
+        counts = [0] * num_experts
+    elif mode == "one_expert":
+        hot = draw(st.integers(0, num_experts - 1))
+        counts = [draw(st.integers(1, max_rows_per_expert)) if e == hot else 0 for e in range(num_experts)]
+    else:
+        counts = draw(st.lists(st.integers(0, max_rows_per_expert), min_size=num_experts, max_size=num_experts))
+    return torch.tensor(counts, dtype=torch.int64)

@@ -4,6 +4,7 @@ import importlib.util
 
 import pytest
 import torch
+from _experts_reference import splits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,21 +22,6 @@ SETTINGS = settings(max_examples=40, deadline=None)
 LOCAL_BACKENDS = {"torch": torch_grouped_mm, "loop": loop_grouped_mm}
 # torch's grouped_mm needs 16-byte aligned row strides: fp32 feature sizes in multiples of 4
 DIMS = st.sampled_from([4, 8, 12])
-
-
-@st.composite
-def splits(draw, max_experts=5, max_rows_per_expert=6):
-    """tokens_per_expert with zero-token experts, all rows on one expert and empty input (N=0)."""
-    num_experts = draw(st.integers(1, max_experts))
-    mode = draw(st.sampled_from(["any", "one_expert", "empty"]))
-    if mode == "empty":
-        counts = [0] * num_experts
-    elif mode == "one_expert":
-        hot = draw(st.integers(0, num_experts - 1))
-        counts = [draw(st.integers(1, max_rows_per_expert)) if e == hot else 0 for e in range(num_experts)]
-    else:
-        counts = draw(st.lists(st.integers(0, max_rows_per_expert), min_size=num_experts, max_size=num_experts))
-    return torch.tensor(counts, dtype=torch.int64)
 
 
 def reference_gmm(x_NK, w_EKM, counts):

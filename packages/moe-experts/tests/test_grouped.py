@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from _experts_reference import splits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,20 +14,6 @@ from moe_experts import ACTIVATIONS, BackendUnavailableError, GroupedExperts, ge
 SETTINGS = settings(max_examples=30, deadline=None)
 # torch's grouped_mm needs 16-byte aligned row strides: fp32 feature sizes in multiples of 4
 DIMS = st.sampled_from([4, 8])
-
-
-@st.composite
-def splits(draw, max_experts=4, max_rows_per_expert=5):
-    num_experts = draw(st.integers(1, max_experts))
-    mode = draw(st.sampled_from(["any", "one_expert", "empty"]))
-    if mode == "empty":
-        counts = [0] * num_experts
-    elif mode == "one_expert":
-        hot = draw(st.integers(0, num_experts - 1))
-        counts = [draw(st.integers(1, max_rows_per_expert)) if e == hot else 0 for e in range(num_experts)]
-    else:
-        counts = draw(st.lists(st.integers(0, max_rows_per_expert), min_size=num_experts, max_size=num_experts))
-    return torch.tensor(counts, dtype=torch.int64)
 
 
 def naive_experts(x_NH, counts, w_gate_up_EH2F, w_down_EFH):
@@ -51,7 +38,7 @@ def make_experts(num_experts, hidden, ffn, backend, seed):
 
 
 @SETTINGS
-@given(splits(), DIMS, DIMS, st.sampled_from(["torch", "loop"]), st.integers(0, 2**31 - 1))
+@given(splits(4, 5), DIMS, DIMS, st.sampled_from(["torch", "loop"]), st.integers(0, 2**31 - 1))
 def test_matches_naive_reference_forward_and_backward(counts, hidden, ffn, backend, seed):
     experts, gen = make_experts(len(counts), hidden, ffn, backend, seed)
     n = int(counts.sum())
@@ -76,7 +63,7 @@ def test_matches_naive_reference_forward_and_backward(counts, hidden, ffn, backe
 
 
 @SETTINGS
-@given(splits(), DIMS, DIMS, st.integers(0, 2**31 - 1))
+@given(splits(4, 5), DIMS, DIMS, st.integers(0, 2**31 - 1))
 def test_torch_and_loop_modules_agree(counts, hidden, ffn, seed):
     results = {}
     for backend in ("torch", "loop"):
