@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _experts_reference import ALL_ACTIVATIONS, activation_formula
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_experts.activations import ACTIVATIONS, gate_up_columns, get_activation
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _experts_reference import ALL_ACTIVATIONS, activation_formula
 
 SETTINGS = settings(max_examples=25, deadline=None)
 

@@ -7,19 +7,14 @@ automatically where they are importable with CUDA)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _experts_reference import ALL_ACTIVATIONS, naive_experts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_experts.backends import backend_availability
 from moe_experts.grouped import GroupedExperts
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _experts_reference import ALL_ACTIVATIONS, naive_experts
 
 AVAILABLE = sorted(name for name, reason in backend_availability().items() if reason is None)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

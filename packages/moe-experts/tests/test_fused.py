@@ -3,17 +3,12 @@ bytes for backward (measured with saved_tensors_hooks)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _experts_reference import ALL_ACTIVATIONS
 
 from moe_experts.activations import ACTIVATIONS, get_activation
 from moe_experts.fused import weighted_activation
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _experts_reference import ALL_ACTIVATIONS
 
 
 def unfused(h, probs, name):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _published_shapes import QWEN3_30B_A3B
 
 from moe_experts import GroupedExperts
 from moe_models import ModelConfig, build_model, count_parameters, training_flops_per_token
@@ -71,17 +72,7 @@ def test_active_parameters_by_hand():
     [
         # Qwen3-30B-A3B and Qwen3-235B-A22B model cards: 30.5B / 3.3B and 235B / 22B parameters
         (
-            {
-                "vocab_size": 151_936,
-                "hidden_size": 2048,
-                "num_layers": 48,
-                "num_attention_heads": 32,
-                "num_query_groups": 4,
-                "kv_channels": 128,
-                "num_moe_experts": 128,
-                "moe_router_topk": 8,
-                "moe_ffn_hidden_size": 768,
-            },
+            QWEN3_30B_A3B,
             30.5,
             3.3,
         ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _published_shapes import QWEN3_30B_A3B
 
 from moe_models import ModelConfig, ModelOutput, Qwen3MoE, build_model, count_parameters
 
@@ -135,19 +136,6 @@ def test_parameters_are_float32_and_init_std():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert model.embed_tokens.weight.std().item() == pytest.approx(0.05, rel=0.1)
     assert model.layers[0].input_norm.weight.eq(1).all()
-
-
-QWEN3_30B_A3B = {
-    "vocab_size": 151_936,
-    "hidden_size": 2048,
-    "num_layers": 48,
-    "num_attention_heads": 32,
-    "num_query_groups": 4,
-    "kv_channels": 128,
-    "num_moe_experts": 128,
-    "moe_router_topk": 8,
-    "moe_ffn_hidden_size": 768,
-}
 
 
 def test_full_size_model_builds_on_meta_without_allocating():
