@@ -22,6 +22,10 @@ from moe_models import (
 BASE = 10_000.0
 
 
+def _tables(seq: int, dim: int, base: float = BASE) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_cos_sin(ModelConfig(kv_channels=dim, rotary_base=base), seq, torch.device("cpu"))
+
+
 def _randomize(module: nn.Module, seed: int, std: float = 0.4) -> None:
     """Weights far from their init (norm weights away from 1) so every term matters."""
     gen = torch.Generator().manual_seed(seed)
@@ -134,15 +138,15 @@ def test_rms_norm_keeps_low_precision_input_dtype():
 
 
 def test_rotary_tables_by_hand():
-    cos, sin = rotary_cos_sin(3, 4, base=100.0, device=torch.device("cpu"))
-    # frequencies 100^(-0/4) = 1 and 100^(-2/4) = 0.1, each repeated for both halves
-    angles = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 0.1, 1.0, 0.1], [2.0, 0.2, 2.0, 0.2]])
+    cos, sin = _tables(3, 4, base=100.0)
+    # frequencies 100^(-0/4) = 1 and 100^(-2/4) = 0.1: one column each
+    angles = torch.tensor([[0.0, 0.0], [1.0, 0.1], [2.0, 0.2]])
     torch.testing.assert_close(cos, angles.cos())
     torch.testing.assert_close(sin, angles.sin())
 
 
 def test_apply_rotary_turns_the_first_pair_by_position():
-    cos, sin = rotary_cos_sin(4, 2, base=BASE, device=torch.device("cpu"))
+    cos, sin = _tables(4, 2)
     x = torch.tensor([1.0, 0.0]).expand(1, 1, 4, 2)
     expected = torch.tensor([[math.cos(p), math.sin(p)] for p in range(4)])
     torch.testing.assert_close(apply_rotary(x, cos, sin)[0, 0], expected)
@@ -150,7 +154,7 @@ def test_apply_rotary_turns_the_first_pair_by_position():
 
 def test_apply_rotary_matches_rotate_half_reference():
     x = torch.randn(2, 3, 9, 8, generator=torch.Generator().manual_seed(2))
-    cos, sin = rotary_cos_sin(9, 8, BASE, torch.device("cpu"))
+    cos, sin = _tables(9, 8)
     got = apply_rotary(x, cos, sin)
     for b in range(2):
         for n in range(3):
@@ -160,7 +164,7 @@ def test_apply_rotary_matches_rotate_half_reference():
 def test_rotary_scores_depend_only_on_relative_position():
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(16, generator=gen), torch.randn(16, generator=gen)
-    cos, sin = rotary_cos_sin(20, 16, BASE, torch.device("cpu"))
+    cos, sin = _tables(20, 16)
     x = torch.stack([q, k]).expand(20, 2, 16).permute(1, 0, 2)[None]  # [1, 2, S, D]: q and k at every position
     rq, rk = apply_rotary(x, cos, sin)[0]
     assert torch.dot(rq[5], rk[2]).item() == pytest.approx(torch.dot(rq[15], rk[12]).item(), abs=1e-4)
@@ -175,10 +179,19 @@ def test_rotary_scores_depend_only_on_relative_position():
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
 def test_attention_matches_naive_reference(num_kv_heads, qk_norm):
     hidden, heads, head_dim, seq, eps = 24, 4, 8, 7, 1e-6  # heads * head_dim != hidden on purpose
-    attn = Attention(hidden, heads, num_kv_heads, head_dim, qk_norm=qk_norm, eps=eps)
+    cfg = ModelConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=num_kv_heads,
+        kv_channels=head_dim,
+        qk_layernorm=qk_norm,
+        norm_epsilon=eps,
+        rotary_base=BASE,
+    )
+    attn = Attention(cfg)
     _randomize(attn, seed=num_kv_heads)
     x = torch.randn(2, seq, hidden, generator=torch.Generator().manual_seed(10))
-    cos, sin = rotary_cos_sin(seq, head_dim, BASE, x.device)
+    cos, sin = _tables(seq, head_dim)
     got = attn(x, cos, sin)
     assert got.shape == (2, seq, hidden)
     torch.testing.assert_close(got.double(), naive_attention(attn, x, BASE, eps), rtol=1e-4, atol=1e-5)

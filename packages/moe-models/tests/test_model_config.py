@@ -44,6 +44,22 @@ def test_router_config_carries_the_moe_fields():
         ({"num_layers": 0}, ["model.num_layers=0"]),
         ({"num_query_groups": 0}, ["model.num_query_groups=0"]),
         ({"moe_ffn_hidden_size": 0}, ["model.moe_ffn_hidden_size=0"]),
+        ({"moe_layer_freq": [1, 0, 1]}, ["model.moe_layer_freq=[1, 0, 1]", "model.num_layers=2"]),
+        ({"moe_layer_freq": 0}, ["model.moe_layer_freq=0"]),
+        ({"window_attn_skip_freq": 2}, ["model.window_attn_skip_freq", "model.window_size"]),
+        ({"window_size": 0}, ["model.window_size=0"]),
+        ({"rope_type": "ntk"}, ["model.rope_type='ntk'"]),
+        ({"rope_type": "yarn", "rotary_scaling_factor": 0.5}, ["model.rotary_scaling_factor=0.5"]),
+        ({"softmax_type": "off-by-one"}, ["model.softmax_type='off-by-one'"]),
+        ({"activation_func": "relu"}, ["model.activation_func='relu'", "swiglu"]),
+        ({"multi_latent_attention": True, "qk_pos_emb_head_dim": 7}, ["model.qk_pos_emb_head_dim=7"]),
+        ({"multi_latent_attention": True, "q_lora_rank": 0}, ["model.q_lora_rank=0"]),
+        (
+            {"multi_latent_attention": True, "softmax_type": "learnable"},
+            ["model.multi_latent_attention", "model.softmax_type"],
+        ),
+        ({"mtp_num_layers": 0}, ["model.mtp_num_layers=0"]),
+        ({"moe_shared_expert_intermediate_size": 0}, ["model.moe_shared_expert_intermediate_size=0"]),
     ],
 )
 def test_invalid_config_names_the_model_field(kwargs, names):
@@ -75,8 +91,16 @@ def test_valid_head_layouts_build_and_run(heads, groups, head_dim):
     assert logits.shape == (1, 3, 32) and torch.isfinite(logits).all()
 
 
-def test_build_model_rejects_unknown_family_set_after_validation():
-    cfg = ModelConfig()
-    cfg.family = "mixtral"  # a mutable dataclass: build_model checks again
-    with pytest.raises(ValueError, match=re.escape("model.family='mixtral'")):
-        build_model(cfg)
+@pytest.mark.parametrize(
+    ("freq", "num_layers", "pattern"),
+    [(1, 3, [1, 1, 1]), (2, 4, [0, 1, 0, 1]), ([0, 0, 1], 3, [0, 0, 1])],
+)
+def test_layer_patterns_follow_megatron(freq, num_layers, pattern):
+    """An int N marks every N-th layer (1-based), as Megatron's --moe-layer-freq; a list is taken as is."""
+    cfg = ModelConfig(num_layers=num_layers, moe_layer_freq=freq, window_size=4, window_attn_skip_freq=freq)
+    assert cfg.moe_layer_pattern() == pattern
+    assert cfg.full_attention_pattern() == pattern
+    model = build_model(cfg)
+    assert [int(layer.is_moe) for layer in model.layers] == pattern
+    assert [int(layer.attention.window is None) for layer in model.layers] == pattern
+    assert len(model.routers()) == sum(pattern)

@@ -8,24 +8,29 @@ import moe_models
 PUBLIC_NAMES = [
     "Attention",
     "DecoderLayer",
+    "DenseMLP",
     "FAMILIES",
+    "LMLoss",
+    "MTPLayer",
     "MoEBlock",
+    "MoETransformer",
     "ModelConfig",
     "ModelOutput",
+    "MultiLatentAttention",
     "ParameterCount",
-    "Qwen3MoE",
     "RMSNorm",
     "__version__",
     "apply_rotary",
     "build_model",
+    "causal_lm_loss",
     "count_parameters",
     "rotary_cos_sin",
     "training_flops_per_token",
 ]
 
 
-def test_version_is_semver_0_1() -> None:
-    assert moe_models.__version__ == "0.1.0"
+def test_version() -> None:
+    assert moe_models.__version__ == "0.2.0"
     assert importlib.metadata.version("moe-models") == moe_models.__version__
 
 

@@ -58,6 +58,7 @@ class RouterConfig:
     pad_to_capacity: bool = False
     force_load_balancing: bool = False
     router_dtype: str = "fp32"
+    add_bias: bool = False  # a learned bias on the router logits (GPT-OSS)
 
     def __post_init__(self) -> None:
         # lists are accepted but stored as tuples so the frozen config stays hashable and comparable
@@ -76,6 +77,8 @@ class RouterConfig:
             raise ValueError(f"bias_update_rate={self.bias_update_rate!r}: must be a finite number >= 0")
         if not isinstance(self.force_load_balancing, bool):
             raise ValueError(f"force_load_balancing={self.force_load_balancing!r}: must be a bool")
+        if not isinstance(self.add_bias, bool):
+            raise ValueError(f"add_bias={self.add_bias!r}: must be a bool")
         if self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"router_dtype={self.router_dtype!r}: choose one of {tuple(ROUTER_DTYPES)}")
 

@@ -87,6 +87,7 @@ class TopKRouter(nn.Module):
         self.stats_group = stats_group
         self.replay = replay
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.add_bias else None
         if config.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=True)
         else:
@@ -95,6 +96,8 @@ class TopKRouter(nn.Module):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.weight, std=std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """``.to(dtype)`` / ``.half()`` leave ``expert_bias`` in fp32 (it follows device moves only)."""
@@ -163,7 +166,8 @@ class TopKRouter(nn.Module):
         """Route T tokens. ``seq_len``: tokens per sequence (batch-major), needed by ``seq_aux_loss`` only."""
         cfg = self.config
         dtype = cfg.torch_router_dtype
-        logits_TE = torch.nn.functional.linear(x_TH.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        logits_TE = torch.nn.functional.linear(x_TH.to(dtype), self.weight.to(dtype), bias)
         num_tokens = logits_TE.shape[0]
 
         expert_idx_TK = self._select(logits_TE)

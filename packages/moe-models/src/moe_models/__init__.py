@@ -1,25 +1,34 @@
 """moe-models: MoE model families, attention, MoE block composition, HF checkpoint I/O and FLOPs."""
 
+from moe_models.attention import Attention
 from moe_models.config import FAMILIES, ModelConfig
 from moe_models.flops import ParameterCount, count_parameters, training_flops_per_token
-from moe_models.layers import Attention, MoEBlock, RMSNorm, apply_rotary, rotary_cos_sin
-from moe_models.qwen3_moe import DecoderLayer, ModelOutput, Qwen3MoE, build_model
+from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
+from moe_models.loss import LMLoss, causal_lm_loss
+from moe_models.mla import MultiLatentAttention
+from moe_models.model import DecoderLayer, ModelOutput, MoETransformer, MTPLayer, build_model
+from moe_models.rope import apply_rotary, rotary_cos_sin
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FAMILIES",
     "Attention",
     "DecoderLayer",
+    "DenseMLP",
+    "LMLoss",
+    "MTPLayer",
     "MoEBlock",
+    "MoETransformer",
     "ModelConfig",
     "ModelOutput",
+    "MultiLatentAttention",
     "ParameterCount",
-    "Qwen3MoE",
     "RMSNorm",
     "__version__",
     "apply_rotary",
     "build_model",
+    "causal_lm_loss",
     "count_parameters",
     "rotary_cos_sin",
     "training_flops_per_token",

@@ -1,15 +1,19 @@
 """Model configuration. Field names follow Megatron-Core's model flags (``--num-layers``,
-``--num-query-groups``, ``--moe-router-topk``...) with dashes as underscores."""
+``--num-query-groups``, ``--moe-router-topk``, ``--q-lora-rank``, ``--mtp-num-layers``...) with dashes as
+underscores. One dataclass describes every family: ``family`` picks the HuggingFace checkpoint layout, the
+other fields the architecture (a DeepSeek-V3 is a config with ``multi_latent_attention=True``, not a class)."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
 from moe_dispatch import RouterConfig
-from moe_experts import BACKENDS
+from moe_experts import ACTIVATIONS, BACKENDS
 
-FAMILIES = ("qwen3_moe",)
+# Kimi-K2 is a deepseek_v3 configuration (its checkpoints use DeepseekV3ForCausalLM)
+FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral")
 
 # ModelConfig field (Megatron flag) -> RouterConfig field
 ROUTER_FIELDS = {
@@ -32,18 +36,80 @@ ROUTER_FIELDS = {
     "moe_router_dtype": "router_dtype",
 }
 
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "moe_ffn_hidden_size",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+)
+
+
+def _layer_pattern(value: int | list[int], num_layers: int, name: str, every_nth_is: int) -> list[int]:
+    """Megatron's int-or-list layer patterns: an int N marks layers ``(i + 1) % N == 0`` (1-based every N-th)
+    with ``every_nth_is``, a list gives one 0/1 per layer."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"model.{name}={value}: must be at least 1, or a list of 0/1 per layer")
+        return [every_nth_is if (i + 1) % value == 0 else 1 - every_nth_is for i in range(num_layers)]
+    pattern = [int(v) for v in value]
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ValueError(
+            f"model.{name}={value}: give one 0/1 per layer (model.num_layers={num_layers} values), or an int"
+        )
+    return pattern
+
 
 @dataclass
 class ModelConfig:
-    """Architecture of a model family, Megatron-Core flag names; validated at construction."""
+    """Architecture of a decoder-only MoE model, Megatron-Core flag names; validated at construction."""
 
-    family: str = "qwen3_moe"
+    family: str = "qwen3_moe"  # HuggingFace checkpoint layout: one of FAMILIES
     vocab_size: int = 256
     hidden_size: int = 128
     num_layers: int = 2
+    # --- attention (grouped-query unless multi_latent_attention) ---
     num_attention_heads: int = 4
     num_query_groups: int = 2  # key/value heads (GQA)
     kv_channels: int = 32  # head dimension
+    qk_layernorm: bool = True  # per-head RMSNorm of q and k (Qwen3)
+    add_qkv_bias: bool = False  # biases of q/k/v projections (GPT-OSS)
+    add_bias_linear: bool = False  # biases of the attention output, the routed experts and the router (GPT-OSS)
+    softmax_type: str = "vanilla"  # vanilla | learnable (one learned attention-sink logit per head, GPT-OSS)
+    window_size: int | None = None  # sliding-window attention: a token sees itself and window_size - 1 before it
+    # layers that skip the window (full attention): int N = every N-th layer (GPT-OSS: 2), or one 0/1 per
+    # layer (1 = full); None = every layer uses the window when window_size is set
+    window_attn_skip_freq: int | list[int] | None = None
+    # --- multi-latent attention (DeepSeek-V3) ---
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: a full-rank q projection
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128  # per-head q/k dimension without rotary embedding ("nope")
+    qk_pos_emb_head_dim: int = 64  # per-head q/k dimension with rotary embedding (k shared over heads)
+    v_head_dim: int = 128
+    # --- rotary embeddings ---
+    rope_type: str = "rope"  # rope | yarn
+    rotary_base: float = 1_000_000.0
+    rotary_interleaved: bool = False  # rotate (x0, x1), (x2, x3)... pairs (DeepSeek-V3) instead of the two halves
+    max_position_embeddings: int = 4096
+    rotary_scaling_factor: float = 1.0  # yarn: context extension factor
+    original_max_position_embeddings: int = 4096  # yarn: pretraining context
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 0.0  # yarn: with mscale_all_dim, the cos/sin scale is mscale(factor, mscale)/mscale(.., all_dim)
+    mscale_all_dim: float = 0.0  # yarn: also scales the attention softmax by mscale(factor, mscale_all_dim)**2
+    rope_yarn_truncate: bool = True  # yarn: round the correction range to whole dimensions (GPT-OSS: False)
+    # --- MLPs ---
+    activation_func: str = "swiglu"  # a moe_experts activation: swiglu | swiglu_oai | geglu | ...
+    ffn_hidden_size: int = 512  # dense-MLP layers
+    # which layers are MoE: int N = every N-th layer, or one 0/1 per layer (DeepSeek-V3: [0]*3 + [1]*58)
+    moe_layer_freq: int | list[int] = 1
+    moe_shared_expert_intermediate_size: int | None = None  # shared expert width (DeepSeek-V3), None = none
+    # --- routed experts and router ---
     num_moe_experts: int = 8
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 256
@@ -64,9 +130,11 @@ class ModelConfig:
     moe_router_force_load_balancing: bool = False
     moe_router_dtype: str = "fp32"  # fp32 | fp64
     moe_expert_backend: str = "auto"  # auto | torch | loop | grouped_gemm | te
-    rotary_base: float = 1_000_000.0
+    # --- multi-token prediction (DeepSeek-V3) ---
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
+    # --- the rest ---
     norm_epsilon: float = 1e-6
-    qk_layernorm: bool = True
     share_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
 
@@ -78,17 +146,41 @@ class ModelConfig:
             self.moe_aux_loss_coeff = [float(self.moe_aux_loss_coeff)]
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r}: choose one of {FAMILIES}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_attention_heads",
-            "num_query_groups",
-            "kv_channels",
-            "moe_ffn_hidden_size",
-        ):
+        for name in _POSITIVE:
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}={getattr(self, name)}: must be at least 1")
+        if self.multi_latent_attention:
+            self._validate_mla()
+        else:
+            self._validate_gqa()
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"model.rope_type={self.rope_type!r}: choose 'rope' or 'yarn'")
+        if self.rope_type == "yarn" and self.rotary_scaling_factor < 1:
+            raise ValueError(f"model.rotary_scaling_factor={self.rotary_scaling_factor}: yarn needs a factor >= 1")
+        if self.softmax_type not in ("vanilla", "learnable"):
+            raise ValueError(f"model.softmax_type={self.softmax_type!r}: choose 'vanilla' or 'learnable'")
+        if self.window_size is not None and self.window_size < 1:
+            raise ValueError(f"model.window_size={self.window_size}: must be at least 1, or null for full attention")
+        if self.window_attn_skip_freq is not None and self.window_size is None:
+            raise ValueError("model.window_attn_skip_freq is set but model.window_size is not: set both or neither")
+        if self.activation_func not in ACTIVATIONS:
+            raise ValueError(f"model.activation_func={self.activation_func!r}: choose one of {tuple(ACTIVATIONS)}")
+        if self.moe_expert_backend not in ("auto", *BACKENDS):
+            raise ValueError(
+                f"model.moe_expert_backend={self.moe_expert_backend!r}: choose one of {('auto', *BACKENDS)}"
+            )
+        self.moe_layer_pattern()  # validates moe_layer_freq
+        self.full_attention_pattern()  # validates window_attn_skip_freq
+        if self.moe_shared_expert_intermediate_size is not None and self.moe_shared_expert_intermediate_size < 1:
+            raise ValueError(
+                f"model.moe_shared_expert_intermediate_size={self.moe_shared_expert_intermediate_size}: "
+                "must be at least 1, or null for no shared expert"
+            )
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            raise ValueError(f"model.mtp_num_layers={self.mtp_num_layers}: must be at least 1, or null for no MTP")
+        self.router_config()  # validates num_moe_experts / moe_router_topk / aux-loss fields
+
+    def _validate_gqa(self) -> None:
         if self.kv_channels % 2:
             raise ValueError(f"model.kv_channels={self.kv_channels}: rotary embeddings need an even head dimension")
         if self.num_attention_heads % self.num_query_groups:
@@ -96,16 +188,55 @@ class ModelConfig:
                 f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"model.num_query_groups={self.num_query_groups}"
             )
-        if self.moe_expert_backend not in ("auto", *BACKENDS):
+
+    def _validate_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)}: must be at least 1")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"model.q_lora_rank={self.q_lora_rank}: must be at least 1, or null for a full-rank q")
+        if self.qk_pos_emb_head_dim % 2:
             raise ValueError(
-                f"model.moe_expert_backend={self.moe_expert_backend!r}: choose one of {('auto', *BACKENDS)}"
+                f"model.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}: rotary embeddings need an even dimension"
             )
-        self.router_config()  # validates num_moe_experts / moe_router_topk / aux-loss fields
+        if self.softmax_type != "vanilla" or self.window_size is not None:
+            raise ValueError(
+                "model.multi_latent_attention=true supports neither model.softmax_type='learnable' nor "
+                "model.window_size: unset them"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions per head that get rotary embeddings."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention logit scale: 1/sqrt(q/k head dim), times yarn's mscale(factor, mscale_all_dim)**2."""
+        head_dim = self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
+        scale = head_dim**-0.5
+        if self.rope_type == "yarn" and self.mscale_all_dim:
+            m = yarn_mscale(self.rotary_scaling_factor, self.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def moe_layer_pattern(self) -> list[int]:
+        """One 0/1 per layer: 1 = the layer's MLP is a routed MoE, 0 = a dense MLP."""
+        return _layer_pattern(self.moe_layer_freq, self.num_layers, "moe_layer_freq", every_nth_is=1)
+
+    def full_attention_pattern(self) -> list[int]:
+        """One 0/1 per layer: 1 = full causal attention, 0 = sliding window of ``window_size``."""
+        if self.window_size is None:
+            return [1] * self.num_layers
+        if self.window_attn_skip_freq is None:
+            return [0] * self.num_layers
+        return _layer_pattern(self.window_attn_skip_freq, self.num_layers, "window_attn_skip_freq", every_nth_is=1)
 
     def router_config(self) -> RouterConfig:
         values = {theirs: getattr(self, ours) for ours, theirs in ROUTER_FIELDS.items()}
         for name in ("load_balancing_type", "aux_loss_coeff"):  # Megatron takes one value or a list
             values[name] = values[name][0] if len(values[name]) == 1 else tuple(values[name])
+        values["add_bias"] = self.add_bias_linear
         try:
             return RouterConfig(**values)
         except ValueError as err:  # name the model-level fields the user actually set
@@ -113,3 +244,8 @@ class ModelConfig:
             for ours, theirs in ROUTER_FIELDS.items():
                 msg = re.sub(rf"(?<![\w.]){theirs}\b", f"model.{ours}", msg)
             raise ValueError(msg) from None
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -14,12 +14,11 @@ from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moe_experts import BackendUnavailableError
 from moe_memory import apply_activation_checkpointing
-from moe_models import build_model, training_flops_per_token
+from moe_models import build_model, causal_lm_loss, training_flops_per_token
 from moe_parallel import (
     DistributedContext,
     ParallelLayout,
@@ -176,6 +175,7 @@ def train(setup: Setup) -> TrainSummary:
         optimizer.zero_grad(set_to_none=True)
         lm_sum = torch.zeros((), device=ctx.device)
         aux_sum = torch.zeros((), device=ctx.device)
+        mtp_sum = torch.zeros((), device=ctx.device)
         for micro in range(setup.grad_accum):
             batch = stream.batch(
                 step, cfg.train.global_batch_size, ctx.rank * per_rank + micro * setup.micro_batch, setup.micro_batch
@@ -186,9 +186,11 @@ def train(setup: Setup) -> TrainSummary:
             with sync:
                 with autocast:
                     out = model(inputs)
-                lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-                lm_loss.backward()  # the routers' balancing losses ride along on their probabilities
-            lm_sum += lm_loss.detach()
+                loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor)
+                loss.total.backward()  # the routers' balancing losses ride along on their probabilities
+            lm_sum += loss.lm
+            if loss.mtp:
+                mtp_sum += torch.stack(loss.mtp).mean()
             aux_sum += out.aux_loss.detach()
             load_LE = out.tokens_per_expert_LE if micro == 0 else load_LE + out.tokens_per_expert_LE
         clip = cfg.train.clip_grad if cfg.train.clip_grad > 0 else math.inf
@@ -205,6 +207,7 @@ def train(setup: Setup) -> TrainSummary:
                 router.update_expert_bias(counts_E, group=dist.group.WORLD if ctx.world_size > 1 else None)
         loss = all_reduce_mean(lm_sum / setup.grad_accum).item()
         aux = all_reduce_mean(aux_sum / setup.grad_accum).item()
+        mtp = all_reduce_mean(mtp_sum / setup.grad_accum).item()
         load = all_reduce_mean(load_LE.float())
         step_time = time.perf_counter() - step_start
         tokens_per_s = tokens_per_step / step_time
@@ -213,6 +216,7 @@ def train(setup: Setup) -> TrainSummary:
             "step": step + 1,
             "loss": loss,
             "aux_loss": aux,
+            "mtp_loss": mtp,  # mean over MTP depths, unscaled; 0 without MTP
             "lr": lr,
             "grad_norm": grad_norm.item(),
             "tokens_per_s": tokens_per_s,

@@ -1,4 +1,4 @@
-"""Qwen3MoE as a whole: shapes, causality, aux loss, overfitting, meta-device build, bf16 autocast."""
+"""MoETransformer in its Qwen3-MoE configuration: shapes, causality, aux loss, overfitting, meta build, bf16."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from _published_shapes import QWEN3_30B_A3B
 
-from moe_models import ModelConfig, ModelOutput, Qwen3MoE, build_model, count_parameters
+from moe_models import ModelConfig, ModelOutput, MoETransformer, build_model, count_parameters
 
 TINY = {
     "vocab_size": 64,
@@ -22,7 +22,7 @@ TINY = {
 }
 
 
-def _tiny(**overrides) -> tuple[ModelConfig, Qwen3MoE]:
+def _tiny(**overrides) -> tuple[ModelConfig, MoETransformer]:
     cfg = ModelConfig(**{**TINY, **overrides})
     torch.manual_seed(0)
     return cfg, build_model(cfg)
@@ -34,7 +34,7 @@ def _ids(cfg: ModelConfig, batch: int = 2, seq: int = 12, seed: int = 1) -> torc
 
 def test_build_model_returns_qwen3_moe_with_configured_sizes():
     _, model = _tiny()
-    assert isinstance(model, Qwen3MoE)
+    assert isinstance(model, MoETransformer)
     assert len(model.layers) == 2
     assert model.layers[0].attention.q_proj.weight.shape == (4 * 8, 32)
     assert model.layers[0].attention.k_proj.weight.shape == (2 * 8, 32)

@@ -1,0 +1,56 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values go through low-rank latents; a part of
+each q/k head gets rotary embeddings, with one rotary key shared by all heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_models.config import ModelConfig
+from moe_models.layers import RMSNorm
+from moe_models.rope import apply_rotary
+
+
+class MultiLatentAttention(nn.Module):
+    """Causal MLA. Per head: q/k = [``qk_head_dim`` without rope | ``qk_pos_emb_head_dim`` with rope], v of
+    ``v_head_dim``; ``kv_a_proj`` maps to the ``kv_lora_rank`` latent plus the shared rotary key."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim
+        self.scale = c.softmax_scale
+        self.interleaved = c.rotary_interleaved
+        qk_dim, h = self.nope_dim + self.rope_dim, c.hidden_size
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.num_heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, c.norm_epsilon)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, c.norm_epsilon)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+
+    def _queries(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x_BSH)
+        return self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSH)))
+
+    def forward(self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_BSH.shape
+        n = self.num_heads
+        q_BNSD = self._queries(x_BSH).view(b, s, n, self.nope_dim + self.rope_dim).transpose(1, 2)
+        q_nope, q_rope = q_BNSD.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent_BSC, k_rope_BSR = self.kv_a_proj(x_BSH).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_BNSD = self.kv_b_proj(self.kv_a_norm(latent_BSC)).view(b, s, n, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v_BNSV = kv_BNSD.split([self.nope_dim, self.v_dim], dim=-1)
+        q_rope = apply_rotary(q_rope, cos_SF, sin_SF, self.interleaved)
+        k_rope_B1SR = apply_rotary(k_rope_BSR.unsqueeze(1), cos_SF, sin_SF, self.interleaved)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope_B1SR.expand(b, n, s, self.rope_dim)], dim=-1)
+        out_BNSV = F.scaled_dot_product_attention(q, k, v_BNSV, is_causal=True, scale=self.scale)
+        return self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, n * self.v_dim))

@@ -1,0 +1,185 @@
+"""The decoder-only MoE transformer every family is built as (Qwen3-MoE, DeepSeek-V3/Kimi-K2, GPT-OSS, Mixtral):
+pre-norm layers of attention (GQA or MLA) and an MLP (routed MoE or dense), plus DeepSeek-V3's multi-token
+prediction. Which variant a layer uses comes from :class:`~moe_models.config.ModelConfig` alone; the model holds
+no parallelism and no device choice (moe_parallel applies those from outside).
+
+Parameter names (the checkpoint layout; ``moe_models.hf`` maps them to HuggingFace's)::
+
+    embed_tokens.weight, norm.weight, lm_head.weight (tied to embed_tokens.weight when shared)
+    layers.{i}.input_norm / post_attention_norm .weight
+    layers.{i}.attention.{q,k,v,o}_proj.{weight,bias}, q_norm, k_norm, sinks              (GQA)
+    layers.{i}.attention.q_proj | q_a_proj, q_a_norm, q_b_proj; kv_a_proj, kv_a_norm, kv_b_proj, o_proj  (MLA)
+    layers.{i}.mlp.{gate,up,down}_proj.weight                                             (dense layers)
+    layers.{i}.mlp.router.{weight,bias,expert_bias}, mlp.experts.*, mlp.shared_experts.*  (MoE layers)
+    mtp.{k}.enorm, hnorm, eh_proj, final_norm, layer.*                                    (MTP depth k+1)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_dispatch import RoutingResult, TopKRouter
+from moe_experts import GroupedExperts, SharedExperts
+from moe_models.attention import Attention
+from moe_models.config import ModelConfig
+from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
+from moe_models.mla import MultiLatentAttention
+from moe_models.rope import rotary_cos_sin
+
+# Linear layers whose output adds to the residual stream: initialised with std / sqrt(2 * layers), as Megatron
+_OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """Logits plus the MoE side results the trainer needs (aux loss, expert load) and the MTP logits."""
+
+    logits: torch.Tensor  # [B, S, V]
+    # detached scalar for logging: the layers' load-balancing losses (coefficients applied); their
+    # gradients are attached to the router probabilities, so the loss to backward is the LM loss alone
+    aux_loss: torch.Tensor
+    # int64 kept (token, expert) pairs, one row per router in ``model.routers()`` order: logging, expert bias
+    tokens_per_expert_LE: torch.Tensor
+    mtp_logits: tuple[torch.Tensor, ...] = ()  # [B, S, V] per MTP depth; depth k at i predicts token i + k + 1
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); the mlp is MoE or dense."""
+
+    def __init__(self, config: ModelConfig, moe: bool = True, full_attention: bool = True) -> None:
+        super().__init__()
+        c = config
+        self.input_norm = RMSNorm(c.hidden_size, c.norm_epsilon)
+        self.attention = MultiLatentAttention(c) if c.multi_latent_attention else Attention(c, full_attention)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.norm_epsilon)
+        if moe:
+            self.mlp: MoEBlock | DenseMLP = MoEBlock(
+                c.hidden_size,
+                c.moe_ffn_hidden_size,
+                c.router_config(),
+                c.moe_expert_backend,
+                activation=c.activation_func,
+                shared_expert_size=c.moe_shared_expert_intermediate_size,
+                bias=c.add_bias_linear,
+            )
+        else:
+            self.mlp = DenseMLP(c.hidden_size, c.ffn_hidden_size)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.mlp, MoEBlock)
+
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
+    ) -> tuple[torch.Tensor, RoutingResult | None]:
+        x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos_SF, sin_SF)
+        mlp_out, routing = self.mlp(self.post_attention_norm(x_BSH))
+        return x_BSH + mlp_out, routing
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction depth (DeepSeek-V3): combines the previous depth's hidden states with the
+    embedding of the tokens one step further on, runs one MoE decoder layer; its logits come from the shared head
+    after ``final_norm``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.norm_epsilon)
+        self.hnorm = RMSNorm(h, config.norm_epsilon)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(config, moe=True)
+        self.final_norm = RMSNorm(h, config.norm_epsilon)
+
+    def forward(
+        self, hidden_BSH: torch.Tensor, next_embed_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
+    ) -> tuple[torch.Tensor, RoutingResult | None]:
+        x_BSH = self.eh_proj(torch.cat([self.enorm(next_embed_BSH), self.hnorm(hidden_BSH)], dim=-1))
+        return self.layer(x_BSH, cos_SF, sin_SF)
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only MoE language model: ``model(input_ids_BS) -> ModelOutput``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, moe=bool(moe), full_attention=bool(full))
+            for moe, full in zip(c.moe_layer_pattern(), c.full_attention_pattern(), strict=True)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.norm_epsilon)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(c) for _ in range(c.mtp_num_layers or 0))
+        self.tie_weights()
+        self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """Share the output projection with the embedding when configured (again after ``to_empty``)."""
+        if self.config.share_embeddings_and_output_weights:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron-style init: normal(std) weights, std / sqrt(2 * layers) for residual-output projections."""
+        std = self.config.init_method_std
+        num_layers = self.config.num_layers
+        out_std = std / math.sqrt(2.0 * num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=out_std if name.endswith(_OUTPUT_PROJECTIONS) else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, GroupedExperts | SharedExperts):
+                module.reset_parameters(std=std, num_layers=num_layers)
+            elif isinstance(module, TopKRouter):
+                module.reset_parameters(std=std)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.zeros_(module.sinks)
+
+    def moe_layers(self) -> list[DecoderLayer]:
+        """Decoder layers with a routed MoE, main layers first, then the MTP layers."""
+        return [layer for layer in self.layers if layer.is_moe] + [m.layer for m in self.mtp]
+
+    def routers(self) -> list[TopKRouter]:
+        """The router of every MoE layer, in :meth:`moe_layers` order (the rows of ``tokens_per_expert_LE``)."""
+        return [layer.mlp.router for layer in self.moe_layers()]
+
+    def forward(self, input_ids_BS: torch.Tensor) -> ModelOutput:
+        x_BSH = self.embed_tokens(input_ids_BS)
+        cos_SF, sin_SF = rotary_cos_sin(self.config, input_ids_BS.shape[1], x_BSH.device)
+        routings = []
+        for layer in self.layers:
+            x_BSH, routing = layer(x_BSH, cos_SF, sin_SF)
+            routings.append(routing)
+        logits_BSV = self.lm_head(self.norm(x_BSH))
+        mtp_logits = []
+        hidden_BSH, ids_BS = x_BSH, input_ids_BS
+        for mtp in self.mtp:
+            # one token further on; the wrapped-around last position has no label and is left out of the loss
+            ids_BS = torch.roll(ids_BS, -1, dims=1)
+            hidden_BSH, routing = mtp(hidden_BSH, self.embed_tokens(ids_BS), cos_SF, sin_SF)
+            routings.append(routing)
+            mtp_logits.append(self.lm_head(mtp.final_norm(hidden_BSH)))
+        routings = [r for r in routings if r is not None]
+        aux_loss = sum((r.aux_loss.float() for r in routings), x_BSH.new_zeros((), dtype=torch.float32))
+        loads_LE = (
+            torch.stack([r.tokens_per_expert_E for r in routings])
+            if routings
+            else torch.zeros(0, self.config.num_moe_experts, dtype=torch.int64, device=x_BSH.device)
+        )
+        return ModelOutput(logits_BSV, aux_loss, loads_LE, tuple(mtp_logits))
+
+
+def build_model(config: ModelConfig) -> MoETransformer:
+    """The model ``config`` describes, on the current default device and dtype."""
+    return MoETransformer(config)
