@@ -3,6 +3,7 @@
 import importlib
 import importlib.util
 import itertools
+import re
 import tomllib
 from pathlib import Path
 
@@ -20,6 +21,10 @@ def test_interfaces_page_is_generated_from_the_code() -> None:
     assert (ROOT / "docs" / "interfaces.md").read_text() == generator.render(), "run docs/gen_interfaces.py"
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
 @pytest.mark.parametrize("dist", PACKAGES)
 def test_package_layout_and_pinned_internal_dependencies(dist: str) -> None:
     project = tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())["project"]
@@ -27,8 +32,12 @@ def test_package_layout_and_pinned_internal_dependencies(dist: str) -> None:
     assert project["version"] == module.__version__
     assert (ROOT / "packages" / dist / "src" / module.__name__ / "py.typed").is_file()
     requirements = [*project["dependencies"], *itertools.chain(*project.get("optional-dependencies", {}).values())]
-    ours = [r for r in requirements if r.startswith("moe-")]
-    assert all(r.endswith(">=0.1,<0.2") for r in ours), ours
+    for requirement in (r for r in requirements if r.startswith("moe-")):
+        # each internal dependency is pinned to one minor series that holds the workspace's current version
+        name, low, high = re.fullmatch(r"(moe-[a-z]+)>=([0-9.]+),<([0-9.]+)", requirement).groups()
+        current = _version(importlib.import_module(name.replace("-", "_")).__version__)
+        assert _version(low) <= current < _version(high), requirement
+        assert _version(high)[:2] == (0, _version(low)[1] + 1), requirement
     assert any(r.startswith("torch>=2.9") for r in project["dependencies"])
 
 

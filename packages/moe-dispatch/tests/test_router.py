@@ -134,6 +134,21 @@ def test_single_token_hand_values():
     torch.testing.assert_close(out.aux_loss, torch.tensor(0.5 * 9 / 7))
 
 
+def test_logit_bias_changes_selection_and_learns():
+    """add_bias (GPT-OSS): logits = x W^T + b; the bias can flip the choice and gets a gradient."""
+    router = TopKRouter(1, RouterConfig(num_experts=3, topk=2, add_bias=True, load_balancing_type="none"))
+    assert router.bias is not None and torch.equal(router.bias, torch.zeros(3))  # zero init: no-op at start
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor([[1.0], [0.0], [0.5]]))
+        router.bias.copy_(torch.tensor([0.0, 2.0, 0.0]))
+    out = router(torch.ones(1, 1))
+    assert out.expert_idx_TK.tolist() == [[1, 0]]  # logits [1, 2, 0.5]; without the bias [0, 2]
+    out.probs_TK[0, 0].backward()  # softmax over the chosen: d p_1 / d b_1 = p_1 p_0 = -d p_1 / d b_0
+    p1 = 1 / (1 + math.exp(-1.0))
+    torch.testing.assert_close(router.bias.grad, torch.tensor([-p1 * (1 - p1), p1 * (1 - p1), 0.0]))
+    assert TopKRouter(4, RouterConfig(num_experts=3)).bias is None
+
+
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_router_math_in_fp32_for_low_precision_inputs(x_dtype, w_dtype):
