@@ -47,3 +47,12 @@ def test_router_without_bias_has_no_buffer():
         assert "enable_expert_bias" in str(err)
     else:
         raise AssertionError("update_expert_bias without a bias must raise")
+
+
+def test_router_built_on_meta_materialises_with_to_empty():
+    """Large models are built on the meta device and materialised with to_empty: the fp32 bias must follow."""
+    with torch.device("meta"):
+        router = TopKRouter(4, RouterConfig(num_experts=3, enable_expert_bias=True)).to(torch.bfloat16)
+    router.to_empty(device="cpu")
+    assert router.expert_bias.device.type == "cpu" and router.expert_bias.dtype == torch.float32
+    assert router.weight.device.type == "cpu" and router.weight.dtype == torch.bfloat16

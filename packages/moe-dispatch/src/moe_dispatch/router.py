@@ -107,7 +107,12 @@ class TopKRouter(nn.Module):
         finally:
             if bias is not None:
                 moved = fn(bias)
-                self._buffers["expert_bias"] = bias.to(device=moved.device) if moved.device != bias.device else bias
+                if bias.is_meta:  # to_empty from meta: nothing to copy, take the new storage in fp32
+                    self._buffers["expert_bias"] = moved.float()
+                elif moved.device != bias.device:
+                    self._buffers["expert_bias"] = bias.to(device=moved.device)
+                else:
+                    self._buffers["expert_bias"] = bias
         return result
 
     @torch.no_grad()

@@ -1,0 +1,203 @@
+"""load_pretrained / read_state_dict / save_pretrained: HuggingFace safetensors checkpoints <-> our models."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_models.config import ModelConfig
+from moe_models.hf.config_map import config_from_hf, config_to_hf
+from moe_models.hf.errors import HFCheckpointError, name_list
+from moe_models.hf.files import CheckpointReader, ShardWriter, parse_size
+from moe_models.hf.state_dict_map import Plan, build_plan, mtp_prefixes
+from moe_models.model import build_model
+
+# router tensors kept in fp32 whatever the load dtype (transformers keeps DeepSeek's in fp32 too)
+_FP32_SUFFIXES = (".router.expert_bias",)
+
+
+def _check_keys(plan: Plan, full_plan: Plan, available: set[str]) -> None:
+    missing = plan.hf_keys() - available
+    if missing:
+        raise HFCheckpointError(
+            f"checkpoint lacks {len(missing)} tensor(s) the config needs: {name_list(missing)}; "
+            "check that config.json matches the weights (layers, experts, family)"
+        )
+    unexpected = available - full_plan.hf_keys() - full_plan.ignored
+    if unexpected:
+        raise HFCheckpointError(
+            f"checkpoint has {len(unexpected)} tensor(s) the config does not use: {name_list(unexpected)}; "
+            "check that config.json matches the weights (layers, experts, MTP layers, tied embeddings)"
+        )
+
+
+def _plan_for(reader: CheckpointReader, config: ModelConfig, experts: Sequence[int] | None) -> Plan:
+    available = reader.names()
+    plan = build_plan(config, experts=experts, available=available)
+    _check_keys(plan, build_plan(config, available=available), available)
+    return plan
+
+
+def _tensors(reader: CheckpointReader, plan: Plan, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) one entry at a time, so a loader never holds a second copy of the model."""
+    for entry in plan.entries:
+        tensors = []
+        for source in entry.sources:
+            shape = reader.shape(source.key)
+            if shape != source.shape:
+                raise HFCheckpointError(
+                    f"tensor {source.key} has shape {list(shape)}, the config needs {list(source.shape)}: "
+                    "check config.json against the weights"
+                )
+            tensors.append(reader.read(source))
+        tensor = entry.to_ours(tensors)
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.float32 if entry.ours.endswith(_FP32_SUFFIXES) else dtype)
+        yield entry.ours, tensor.contiguous()
+
+
+def read_state_dict(
+    path: str | Path,
+    config: ModelConfig,
+    *,
+    experts: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Our state dict (CPU tensors) from the HF checkpoint at ``path``; ``experts``: keep only those routed
+    experts, in that order (the others are never read)."""
+    if experts is not None:
+        experts = [int(e) for e in experts]
+        bad = [e for e in experts if not 0 <= e < config.num_moe_experts]
+        if bad or not experts or len(set(experts)) != len(experts):
+            raise ValueError(f"experts={experts}: give one or more distinct ids in [0, {config.num_moe_experts})")
+    with CheckpointReader(path) as reader:
+        out = dict(_tensors(reader, _plan_for(reader, config, experts), dtype))
+    if config.share_embeddings_and_output_weights:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    # build on the meta device (no init cost), then allocate uninitialised storage the checkpoint overwrites
+    with torch.device("meta"), _default_dtype(dtype):
+        model = build_model(config)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty replaces the shared parameter by two
+    return model
+
+
+def _check_model_names(model: nn.Module, plan: Plan) -> dict[str, torch.Tensor]:
+    """The model's state dict, after checking that the plan maps exactly its tensors."""
+    state = model.state_dict()
+    mapped = {e.ours for e in plan.entries}
+    if model.config.share_embeddings_and_output_weights:
+        mapped.add("lm_head.weight")
+    if set(state) != mapped:
+        raise HFCheckpointError(
+            f"the model's tensors and the {model.config.family} mapping disagree: model only "
+            f"{name_list(set(state) - mapped)}, mapping only {name_list(mapped - set(state))} (a bug: report it)"
+        )
+    return state
+
+
+def _load_into(model: nn.Module, reader: CheckpointReader, plan: Plan, dtype: torch.dtype) -> None:
+    own = _check_model_names(model, plan)
+    with torch.no_grad():
+        for name, tensor in _tensors(reader, plan, dtype):
+            if own[name].shape != tensor.shape:
+                raise HFCheckpointError(
+                    f"tensor {name} has shape {list(tensor.shape)}, the model needs {list(own[name].shape)} (a bug)"
+                )
+            own[name].copy_(tensor)
+
+
+def load_pretrained(
+    path: str | Path, dtype: torch.dtype = torch.float32, *, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """The model of the HuggingFace safetensors checkpoint directory ``path`` (config.json + weights), in eval mode."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise HFCheckpointError(f"{path} has no config.json: point at a HuggingFace checkpoint directory")
+    config = config_from_hf(json.loads(config_file.read_text()))
+    with CheckpointReader(path) as reader:
+        prefixes = tuple(mtp_prefixes(config))
+        if prefixes and not any(k.startswith(prefixes) for k in reader.names()):
+            # transformers never writes MTP layers, yet keeps num_nextn_predict_layers in config.json
+            warnings.warn(
+                f"{path}: config.json has num_nextn_predict_layers={config.mtp_num_layers} but the checkpoint has no "
+                "MTP tensors; loading the model without MTP",
+                stacklevel=2,
+            )
+            config = dataclasses.replace(config, mtp_num_layers=None)
+        plan = _plan_for(reader, config, None)  # checks the names before any allocation
+        model = _empty_model(config, dtype, device)
+        _load_into(model, reader, plan, dtype)
+    return model.eval()
+
+
+def _hf_tensors(model: nn.Module, plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
+    state = _check_model_names(model, plan)
+    for entry in plan.entries:
+        assert entry.to_hf is not None  # a plan built without `available` only has writable layouts
+        for source, tensor in zip(entry.sources, entry.to_hf(state[entry.ours]), strict=True):
+            yield source.key, tensor
+    for key, ours in plan.copies.items():
+        yield key, state[ours].clone()  # safetensors refuses tensors sharing storage
+    for key, shape in plan.zeros.items():
+        yield key, torch.zeros(shape, dtype=torch.float32)
+
+
+def save_pretrained(
+    model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB", overwrite: bool = False
+) -> None:
+    """Writes ``model`` as a HuggingFace checkpoint (config.json + safetensors, sharded above ``max_shard_size``),
+    atomically: on error nothing is left at ``path``."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty: pass overwrite=True or choose another path")
+    config: ModelConfig = model.config
+    hf_config = config_to_hf(config)
+    hf_config["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    plan = build_plan(config)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    old = None
+    try:
+        writer = ShardWriter(tmp, parse_size(max_shard_size))
+        for key, tensor in _hf_tensors(model, plan):
+            writer.add(key, tensor)
+        writer.finish()
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        if path.exists():  # an empty directory, or overwrite=True: move it aside so `path` is never half-written
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            path.rename(old)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not path.exists():
+            old.rename(path)
+        raise
+    if old is not None and old.is_dir():
+        shutil.rmtree(old)
+    elif old is not None:
+        old.unlink()

@@ -1,0 +1,247 @@
+"""Tensor-by-tensor mapping between our state dict and a HuggingFace checkpoint of the same ModelConfig.
+
+A plan lists, for every tensor of ours, the HF tensors it is assembled from (with their full on-disk shapes, and
+the expert rows to read when only some experts are wanted) and the two layout conversions. The plan alone decides
+what is read, so a rank that owns 8 of 256 experts never touches the other 248.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_models.config import ModelConfig
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Source:
+    """One HF tensor: its name, its full shape on disk, and the rows of dim 0 to read (None: all)."""
+
+    key: str
+    shape: tuple[int, ...]
+    rows: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of ours and the HF tensors it is made of; ``to_hf`` is None for read-only layouts."""
+
+    ours: str
+    sources: tuple[Source, ...]
+    to_ours: Callable[[list[Tensor]], Tensor]
+    to_hf: Callable[[Tensor], list[Tensor]] | None
+
+
+@dataclass
+class Plan:
+    """Every entry of a config, plus the HF tensors written on save only (copies, zeros) and ignored on load."""
+
+    entries: list[Entry] = field(default_factory=list)
+    copies: dict[str, str] = field(default_factory=dict)  # HF name -> our tensor it duplicates
+    zeros: dict[str, tuple[int, ...]] = field(default_factory=dict)  # HF name -> shape, written as zeros
+    ignored: set[str] = field(default_factory=set)  # HF names that may be in a checkpoint and are not read
+
+    def hf_keys(self) -> set[str]:
+        """The HF tensors this plan reads."""
+        return {s.key for e in self.entries for s in e.sources}
+
+
+def _first(ts: list[Tensor]) -> Tensor:
+    return ts[0]
+
+
+def _alone(t: Tensor) -> list[Tensor]:
+    return [t]
+
+
+def _transpose(ts: list[Tensor]) -> Tensor:
+    return ts[0].transpose(-1, -2)
+
+
+def _transpose_back(t: Tensor) -> list[Tensor]:
+    return [t.transpose(-1, -2)]
+
+
+def _copy(plan: Plan, ours: str, key: str, shape: tuple[int, ...], rows: tuple[int, ...] | None = None) -> None:
+    plan.entries.append(Entry(ours, (Source(key, shape, rows),), _first, _alone))
+
+
+def _gate_up_to_ours(ts: list[Tensor]) -> Tensor:
+    # sources alternate gate, up ([F, H] each) per expert; ours is [H, 2F] per expert, gate columns first
+    pairs = [torch.cat([g.T, u.T], dim=1) for g, u in zip(ts[0::2], ts[1::2], strict=True)]
+    return torch.stack(pairs)
+
+
+def _gate_up_to_hf(t_EH2F: Tensor) -> list[Tensor]:
+    width = t_EH2F.shape[-1] // 2
+    return [part for w_H2F in t_EH2F for part in (w_H2F[:, :width].T, w_H2F[:, width:].T)]
+
+
+def _down_to_ours(ts: list[Tensor]) -> Tensor:
+    return torch.stack([d.T for d in ts])
+
+
+def _down_to_hf(t_EFH: Tensor) -> list[Tensor]:
+    return [w_FH.T for w_FH in t_EFH]
+
+
+def _shared_gate_up_to_ours(ts: list[Tensor]) -> Tensor:
+    return torch.cat([ts[0].T, ts[1].T], dim=1)
+
+
+def _shared_gate_up_to_hf(t_H2F: Tensor) -> list[Tensor]:
+    width = t_H2F.shape[-1] // 2
+    return [t_H2F[:, :width].T, t_H2F[:, width:].T]
+
+
+def _gqa_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
+    h, q_width, kv_width = c.hidden_size, c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
+    for name, rows, cols in (("q_proj", q_width, h), ("k_proj", kv_width, h), ("v_proj", kv_width, h)):
+        _copy(plan, f"{ours}.{name}.weight", f"{hf}.{name}.weight", (rows, cols))
+        if c.add_qkv_bias:
+            _copy(plan, f"{ours}.{name}.bias", f"{hf}.{name}.bias", (rows,))
+    _copy(plan, f"{ours}.o_proj.weight", f"{hf}.o_proj.weight", (h, q_width))
+    if c.add_bias_linear:
+        _copy(plan, f"{ours}.o_proj.bias", f"{hf}.o_proj.bias", (h,))
+    if c.qk_layernorm:
+        _copy(plan, f"{ours}.q_norm.weight", f"{hf}.q_norm.weight", (c.kv_channels,))
+        _copy(plan, f"{ours}.k_norm.weight", f"{hf}.k_norm.weight", (c.kv_channels,))
+    if c.softmax_type == "learnable":
+        _copy(plan, f"{ours}.sinks", f"{hf}.sinks", (c.num_attention_heads,))
+
+
+def _mla_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
+    h, n, rope = c.hidden_size, c.num_attention_heads, c.qk_pos_emb_head_dim
+    q_width = n * (c.qk_head_dim + rope)
+    if c.q_lora_rank is None:
+        _copy(plan, f"{ours}.q_proj.weight", f"{hf}.q_proj.weight", (q_width, h))
+    else:
+        _copy(plan, f"{ours}.q_a_proj.weight", f"{hf}.q_a_proj.weight", (c.q_lora_rank, h))
+        _copy(plan, f"{ours}.q_a_norm.weight", f"{hf}.q_a_layernorm.weight", (c.q_lora_rank,))
+        _copy(plan, f"{ours}.q_b_proj.weight", f"{hf}.q_b_proj.weight", (q_width, c.q_lora_rank))
+    _copy(plan, f"{ours}.kv_a_proj.weight", f"{hf}.kv_a_proj_with_mqa.weight", (c.kv_lora_rank + rope, h))
+    _copy(plan, f"{ours}.kv_a_norm.weight", f"{hf}.kv_a_layernorm.weight", (c.kv_lora_rank,))
+    kv_b_shape = (n * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank)
+    _copy(plan, f"{ours}.kv_b_proj.weight", f"{hf}.kv_b_proj.weight", kv_b_shape)
+    _copy(plan, f"{ours}.o_proj.weight", f"{hf}.o_proj.weight", (h, n * c.v_head_dim))
+
+
+def _dense_mlp(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
+    h, f = c.hidden_size, c.ffn_hidden_size
+    for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+        _copy(plan, f"{ours}.{name}.weight", f"{hf}.{name}.weight", shape)
+
+
+def _moe_names(c: ModelConfig) -> tuple[str, str, tuple[str, str, str]]:
+    """(MoE block, router, (gate, up, down) expert projections) as the family's checkpoints name them."""
+    if c.family == "mixtral":
+        return "block_sparse_moe", "gate", ("w1", "w3", "w2")
+    return "mlp", "router" if c.family == "gpt_oss" else "gate", ("gate_proj", "up_proj", "down_proj")
+
+
+def _routed_experts(
+    plan: Plan, c: ModelConfig, ours: str, hf: str, experts: tuple[int, ...], available: set[str] | None
+) -> None:
+    e, h, f = c.num_moe_experts, c.hidden_size, c.moe_ffn_hidden_size
+    rows = None if experts == tuple(range(e)) else experts
+    if c.activation_func == "swiglu_oai":  # GPT-OSS stores the fused [E, ...] tensors we use, gate/up interleaved
+        _copy(plan, f"{ours}.w_gate_up_EH2F", f"{hf}.gate_up_proj", (e, h, 2 * f), rows)
+        _copy(plan, f"{ours}.b_gate_up_E2F", f"{hf}.gate_up_proj_bias", (e, 2 * f), rows)
+        _copy(plan, f"{ours}.w_down_EFH", f"{hf}.down_proj", (e, f, h), rows)
+        _copy(plan, f"{ours}.b_down_EH", f"{hf}.down_proj_bias", (e, h), rows)
+        return
+    if available is not None and f"{hf}.gate_up_proj" in available:
+        # transformers 5's in-memory layout ([E, 2F, H] gate rows first, [E, H, F]): read, never written
+        gate_up = Source(f"{hf}.gate_up_proj", (e, 2 * f, h), rows)
+        plan.entries.append(Entry(f"{ours}.w_gate_up_EH2F", (gate_up,), _transpose, None))
+        down = Source(f"{hf}.down_proj", (e, h, f), rows)
+        plan.entries.append(Entry(f"{ours}.w_down_EFH", (down,), _transpose, None))
+        return
+    gate, up, down = _moe_names(c)[2]
+    gate_up = tuple(Source(f"{hf}.{i}.{p}.weight", (f, h)) for i in experts for p in (gate, up))
+    plan.entries.append(Entry(f"{ours}.w_gate_up_EH2F", gate_up, _gate_up_to_ours, _gate_up_to_hf))
+    downs = tuple(Source(f"{hf}.{i}.{down}.weight", (h, f)) for i in experts)
+    plan.entries.append(Entry(f"{ours}.w_down_EFH", downs, _down_to_ours, _down_to_hf))
+
+
+def _moe_mlp(
+    plan: Plan, c: ModelConfig, ours: str, hf: str, experts: tuple[int, ...], available: set[str] | None
+) -> None:
+    block, router, _ = _moe_names(c)
+    hf, e, h = f"{hf}.{block}", c.num_moe_experts, c.hidden_size
+    _copy(plan, f"{ours}.router.weight", f"{hf}.{router}.weight", (e, h))
+    if c.add_bias_linear:
+        _copy(plan, f"{ours}.router.bias", f"{hf}.{router}.bias", (e,))
+    if c.moe_router_enable_expert_bias:
+        _copy(plan, f"{ours}.router.expert_bias", f"{hf}.{router}.e_score_correction_bias", (e,))
+    elif c.family == "deepseek_v3":  # transformers' DeepSeek router always has the bias: zeros are ours
+        plan.zeros[f"{hf}.{router}.e_score_correction_bias"] = (e,)
+        plan.ignored.add(f"{hf}.{router}.e_score_correction_bias")
+    _routed_experts(plan, c, f"{ours}.experts", f"{hf}.experts", experts, available)
+    if c.moe_shared_expert_intermediate_size is not None:
+        f, shared = c.moe_shared_expert_intermediate_size, f"{hf}.shared_experts"
+        sources = (Source(f"{shared}.gate_proj.weight", (f, h)), Source(f"{shared}.up_proj.weight", (f, h)))
+        entry = Entry(f"{ours}.shared_experts.w_gate_up_H2F", sources, _shared_gate_up_to_ours, _shared_gate_up_to_hf)
+        plan.entries.append(entry)
+        down = (Source(f"{shared}.down_proj.weight", (h, f)),)
+        plan.entries.append(Entry(f"{ours}.shared_experts.w_down_FH", down, _transpose, _transpose_back))
+
+
+def _decoder_layer(
+    plan: Plan, c: ModelConfig, ours: str, hf: str, moe: bool, experts: tuple[int, ...], available: set[str] | None
+) -> None:
+    h = c.hidden_size
+    _copy(plan, f"{ours}.input_norm.weight", f"{hf}.input_layernorm.weight", (h,))
+    _copy(plan, f"{ours}.post_attention_norm.weight", f"{hf}.post_attention_layernorm.weight", (h,))
+    attention = _mla_attention if c.multi_latent_attention else _gqa_attention
+    attention(plan, c, f"{ours}.attention", f"{hf}.self_attn")
+    if moe:
+        _moe_mlp(plan, c, f"{ours}.mlp", hf, experts, available)
+    else:
+        _dense_mlp(plan, c, f"{ours}.mlp", f"{hf}.mlp")
+
+
+def _mtp(plan: Plan, c: ModelConfig, k: int, experts: tuple[int, ...], available: set[str] | None) -> None:
+    # DeepSeek-V3's published layout: MTP module k is decoder layer num_layers + k with extra tensors
+    ours, hf, h = f"mtp.{k}", f"model.layers.{c.num_layers + k}", c.hidden_size
+    _copy(plan, f"{ours}.enorm.weight", f"{hf}.enorm.weight", (h,))
+    _copy(plan, f"{ours}.hnorm.weight", f"{hf}.hnorm.weight", (h,))
+    _copy(plan, f"{ours}.eh_proj.weight", f"{hf}.eh_proj.weight", (h, 2 * h))
+    _copy(plan, f"{ours}.final_norm.weight", f"{hf}.shared_head.norm.weight", (h,))
+    _decoder_layer(plan, c, f"{ours}.layer", hf, True, experts, available)
+    # the module shares the main model's embedding and head; the checkpoint carries copies of them
+    plan.copies[f"{hf}.embed_tokens.weight"] = "embed_tokens.weight"
+    plan.copies[f"{hf}.shared_head.head.weight"] = "lm_head.weight"
+
+
+def mtp_prefixes(c: ModelConfig) -> list[str]:
+    """The HF name prefix of each MTP module of ``c`` ("model.layers.{num_layers + k}.")."""
+    return [f"model.layers.{c.num_layers + k}." for k in range(c.mtp_num_layers or 0)]
+
+
+def build_plan(c: ModelConfig, *, experts: Sequence[int] | None = None, available: set[str] | None = None) -> Plan:
+    """The plan of ``c``; ``experts`` keeps only those routed experts, ``available`` (a checkpoint's names) picks
+    transformers' fused expert layout where a checkpoint has it."""
+    expert_ids = tuple(range(c.num_moe_experts)) if experts is None else tuple(int(i) for i in experts)
+    plan, v, h = Plan(), c.vocab_size, c.hidden_size
+    _copy(plan, "embed_tokens.weight", "model.embed_tokens.weight", (v, h))
+    for i, moe in enumerate(c.moe_layer_pattern()):
+        _decoder_layer(plan, c, f"layers.{i}", f"model.layers.{i}", bool(moe), expert_ids, available)
+    _copy(plan, "norm.weight", "model.norm.weight", (h,))
+    if c.share_embeddings_and_output_weights:
+        plan.ignored.add("lm_head.weight")  # some tied checkpoints still carry it
+    else:
+        _copy(plan, "lm_head.weight", "lm_head.weight", (v, h))
+    for k in range(c.mtp_num_layers or 0):
+        _mtp(plan, c, k, expert_ids, available)
+    plan.ignored |= set(plan.copies)
+    return plan
+
+
+def is_routed_expert_tensor(ours: str) -> bool:
+    """Whether our tensor holds one slice per routed expert (dim 0), i.e. is cut by an expert subset."""
+    return ".mlp.experts." in ours
