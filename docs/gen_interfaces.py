@@ -18,7 +18,12 @@ CONSTANTS = {
     "BACKENDS": "Expert back-end name -> Backend (requirements, install hint, grouped-mm function).",
     "ATTENTION_DIMS": "Attention-side dimension names, fastest-varying first.",
     "EXPERT_DIMS": "Expert-side dimension names, fastest-varying first.",
-    "FAMILIES": "Model families this version builds.",
+    "FAMILIES": "HuggingFace checkpoint layouts ModelConfig.family names (Kimi-K2 is a deepseek_v3).",
+    "CONVENTIONS": "FLOPs conventions training_flops_per_token accepts (megatron, torchtitan).",
+    "PRESETS": "Preset name -> ModelConfig factory: the published sizes and a tiny CPU proxy of each family.",
+    "PUBLISHED_PRESETS": "Names of the published-size presets.",
+    "TINY_PRESETS": "Names of the tiny CPU proxies (moe-train presets of the same names).",
+    "PUBLISHED_SIZES": "Published total / active parameter counts of the published presets.",
     "DISPATCHERS": "Dispatcher names build_dispatcher accepts.",
     "SWIGLU_OAI_ALPHA": "GPT-OSS clamped SwiGLU sigmoid scale (1.702).",
     "SWIGLU_OAI_LIMIT": "GPT-OSS clamped SwiGLU clamp limit (7.0).",
@@ -26,11 +31,12 @@ CONSTANTS = {
 HEADER = """# Public interfaces
 
 Each package is versioned on its own (semver). Its public API is the names in its `__all__`,
-importable from the top-level module; anything else is internal and may change in any release. A test
+importable from the top-level module (a public subpackage's names are listed qualified, e.g. `hf.load_pretrained`
+for `moe_models.hf.load_pretrained`); anything else is internal and may change in any release. A test
 in every package (`tests/test_public_api.py`) keeps a snapshot of these names: changing them means
 updating the snapshot, this page (`uv run python docs/gen_interfaces.py`) and the version together
 (while at 0.x, a breaking change bumps the minor version). Dependencies between our packages are
-pinned to compatible ranges (`>=0.1,<0.2`).
+pinned to one minor series (e.g. `>=0.2,<0.3`).
 """
 
 
@@ -55,7 +61,12 @@ def render() -> str:
         out += [f"## {dist} {module.__version__} (`import {module.__name__}`)", ""]
         out += [(module.__doc__ or "").strip().split("\n")[0], "", f"Depends on: {deps}.", ""]
         out += ["| name | what it is |", "|---|---|"]
-        out += [f"| `{n}` | {describe(n, getattr(module, n))} |" for n in sorted(module.__all__) if n != "__version__"]
+        for n in sorted(module.__all__):
+            obj = getattr(module, n)
+            if inspect.ismodule(obj):  # a public subpackage: its own names, qualified
+                out += [f"| `{n}.{m}` | {describe(m, getattr(obj, m))} |" for m in sorted(obj.__all__)]
+            elif n != "__version__":
+                out.append(f"| `{n}` | {describe(n, obj)} |")
         out.append("")
     return "\n".join(out)
 

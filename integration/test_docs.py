@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
@@ -54,3 +55,13 @@ def test_readme_example_of_the_parts_runs() -> None:
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["out_TH"].shape == (2048, 512)
     assert namespace["router"].expert_bias.abs().sum() > 0  # the bias update ran
+
+
+def test_readme_example_of_the_model_families_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Model families and HuggingFace checkpoints")[1].split("```python")[1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    ids = namespace["ids"]
+    torch.testing.assert_close(namespace["again"](ids).logits, namespace["model"](ids).logits)
+    assert namespace["experts_0_to_3"]["layers.1.mlp.experts.w_down_EFH"].shape[0] == 4

@@ -1,13 +1,17 @@
-"""count_parameters against built models and published sizes; FLOPs per token against hand counts."""
+"""count_parameters against built models and hand counts; FLOPs per token against hand counts in both conventions
+(the published sizes are in test_presets)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 import torch
-from _published_shapes import QWEN3_30B_A3B
 
 from moe_experts import GroupedExperts
 from moe_models import ModelConfig, build_model, count_parameters, training_flops_per_token
+from moe_models.presets import PRESETS, preset
 
 # hidden 64, 2 layers, 4 heads of 16, 2 kv groups, 8 experts top-2 of ffn 32, vocab 256
 SMALL = {
@@ -21,16 +25,81 @@ SMALL = {
     "moe_router_topk": 2,
     "moe_ffn_hidden_size": 32,
 }
+_MLA = {
+    "multi_latent_attention": True,
+    "qk_layernorm": False,
+    "kv_lora_rank": 8,
+    "qk_head_dim": 8,
+    "qk_pos_emb_head_dim": 4,
+    "v_head_dim": 6,
+}
+_GPT_OSS = {
+    "qk_layernorm": False,
+    "add_qkv_bias": True,
+    "add_bias_linear": True,
+    "softmax_type": "learnable",
+    "window_size": 4,
+    "window_attn_skip_freq": 2,
+    "activation_func": "swiglu_oai",
+}
+
+# MLA with a q latent, a dense first layer, a shared expert, sigmoid scores and one MTP depth (hand-counted below)
+MLA_DENSE_SHARED_MTP = ModelConfig(
+    family="deepseek_v3",
+    vocab_size=100,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=2,
+    num_query_groups=2,
+    kv_channels=8,
+    qk_layernorm=False,
+    multi_latent_attention=True,
+    q_lora_rank=16,
+    kv_lora_rank=8,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    ffn_hidden_size=48,
+    moe_layer_freq=[0, 1],
+    moe_shared_expert_intermediate_size=12,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=10,
+    moe_router_score_function="sigmoid",
+    mtp_num_layers=1,
+)
+# GQA with biases, sinks, clamped SwiGLU and a 4-token window on layer 0 (hand-counted below)
+GQA_WINDOW = ModelConfig(
+    family="gpt_oss",
+    vocab_size=64,
+    hidden_size=16,
+    num_layers=2,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=8,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=8,
+    **_GPT_OSS,
+)
 
 
-def _built_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """Total from the built model; active = non-expert params + topk/E of the expert params."""
+def _built_counts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(total, active, mtp) from the built model; active = the main model's non-expert params + topk/E of its
+    expert params."""
     torch.manual_seed(0)
     model = build_model(cfg)
-    total = sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once
-    expert = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+    named = dict(model.named_parameters())  # a tied weight is listed once
+    mtp = sum(p.numel() for n, p in named.items() if n.startswith("mtp."))
+    total = sum(p.numel() for p in named.values()) - mtp
+    expert = sum(
+        p.numel()
+        for n, m in model.named_modules()
+        if isinstance(m, GroupedExperts) and not n.startswith("mtp.")
+        for p in m.parameters()
+    )
     assert expert % cfg.num_moe_experts == 0
-    return total, total - expert + expert // cfg.num_moe_experts * cfg.moe_router_topk
+    return total, total - expert + expert // cfg.num_moe_experts * cfg.moe_router_topk, mtp
 
 
 @pytest.mark.parametrize(
@@ -43,14 +112,23 @@ def _built_counts(cfg: ModelConfig) -> tuple[int, int]:
         {"hidden_size": 48, "num_attention_heads": 6, "num_query_groups": 3, "kv_channels": 8},  # q width != hidden
         {"num_query_groups": 4, "num_moe_experts": 5, "moe_router_topk": 5, "num_layers": 3},
         {"num_query_groups": 1, "num_moe_experts": 1, "moe_router_topk": 1, "num_layers": 1},
+        _GPT_OSS,
+        {"activation_func": "squared_relu", "add_bias_linear": True},  # non-gated experts: w_gate_up is [H, F]
+        {"moe_layer_freq": [0, 1], "ffn_hidden_size": 40, "moe_shared_expert_intermediate_size": 24},
+        {**_MLA, "q_lora_rank": 16, "mtp_num_layers": 2},
+        {**_MLA, "moe_layer_freq": 2, "share_embeddings_and_output_weights": True, "mtp_num_layers": 1},
     ],
 )
 def test_count_parameters_matches_the_built_model(overrides):
     cfg = ModelConfig(**{**SMALL, **overrides})
-    total, active = _built_counts(cfg)
     counted = count_parameters(cfg)
-    assert counted.total == total
-    assert counted.active == active
+    assert (counted.total, counted.active, counted.mtp) == _built_counts(cfg)
+
+
+def test_count_parameters_matches_the_hand_counted_models_built():
+    for cfg in (MLA_DENSE_SHARED_MTP, GQA_WINDOW):
+        counted = count_parameters(cfg)
+        assert (counted.total, counted.active, counted.mtp) == _built_counts(cfg)
 
 
 def test_active_parameters_by_hand():
@@ -65,38 +143,6 @@ def test_active_parameters_by_hand():
     assert per_layer_active == 25_248 and per_layer_total == 62_112
     assert counted.active == 2 * embed + 64 + 2 * per_layer_active == 83_328
     assert counted.total == 2 * embed + 64 + 2 * per_layer_total == 157_056
-
-
-@pytest.mark.parametrize(
-    ("config", "total_b", "active_b"),
-    [
-        # Qwen3-30B-A3B and Qwen3-235B-A22B model cards: 30.5B / 3.3B and 235B / 22B parameters
-        (
-            QWEN3_30B_A3B,
-            30.5,
-            3.3,
-        ),
-        (
-            {
-                "vocab_size": 151_936,
-                "hidden_size": 4096,
-                "num_layers": 94,
-                "num_attention_heads": 64,
-                "num_query_groups": 4,
-                "kv_channels": 128,
-                "num_moe_experts": 128,
-                "moe_router_topk": 8,
-                "moe_ffn_hidden_size": 1536,
-            },
-            235.0,
-            22.0,
-        ),
-    ],
-)
-def test_count_parameters_matches_published_qwen3_sizes(config, total_b, active_b):
-    counted = count_parameters(ModelConfig(**config))
-    assert counted.total / 1e9 == pytest.approx(total_b, rel=0.01)
-    assert counted.active / 1e9 == pytest.approx(active_b, rel=0.03)
 
 
 def test_megatron_flops_by_hand():
@@ -149,3 +195,113 @@ def test_flops_grow_with_topk_not_with_expert_count():
 def test_unknown_convention_rejected():
     with pytest.raises(ValueError, match="'palm'"):
         training_flops_per_token(ModelConfig(**SMALL), 16, convention="palm")
+
+
+def test_mla_dense_shared_mtp_parameters_by_hand():
+    # H 32, V 100, 2 heads; q latent 16, kv latent 8, q/k 8 + 4 rotary, v 6; dense ffn 48; 4 experts top-2 of 10,
+    # shared 12
+    q_a, q_b = 32 * 16, 16 * 2 * (8 + 4)  # 512, 384
+    kv_a, kv_b = 32 * (8 + 4), 8 * 2 * (8 + 6)  # 384, 224
+    o = 2 * 6 * 32  # 384
+    attention = q_a + q_b + kv_a + kv_b + o + 16 + 8  # + q_a_norm, kv_a_norm: 1912
+    dense = 3 * 32 * 48  # 4608
+    router, expert, shared = 4 * 32, 3 * 32 * 10, 3 * 32 * 12  # 128, 960, 1152
+    dense_layer = 2 * 32 + attention + dense  # 6584
+    moe_total = 2 * 32 + attention + router + 4 * expert + shared  # 7096
+    moe_active = 2 * 32 + attention + router + 2 * expert + shared  # 5176
+    assert (attention, dense_layer, moe_total, moe_active) == (1912, 6584, 7096, 5176)
+    outside = 100 * 32 + 32 + 100 * 32  # embedding, final norm, lm_head: 6432
+    mtp = 3 * 32 + 2 * 32 * 32 + moe_total  # enorm, hnorm, final_norm, eh_proj, one MoE layer: 9240
+    counted = count_parameters(MLA_DENSE_SHARED_MTP)
+    assert counted.total == outside + dense_layer + moe_total == 20_112
+    assert counted.active == outside + dense_layer + moe_active == 18_192
+    assert counted.mtp == mtp == 9240
+
+
+def test_mla_dense_shared_mtp_flops_by_hand():
+    seq = 16
+    projections = 6 * (512 + 384 + 384 + 224 + 384)  # q_a, q_b, kv_a, kv_b, o: 11328
+    # QK^T over 8 + 4 dims and AV over 6, 2 heads; Megatron: the causal half, seq / 2 keys per query
+    core_megatron = 6 * 2 * (seq / 2) * (12 + 6)  # 1728
+    dense = 6 * 3 * 32 * 48  # 27648
+    moe = 6 * (2 * 3 * 32 * 10 + 3 * 32 * 12)  # two routed experts and the shared one, router not counted: 18432
+    logits = 6 * 32 * 100  # 19200
+    eh_proj = 6 * 2 * 32 * 32  # 12288
+    mtp = eh_proj + projections + core_megatron + moe + logits  # 62976
+    megatron = (projections + core_megatron + dense) + (projections + core_megatron + moe) + logits + mtp
+    assert (core_megatron, mtp, megatron) == (1728, 62_976, 154_368)
+    assert training_flops_per_token(MLA_DENSE_SHARED_MTP, seq) == 154_368
+
+    # torchtitan: 6 x active non-embedding parameters, all seq keys per query, the MTP depth's active parameters
+    # and logits on top
+    core_torchtitan = 6 * 2 * seq * (12 + 6)  # 3456
+    main = 6 * (18_192 - 100 * 32) + 2 * core_torchtitan  # 89952 + 6912
+    mtp_active = 3 * 32 + 2 * 32 * 32 + 5176  # 7320
+    mtp = 6 * mtp_active + core_torchtitan + logits  # 43920 + 3456 + 19200
+    assert main + mtp == 163_440
+    assert training_flops_per_token(MLA_DENSE_SHARED_MTP, seq, convention="torchtitan") == 163_440
+
+
+def test_mla_without_q_latent_counts_one_q_gemm():
+    full_q = ModelConfig(**{**SMALL, **_MLA})
+    with_latent = ModelConfig(**{**SMALL, **_MLA, "q_lora_rank": 16})
+    # H N (8 + 4) versus H r_q + r_q N (8 + 4), plus the latent's norm in the parameters
+    assert count_parameters(full_q).total - count_parameters(with_latent).total == 2 * (
+        64 * 4 * 12 - (64 * 16 + 16 * 4 * 12) - 16
+    )
+    flops_gap = training_flops_per_token(full_q, 32) - training_flops_per_token(with_latent, 32)
+    assert flops_gap == 2 * 6 * (64 * 4 * 12 - (64 * 16 + 16 * 4 * 12))
+
+
+def test_gqa_window_parameters_by_hand():
+    # H 16, V 64, 4 heads of 8, 2 kv groups, biases, sinks; 4 experts top-2 of 8 with biases, router bias
+    projections = 16 * 32 + 2 * 16 * 16 + 32 * 16  # q, k, v, o: 1536
+    attention = projections + (32 + 16 + 16) + 16 + 4  # q/k/v biases, o bias, sinks: 1620
+    router = 4 * 16 + 4  # 68
+    expert = 16 * 2 * 8 + 8 * 16 + 2 * 8 + 16  # gate_up, down and their biases: 416
+    layer_total = 2 * 16 + attention + router + 4 * expert  # 3384
+    layer_active = 2 * 16 + attention + router + 2 * expert  # 2552
+    outside = 64 * 16 + 16 + 64 * 16  # 2064
+    counted = count_parameters(GQA_WINDOW)
+    assert (counted.total, counted.active, counted.mtp) == (outside + 2 * layer_total, outside + 2 * layer_active, 0)
+    assert (counted.total, counted.active) == (8832, 7168)
+
+
+def test_gqa_window_flops_by_hand():
+    seq = 16
+    projections = 6 * 1536  # 9216
+    experts = 6 * 2 * (16 * 2 * 8 + 8 * 16)  # two experts' GEMMs, biases and router not counted: 4608
+    logits = 6 * 16 * 64  # 6144
+    # Megatron: layer 0 slides a 4-token window, 4 - 4^2 / (2 * 16) = 3.5 keys per query on average; layer 1 is
+    # full causal attention, 16 / 2 = 8 keys; QK^T + AV over 8 + 8 dims, 4 heads
+    window_core, full_core = 6 * 4 * 3.5 * (8 + 8), 6 * 4 * 8 * (8 + 8)  # 1344, 3072
+    megatron = 2 * (projections + experts) + window_core + full_core + logits
+    assert megatron == 38_208
+    assert training_flops_per_token(GQA_WINDOW, seq) == 38_208
+    # torchtitan: no causal halving, min(4, 16) and 16 keys per query
+    torchtitan = 6 * (7168 - 64 * 16) + 6 * 4 * 4 * (8 + 8) + 6 * 4 * 16 * (8 + 8)  # 36864 + 1536 + 6144
+    assert torchtitan == 44_544
+    assert training_flops_per_token(GQA_WINDOW, seq, convention="torchtitan") == 44_544
+
+
+@pytest.mark.parametrize("convention", ["megatron", "torchtitan"])
+def test_a_window_at_least_the_sequence_is_full_attention(convention):
+    full = dataclasses.replace(GQA_WINDOW, window_size=None, window_attn_skip_freq=None)
+    for seq in (1, 2, 3, 4):
+        assert training_flops_per_token(GQA_WINDOW, seq, convention) == training_flops_per_token(full, seq, convention)
+    assert training_flops_per_token(GQA_WINDOW, 5, convention) < training_flops_per_token(full, 5, convention)
+
+
+@pytest.mark.parametrize("convention", ["megatron", "torchtitan"])
+@pytest.mark.parametrize("name", ["small", "mla", "window", *PRESETS])
+def test_flops_grow_with_seq_len(name, convention):
+    cfg = {"small": ModelConfig(**SMALL), "mla": MLA_DENSE_SHARED_MTP, "window": GQA_WINDOW}.get(name)
+    cfg = cfg or preset(name)
+    seqs = [*range(1, 40), 127, 128, 129, 4096, 131_072]
+    flops = [training_flops_per_token(cfg, s, convention) for s in seqs]
+    assert all(a < b for a, b in itertools.pairwise(flops))
+
+
+def test_sequence_length_must_be_positive():
+    with pytest.raises(ValueError, match="seq_len=0"):
+        training_flops_per_token(ModelConfig(**SMALL), 0)

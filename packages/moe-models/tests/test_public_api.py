@@ -7,6 +7,7 @@ import moe_models
 
 PUBLIC_NAMES = [
     "Attention",
+    "CONVENTIONS",
     "DecoderLayer",
     "DenseMLP",
     "FAMILIES",
@@ -17,13 +18,20 @@ PUBLIC_NAMES = [
     "ModelConfig",
     "ModelOutput",
     "MultiLatentAttention",
+    "PRESETS",
+    "PUBLISHED_PRESETS",
+    "PUBLISHED_SIZES",
     "ParameterCount",
+    "PublishedSize",
     "RMSNorm",
+    "TINY_PRESETS",
     "__version__",
     "apply_rotary",
     "build_model",
     "causal_lm_loss",
     "count_parameters",
+    "hf",
+    "preset",
     "rotary_cos_sin",
     "training_flops_per_token",
 ]
@@ -41,3 +49,17 @@ def test_public_names_match_snapshot() -> None:
 def test_every_public_name_resolves() -> None:
     missing = [name for name in moe_models.__all__ if not hasattr(moe_models, name)]
     assert missing == []
+
+
+HF_NAMES = [
+    "HFCheckpointError",
+    "config_from_hf",
+    "config_to_hf",
+    "load_pretrained",
+    "read_state_dict",
+    "save_pretrained",
+]
+
+
+def test_hf_names_match_snapshot() -> None:
+    assert sorted(moe_models.hf.__all__) == HF_NAMES

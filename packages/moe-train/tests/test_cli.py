@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import moe_train
 from moe_models import ModelConfig, build_model
 from moe_train import cli
 from moe_train.checkpoint import load_checkpoint
@@ -102,7 +103,7 @@ def test_checkpoint_restores_the_trained_weights(micro_overrides: dict[str, str]
 
 def test_python_dash_m_entry_point() -> None:
     done = subprocess.run([sys.executable, "-m", "moe_train", "--version"], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "moe-train 0.1.0"
+    assert done.returncode == 0 and done.stdout.strip() == f"moe-train {moe_train.__version__}"
     assert isinstance(ModelConfig(), ModelConfig)
 
 

@@ -17,8 +17,8 @@ PUBLIC_NAMES = [
 ]
 
 
-def test_version_is_semver_0_1() -> None:
-    assert moe_train.__version__ == "0.1.0"
+def test_version() -> None:
+    assert moe_train.__version__ == "0.1.1"
     assert importlib.metadata.version("moe-train") == moe_train.__version__
 
 

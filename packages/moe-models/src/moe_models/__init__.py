@@ -1,18 +1,36 @@
-"""moe-models: MoE model families, attention, MoE block composition, HF checkpoint I/O and FLOPs."""
+"""moe-models: MoE model families (Qwen3-MoE, DeepSeek-V3/Kimi-K2, GPT-OSS, Mixtral), presets, HF checkpoint I/O
+(``moe_models.hf``) and FLOPs."""
 
+from moe_models import hf
 from moe_models.attention import Attention
 from moe_models.config import FAMILIES, ModelConfig
-from moe_models.flops import ParameterCount, count_parameters, training_flops_per_token
+from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.loss import LMLoss, causal_lm_loss
 from moe_models.mla import MultiLatentAttention
 from moe_models.model import DecoderLayer, ModelOutput, MoETransformer, MTPLayer, build_model
+from moe_models.presets import (
+    PRESETS,
+    PUBLISHED_PRESETS,
+    PUBLISHED_SIZES,
+    TINY_PRESETS,
+    PublishedSize,
+    preset,
+)
 from moe_models.rope import apply_rotary, rotary_cos_sin
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "CONVENTIONS",
     "FAMILIES",
+    "PRESETS",
+    "PUBLISHED_PRESETS",
+    "PUBLISHED_SIZES",
+    "PublishedSize",
+    "TINY_PRESETS",
+    "hf",
+    "preset",
     "Attention",
     "DecoderLayer",
     "DenseMLP",

@@ -1,54 +1,159 @@
-"""Parameter counts and training FLOPs per token.
+"""Parameter counts and training FLOPs per token, computed from a :class:`ModelConfig` alone.
 
-Megatron convention (the default, used for TFLOPS/GPU and MFU): every GEMM counts 6 FLOPs per
-multiply-add weight per token (forward 2 + activation grad 2 + weight grad 2). Per token and layer:
-attention projections ``6*H*(q + k + v + o widths)``; core attention ``6*n_heads*d_head*seq`` (QK^T and
-AV, causal half); SwiGLU experts ``6*H*F_moe*topk*3``; plus logits ``6*H*V``. The router GEMM is not
-counted, as in Megatron.
-torchtitan convention: ``6 * active non-embedding params + 6*L*n_heads*2*d_head*seq`` (no causal halving).
+Notation: H hidden, V vocab, S sequence length, N attention heads, G query groups, d head dim (kv_channels);
+MLA: r_q q_lora_rank, r_kv kv_lora_rank, d_n qk_head_dim, d_r qk_pos_emb_head_dim, d_v v_head_dim; E experts,
+k top-k, F moe_ffn_hidden_size, a the activation's width factor (2 gated, 1 not), F_s the shared expert's width,
+F_d ffn_hidden_size (dense layers); the per-head q/k width is d_qk = d (GQA) or d_n + d_r (MLA), v's is d (GQA)
+or d_v (MLA).
+
+Parameters (:func:`count_parameters`): embedding, final norm and lm_head (once when tied), and per layer two
+norms, the attention (projections with their biases, q/k norms, sinks; MLA's latent norms), and the MLP: dense
+3 H F_d, or MoE = router E H (+ E bias) + E experts of a H F + F H (+ a F + H biases) + shared 3 H F_s. ``active``
+counts k of the E routed experts; ``total`` and ``active`` leave the MTP layers out, as published figures do,
+``mtp`` counts them: per depth enorm, hnorm, final_norm (3 H), eh_proj 2 H^2, one MoE decoder layer.
+
+Megatron convention (the default; how Megatron-LM reports TFLOPS/GPU and MFU): a GEMM costs 6 FLOPs per
+multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per token:
+
+- attention projections: 6 x the weights' multiply-adds,
+  GQA ``H (N d + 2 G d) + N d H``; MLA q ``H N d_qk`` (or ``H r_q + r_q N d_qk`` through the q latent),
+  kv ``H (r_kv + d_r) + r_kv N (d_n + d_v)``, o ``N d_v H``;
+- core attention: ``6 N K (d_qk + d_v)`` (QK^T then AV over K keys), K the keys per query averaged over the
+  sequence: causal ``S/2`` (Megatron's causal half), sliding window w < S: ``w - w^2 / (2 S)`` (the band of
+  width w under the causal triangle, divided by S; ``S/2`` at w = S, so the two agree there);
+- MLP: MoE ``6 k (a + 1) H F + 18 H F_s``, dense ``18 H F_d``;
+- logits ``6 H V`` (tied embeddings too: the GEMM still runs);
+- MTP, per depth: eh_proj ``6 * 2 H^2``, one MoE decoder layer with full causal attention, its logits ``6 H V``;
+- not counted: routers (as Megatron), norms, biases, sinks, rotary, softmax, activations, embedding lookups.
+
+torchtitan convention: ``6 x (active parameters - the input embedding)`` (every weight a GEMM weight, routers
+and norms included) plus core attention ``6 N K (d_qk + d_v)`` per layer with K = S (no causal halving; for
+GQA this is torchtitan's ``12 L N d S``), K = ``min(w, S)`` in a sliding-window layer. MTP depths add
+``6 x`` their active parameters, their attention term with K = S, and ``6 H V`` for the shared head's logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_experts import ACTIVATIONS
 from moe_models.config import ModelConfig
+
+CONVENTIONS = ("megatron", "torchtitan")
 
 
 @dataclass(frozen=True)
 class ParameterCount:
-    """Total parameters, and those active for one token."""
+    """Total parameters, those active for one token, and the multi-token-prediction layers' (not in either)."""
 
     total: int
     active: int  # used per token: routed experts counted topk times out of num_moe_experts
+    mtp: int = 0  # MTP layers (their embedding and head are the main model's)
+
+
+def _qk_v_head_dims(c: ModelConfig) -> tuple[int, int]:
+    if c.multi_latent_attention:
+        return c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
+    return c.kv_channels, c.kv_channels
+
+
+def _attention_macs(c: ModelConfig) -> int:
+    """Multiply-adds per token of the attention's projections (= their weight count)."""
+    h, n = c.hidden_size, c.num_attention_heads
+    if c.multi_latent_attention:
+        qk, v = _qk_v_head_dims(c)
+        q = h * n * qk if c.q_lora_rank is None else h * c.q_lora_rank + c.q_lora_rank * n * qk
+        kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank * n * (c.qk_head_dim + v)
+        return q + kv + n * v * h
+    q, kv = n * c.kv_channels, c.num_query_groups * c.kv_channels
+    return h * (q + 2 * kv) + q * h
+
+
+def _attention_params(c: ModelConfig) -> int:
+    params = _attention_macs(c)
+    if c.multi_latent_attention:
+        return params + c.kv_lora_rank + (c.q_lora_rank or 0)  # the latents' norms
+    q, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
+    params += (q + 2 * kv) * c.add_qkv_bias + c.hidden_size * c.add_bias_linear
+    params += 2 * c.kv_channels * c.qk_layernorm + c.num_attention_heads * (c.softmax_type == "learnable")
+    return params
+
+
+@dataclass(frozen=True)
+class _MLP:
+    total: int  # parameters
+    active: int  # parameters one token uses
+    macs: int  # GEMM multiply-adds per token, routers left out
+
+
+def _mlp(c: ModelConfig, moe: bool) -> _MLP:
+    h = c.hidden_size
+    if not moe:
+        dense = 3 * h * c.ffn_hidden_size
+        return _MLP(dense, dense, dense)
+    a, f, e = ACTIVATIONS[c.activation_func].width_factor, c.moe_ffn_hidden_size, c.num_moe_experts
+    expert_macs = (a + 1) * h * f
+    expert = expert_macs + (a * f + h) * c.add_bias_linear
+    shared = 3 * h * (c.moe_shared_expert_intermediate_size or 0)
+    router = e * h + e * c.add_bias_linear
+    topk = c.moe_router_topk
+    return _MLP(router + e * expert + shared, router + topk * expert + shared, topk * expert_macs + shared)
+
+
+def _layer_params(c: ModelConfig, moe: bool) -> tuple[int, int]:
+    """(total, active) parameters of one decoder layer."""
+    fixed = 2 * c.hidden_size + _attention_params(c)
+    mlp = _mlp(c, moe)
+    return fixed + mlp.total, fixed + mlp.active
+
+
+def _mtp_params(c: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters of one MTP depth."""
+    h = c.hidden_size
+    total, active = _layer_params(c, moe=True)
+    fixed = 3 * h + 2 * h * h  # enorm, hnorm, final_norm; eh_proj
+    return fixed + total, fixed + active
 
 
 def count_parameters(c: ModelConfig) -> ParameterCount:
-    """Total and active parameter counts of ``c``, computed from the config alone."""
-    q, kv, h = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels, c.hidden_size
-    attention = h * (q + 2 * kv) + q * h + (2 * c.kv_channels if c.qk_layernorm else 0)
-    norms = 2 * h
-    expert = 3 * h * c.moe_ffn_hidden_size
-    router = c.num_moe_experts * h
-    embed = c.vocab_size * h
-    head = 0 if c.share_embeddings_and_output_weights else c.vocab_size * h
-    fixed = embed + head + h + c.num_layers * (attention + norms + router)
-    return ParameterCount(
-        total=fixed + c.num_layers * c.num_moe_experts * expert,
-        active=fixed + c.num_layers * c.moe_router_topk * expert,
-    )
+    """Total and active parameter counts of ``c`` (module docstring), and the MTP layers' separately."""
+    h, v = c.hidden_size, c.vocab_size
+    total = active = v * h + h + (0 if c.share_embeddings_and_output_weights else v * h)
+    for moe in c.moe_layer_pattern():
+        layer_total, layer_active = _layer_params(c, bool(moe))
+        total, active = total + layer_total, active + layer_active
+    return ParameterCount(total=total, active=active, mtp=(c.mtp_num_layers or 0) * _mtp_params(c)[0])
+
+
+def _keys_per_query(seq_len: int, window: int | None, causal_half: bool) -> float:
+    """Keys one query attends to, averaged over the sequence, in each convention (module docstring)."""
+    span = seq_len if window is None else min(window, seq_len)
+    return span - span * span / (2 * seq_len) if causal_half else float(span)
+
+
+def _core_attention_flops(c: ModelConfig, seq_len: int, window: int | None, causal_half: bool) -> float:
+    qk, v = _qk_v_head_dims(c)
+    return 6 * c.num_attention_heads * _keys_per_query(seq_len, window, causal_half) * (qk + v)
 
 
 def training_flops_per_token(c: ModelConfig, seq_len: int, convention: str = "megatron") -> float:
-    """Training FLOPs per token (forward + backward) in the ``megatron`` or ``torchtitan`` convention."""
-    h, d = c.hidden_size, c.kv_channels
-    q, kv = c.num_attention_heads * d, c.num_query_groups * d
+    """Training FLOPs per token (forward + backward) at ``seq_len`` in the ``megatron`` or ``torchtitan``
+    convention (module docstring), MTP layers included."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"flops convention={convention!r}: choose one of {CONVENTIONS}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}: must be at least 1")
+    h, v = c.hidden_size, c.vocab_size
+    mtp_layers = c.mtp_num_layers or 0
+    windows = [None if full else c.window_size for full in c.full_attention_pattern()]
     if convention == "megatron":
-        projections = 6 * h * (q + kv + kv + q)
-        core_attention = 6 * c.num_attention_heads * d * seq_len
-        experts = 6 * h * c.moe_ffn_hidden_size * c.moe_router_topk * 3
-        return c.num_layers * (projections + core_attention + experts) + 6 * h * c.vocab_size
-    if convention == "torchtitan":
-        active = count_parameters(c).active - c.vocab_size * h  # embedding lookups are not GEMMs
-        return 6 * active + 6 * c.num_layers * c.num_attention_heads * 2 * d * seq_len
-    raise ValueError(f"flops convention={convention!r}: choose 'megatron' or 'torchtitan'")
+        attention = 6 * _attention_macs(c)
+        flops = 6.0 * h * v
+        for moe, window in zip(c.moe_layer_pattern(), windows, strict=True):
+            flops += attention + _core_attention_flops(c, seq_len, window, True) + 6 * _mlp(c, bool(moe)).macs
+        mtp_depth = 6 * 2 * h * h + attention + _core_attention_flops(c, seq_len, None, True) + 6 * _mlp(c, True).macs
+        return flops + mtp_layers * (mtp_depth + 6 * h * v)
+    flops = 6.0 * (count_parameters(c).active - v * h)  # embedding lookups are not GEMMs
+    flops += sum(_core_attention_flops(c, seq_len, window, False) for window in windows)
+    mtp_depth = 6 * _mtp_params(c)[1] + _core_attention_flops(c, seq_len, None, False) + 6 * h * v
+    return flops + mtp_layers * mtp_depth

@@ -10,7 +10,7 @@ from moe_train.config import (
     preset_names,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "ConfigError",

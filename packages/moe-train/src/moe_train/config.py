@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ class ExperimentConfig:
     """A whole experiment: one section per owning package."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    # a HuggingFace checkpoint directory the model section was read from and the weights are loaded from
+    # (``--model.from_hf PATH``); "" = initialise from scratch
+    model_from_hf: str = ""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -78,7 +82,12 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = typing.get_type_hints(ExperimentConfig)
+SECTIONS: dict[str, type] = {
+    name: hint for name, hint in typing.get_type_hints(ExperimentConfig).items() if dataclasses.is_dataclass(hint)
+}
+# keys of the model section that name where the architecture comes from instead of a ModelConfig field:
+# ``model.preset NAME`` (a moe_models preset, e.g. tiny-deepseek-v3) and ``model.from_hf PATH``
+MODEL_SOURCE_KEYS = ("preset", "from_hf")
 
 
 def preset_names() -> list[str]:
@@ -126,7 +135,10 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
-        return _coerce(key, value, options[0])
+        for option in options[:-1]:  # e.g. int | list[int]: the first type the value fits
+            with contextlib.suppress(ConfigError):
+                return _coerce(key, value, option)
+        return _coerce(key, value, options[-1])
     if origin is list:
         (item,) = typing.get_args(annotation)
         if isinstance(value, str):
@@ -166,28 +178,69 @@ def _set(sections: dict[str, dict[str, Any]], dotted: str, value: Any) -> None:
         raise ConfigError(f"config key {dotted!r} needs a field name, e.g. '{section}.<field>'")
     hints = typing.get_type_hints(SECTIONS[section])
     if key not in hints:
-        raise _unknown("key", dotted, [f"{section}.{k}" for k in hints])
+        extra = [f"model.{k}" for k in MODEL_SOURCE_KEYS] if section == "model" else []
+        raise _unknown("key", dotted, [f"{section}.{k}" for k in hints] + extra)
     sections[section][key] = _coerce(dotted, value, hints[key])
 
 
+def _model_base(preset: str | None, from_hf: str | None) -> dict[str, Any]:
+    """ModelConfig fields of a moe_models preset or of a HuggingFace checkpoint's config.json."""
+    if from_hf is not None:
+        from moe_models.hf import config_from_hf
+
+        config_json = Path(from_hf) / "config.json"
+        if not config_json.is_file():
+            raise ConfigError(f"model.from_hf={from_hf!r}: no config.json there; pass a HuggingFace model directory")
+        try:
+            return dataclasses.asdict(config_from_hf(json.loads(config_json.read_text())))
+        except (ValueError, OSError) as err:  # HFCheckpointError and JSON errors are ValueErrors
+            raise ConfigError(f"model.from_hf={from_hf!r}: {err}") from None
+    if preset is not None:
+        from moe_models.presets import PRESETS
+        from moe_models.presets import preset as model_preset
+
+        if preset not in PRESETS:
+            close = difflib.get_close_matches(preset, list(PRESETS), n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise ConfigError(f"model.preset={preset!r} is not a moe_models preset; {hint}known: {', '.join(PRESETS)}")
+        return dataclasses.asdict(model_preset(preset))
+    return {}
+
+
 def load_config(name_or_path: str = "tiny", overrides: dict[str, Any] | None = None) -> ExperimentConfig:
-    """Preset or YAML file, then overrides (``{"train.steps": "5"}``), validated section by section."""
+    """Preset or YAML file, then overrides (``{"train.steps": "5"}``), validated section by section.
+
+    The model section may start from ``model.preset NAME`` or ``model.from_hf PATH``; its other keys override
+    that. A ``model.from_hf`` given as an override replaces the file's whole model section (whose keys describe
+    another model); only ``model.*`` overrides apply on top of the checkpoint's config.
+    """
     raw = _read_yaml(name_or_path)
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    for section, values in raw.items():
+    overrides = dict(overrides or {})
+    for section in raw:
         if section not in SECTIONS:
             raise _unknown("section", str(section), list(SECTIONS))
-        if not isinstance(values, dict):
-            raise ConfigError(f"config section {section!r} must be a mapping of keys, got {values!r}")
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"config section {section!r} must be a mapping of keys, got {raw[section]!r}")
+    model_raw = dict(raw.get("model", {}))
+    source = {key: model_raw.pop(key) for key in MODEL_SOURCE_KEYS if key in model_raw}
+    cli_source = {key: str(overrides.pop(f"model.{key}")) for key in MODEL_SOURCE_KEYS if f"model.{key}" in overrides}
+    if "from_hf" in cli_source:
+        source, model_raw = {}, {}
+    source.update(cli_source)
+    if "preset" in source and "from_hf" in source:
+        raise ConfigError("model.preset and model.from_hf both name the model: keep one")
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    sections["model"] = _model_base(source.get("preset"), source.get("from_hf"))
+    for section, values in {**raw, "model": model_raw}.items():
         for key, value in values.items():
             _set(sections, f"{section}.{key}", value)
-    for dotted, value in (overrides or {}).items():
+    for dotted, value in overrides.items():
         _set(sections, dotted, value)
     try:
         built = {name: cls(**sections[name]) for name, cls in SECTIONS.items()}
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    cfg = ExperimentConfig(**built)
+    cfg = ExperimentConfig(**built, model_from_hf=str(source.get("from_hf", "")))
     validate(cfg)
     return cfg
 

@@ -77,6 +77,26 @@ def _check_layout(layout: ParallelLayout) -> None:
             )
 
 
+def _load_hf_weights(model: torch.nn.Module, cfg: ExperimentConfig) -> None:
+    """Replace the fresh weights with a HuggingFace checkpoint's (safetensors only)."""
+    from moe_models.hf import read_state_dict
+
+    try:
+        state = read_state_dict(cfg.model_from_hf, cfg.model)
+    except (ValueError, OSError) as err:  # HFCheckpointError is a ValueError
+        hint = "; model.* overrides must not change the checkpoint's sizes" if "shape" in str(err) else ""
+        raise ConfigError(f"model.from_hf={cfg.model_from_hf!r}: {err}{hint}") from None
+    if cfg.model.share_embeddings_and_output_weights:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.model.share_embeddings_and_output_weights)]
+    if missing or unexpected:
+        raise ConfigError(
+            f"model.from_hf={cfg.model_from_hf!r}: the checkpoint does not fit the configured model "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); drop the model.* overrides that change its shape"
+        )
+
+
 def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
     """Validate the config against this launch, join the process group and build the model."""
     device_type = _resolve_device(cfg)
@@ -101,6 +121,8 @@ def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
             model = build_model(cfg.model)
     except BackendUnavailableError as err:
         raise ConfigError(f"model.moe_expert_backend={cfg.model.moe_expert_backend!r}: {err}") from None
+    if cfg.model_from_hf:
+        _load_hf_weights(model, cfg)
     try:
         recomputed = apply_activation_checkpointing(model, cfg.run.recompute_modules)
     except ValueError as err:

@@ -1,0 +1,344 @@
+"""Named model configurations: the published sizes, and tiny proxies of each family that train on a CPU.
+
+Published presets copy each model's HuggingFace ``config.json`` into Megatron-Core field names (``preset(name)``
+returns a fresh, validated :class:`~moe_models.config.ModelConfig`). Load balancing is a training choice the
+HF configs record only loosely (their aux-loss coefficients belong to HF's own loss code), so it follows
+Megatron-Core's recipes: DeepSeek-V3 / Kimi-K2 an aux-loss-free expert bias (update rate 1e-3) plus a
+sequence-wise aux loss of 1e-4, the others a Switch aux loss (Mixtral 1e-2 as Megatron's Mixtral example, Qwen3
+and GPT-OSS 1e-3 as Qwen3's ``router_aux_loss_coef``).
+
+Tiny presets keep every architectural feature of their family (MLA with a q latent, dense first layers, shared
+expert, sigmoid group routing, YaRN, interleaved rotary, MTP; sinks, biases, sliding windows, clamped SwiGLU) at
+hidden 64-128, 2-3 layers and a byte vocabulary (256): roughly 0.5-1M parameters, for tests and CPU smoke runs
+on 128-token sequences (their YaRN contexts and windows are scaled so that 128 tokens exercise them).
+
+:data:`PUBLISHED_SIZES` holds the total/active parameter counts the model authors published, with the precision
+they were published at and whether their active count includes the input embedding (it differs by author).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from moe_models.config import ModelConfig
+
+# --- published sizes -------------------------------------------------------------------------------------------
+
+
+def _deepseek_v3() -> ModelConfig:
+    # deepseek-ai/DeepSeek-V3 config.json
+    return ModelConfig(
+        family="deepseek_v3",
+        vocab_size=129_280,
+        hidden_size=7168,
+        num_layers=61,
+        num_attention_heads=128,
+        num_query_groups=128,  # num_key_value_heads; MLA has no groups, the field only has to be valid
+        kv_channels=128,
+        qk_layernorm=False,
+        multi_latent_attention=True,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_head_dim=128,
+        qk_pos_emb_head_dim=64,
+        v_head_dim=128,
+        rope_type="yarn",
+        rotary_base=10_000.0,
+        rotary_interleaved=True,
+        max_position_embeddings=163_840,
+        rotary_scaling_factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        ffn_hidden_size=18_432,
+        moe_layer_freq=[0] * 3 + [1] * 58,  # first_k_dense_replace = 3
+        moe_shared_expert_intermediate_size=2048,  # n_shared_experts = 1 of moe_intermediate_size
+        num_moe_experts=256,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=2048,
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=8,
+        moe_router_group_topk=4,
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_load_balancing_type=["seq_aux_loss"],
+        moe_aux_loss_coeff=[1e-4],
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=1e-3,
+        mtp_num_layers=1,
+        norm_epsilon=1e-6,
+        init_method_std=0.006,  # DeepSeek-V3 report, section 4.2
+    )
+
+
+def _kimi_k2() -> ModelConfig:
+    # moonshotai/Kimi-K2-Instruct config.json (July 2025; the 0905 update only doubles the YaRN factor to 64)
+    return replace(
+        _deepseek_v3(),
+        vocab_size=163_840,
+        num_attention_heads=64,
+        num_query_groups=64,
+        rotary_base=50_000.0,
+        max_position_embeddings=131_072,
+        rotary_scaling_factor=32.0,
+        beta_fast=1.0,
+        beta_slow=1.0,
+        moe_layer_freq=[0] * 1 + [1] * 60,  # first_k_dense_replace = 1
+        num_moe_experts=384,
+        moe_router_num_groups=1,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.827,
+        mtp_num_layers=None,  # num_nextn_predict_layers = 0: no MTP weights were released
+        init_method_std=0.02,
+    )
+
+
+def _qwen3_moe(**fields: Any) -> ModelConfig:
+    # Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json: shared values
+    base: dict[str, Any] = {
+        "family": "qwen3_moe",
+        "vocab_size": 151_936,
+        "num_query_groups": 4,
+        "kv_channels": 128,
+        "qk_layernorm": True,
+        "rotary_base": 1_000_000.0,
+        "max_position_embeddings": 40_960,
+        "num_moe_experts": 128,
+        "moe_router_topk": 8,
+        # norm_topk_prob = True: a softmax over the top-k logits equals the renormalised top-k of a full softmax
+        "moe_router_pre_softmax": False,
+        "moe_router_load_balancing_type": ["aux_loss"],
+        "moe_aux_loss_coeff": [1e-3],
+        "norm_epsilon": 1e-6,
+    }
+    return ModelConfig(**{**base, **fields})
+
+
+def _qwen3_30b_a3b() -> ModelConfig:
+    return _qwen3_moe(
+        hidden_size=2048, num_layers=48, num_attention_heads=32, ffn_hidden_size=6144, moe_ffn_hidden_size=768
+    )
+
+
+def _qwen3_235b_a22b() -> ModelConfig:
+    return _qwen3_moe(
+        hidden_size=4096, num_layers=94, num_attention_heads=64, ffn_hidden_size=12_288, moe_ffn_hidden_size=1536
+    )
+
+
+def _gpt_oss(num_layers: int, num_experts: int) -> ModelConfig:
+    # openai/gpt-oss-20b and gpt-oss-120b config.json: they differ in layers and experts only
+    return ModelConfig(
+        family="gpt_oss",
+        vocab_size=201_088,
+        hidden_size=2880,
+        num_layers=num_layers,
+        num_attention_heads=64,
+        num_query_groups=8,
+        kv_channels=64,
+        qk_layernorm=False,
+        add_qkv_bias=True,
+        add_bias_linear=True,
+        softmax_type="learnable",
+        window_size=128,
+        window_attn_skip_freq=2,  # layer_types: sliding, full, sliding, full, ...
+        rope_type="yarn",
+        rotary_base=150_000.0,
+        max_position_embeddings=131_072,
+        rotary_scaling_factor=32.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        rope_yarn_truncate=False,
+        # mscale / mscale_all_dim unset: cos and sin scaled by 0.1 ln(32) + 1, the softmax scale left alone
+        activation_func="swiglu_oai",
+        ffn_hidden_size=2880,
+        num_moe_experts=num_experts,
+        moe_router_topk=4,
+        moe_ffn_hidden_size=2880,
+        moe_router_pre_softmax=False,  # softmax over the top-4 logits
+        moe_router_load_balancing_type=["aux_loss"],
+        moe_aux_loss_coeff=[1e-3],
+        norm_epsilon=1e-5,
+    )
+
+
+def _mixtral_8x7b() -> ModelConfig:
+    # mistralai/Mixtral-8x7B-v0.1 config.json
+    return ModelConfig(
+        family="mixtral",
+        vocab_size=32_000,
+        hidden_size=4096,
+        num_layers=32,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        qk_layernorm=False,
+        rotary_base=1_000_000.0,
+        max_position_embeddings=32_768,
+        ffn_hidden_size=14_336,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=14_336,
+        moe_router_pre_softmax=False,  # softmax over the top-2 logits
+        moe_router_load_balancing_type=["aux_loss"],
+        moe_aux_loss_coeff=[1e-2],
+        norm_epsilon=1e-5,
+    )
+
+
+# --- tiny proxies ----------------------------------------------------------------------------------------------
+
+_TINY_COMMON: dict[str, Any] = {"vocab_size": 256, "max_position_embeddings": 512}
+# the DeepSeek-V3 architecture (MLA, shared expert) scaled down, shared by its tiny proxy and Kimi-K2's
+_TINY_MLA: dict[str, Any] = {
+    "hidden_size": 128,
+    "kv_channels": 32,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 32,
+    "qk_pos_emb_head_dim": 16,
+    "v_head_dim": 32,
+    # a 32-token "pretraining" context stretched 4x: a 128-token sequence spans the YaRN ramp
+    "rotary_scaling_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "ffn_hidden_size": 256,
+    "moe_shared_expert_intermediate_size": 64,
+    "moe_router_topk": 4,
+    "moe_ffn_hidden_size": 64,
+}
+
+
+def _tiny_qwen3_moe() -> ModelConfig:
+    return replace(
+        _qwen3_30b_a3b(),
+        **_TINY_COMMON,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        ffn_hidden_size=256,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=128,
+    )
+
+
+def _tiny_deepseek_v3() -> ModelConfig:
+    return replace(
+        _deepseek_v3(),
+        **_TINY_COMMON,
+        **_TINY_MLA,
+        num_layers=2,  # with the MTP depth: one dense and two MoE layers
+        num_attention_heads=4,
+        num_query_groups=4,
+        moe_layer_freq=[0, 1],
+        num_moe_experts=8,
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,  # topk // group_topk = 2 experts from each chosen group
+        init_method_std=0.02,
+    )
+
+
+def _tiny_kimi_k2() -> ModelConfig:
+    return replace(
+        _kimi_k2(),
+        **_TINY_COMMON,
+        **_TINY_MLA,
+        num_layers=3,
+        num_attention_heads=2,  # Kimi-K2 halves DeepSeek-V3's heads
+        num_query_groups=2,
+        moe_layer_freq=[0, 1, 1],
+        num_moe_experts=12,  # 1.5x DeepSeek-V3's experts at the same top-k, as 384 vs 256
+    )
+
+
+def _tiny_gpt_oss() -> ModelConfig:
+    return replace(
+        _gpt_oss(num_layers=2, num_experts=16),
+        **_TINY_COMMON,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,  # q width 128 > hidden 64, as GPT-OSS's 4096 > 2880
+        window_size=32,  # layer 0 slides over 32 tokens of a 128-token sequence, layer 1 sees all
+        rotary_scaling_factor=4.0,
+        original_max_position_embeddings=32,
+        ffn_hidden_size=64,  # = hidden, as GPT-OSS
+        moe_ffn_hidden_size=64,
+    )
+
+
+def _tiny_mixtral() -> ModelConfig:
+    return replace(
+        _mixtral_8x7b(),
+        **_TINY_COMMON,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        ffn_hidden_size=128,
+        moe_ffn_hidden_size=128,
+    )
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "deepseek-v3-671b": _deepseek_v3,
+    "kimi-k2": _kimi_k2,
+    "qwen3-30b-a3b": _qwen3_30b_a3b,
+    "qwen3-235b-a22b": _qwen3_235b_a22b,
+    "gpt-oss-20b": lambda: _gpt_oss(num_layers=24, num_experts=32),
+    "gpt-oss-120b": lambda: _gpt_oss(num_layers=36, num_experts=128),
+    "mixtral-8x7b": _mixtral_8x7b,
+    "tiny-qwen3-moe": _tiny_qwen3_moe,
+    "tiny-deepseek-v3": _tiny_deepseek_v3,
+    "tiny-kimi-k2": _tiny_kimi_k2,
+    "tiny-gpt-oss": _tiny_gpt_oss,
+    "tiny-mixtral": _tiny_mixtral,
+}
+TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
+PUBLISHED_PRESETS = tuple(name for name in PRESETS if not name.startswith("tiny-"))
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A fresh config of preset ``name``, with ``overrides`` (ModelConfig fields) applied and validated."""
+    try:
+        factory = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"model preset {name!r}: choose one of {tuple(PRESETS)}") from None
+    return replace(factory(), **overrides) if overrides else factory()
+
+
+@dataclass(frozen=True)
+class PublishedSize:
+    """Parameter counts as the model authors published them (model cards / reports)."""
+
+    total: float
+    active: float
+    # one unit of the last digit published: a count within it of the figure agrees with it, whether the
+    # authors rounded or truncated
+    total_unit: float
+    active_unit: float
+    # whether the published active count includes the input embedding (a lookup, not a GEMM): GPT-OSS's
+    # model card tabulates it without; DeepSeek-V3 and Kimi-K2 say only "37B" / "32B", which the count
+    # without it rounds to (with it, 37.6B and 32.9B); Qwen3's 3.3B and Mixtral's 12.9B include it
+    active_includes_input_embedding: bool
+    source: str
+
+
+PUBLISHED_SIZES: dict[str, PublishedSize] = {
+    # the V3 report: 671B total (main model; the MTP module is 14B more in the HF checkpoint), 37B activated
+    "deepseek-v3-671b": PublishedSize(671e9, 37e9, 1e9, 1e9, False, "DeepSeek-V3 technical report, model card"),
+    # "1T total, 32B activated": published to one digit, held here to 5% (the exact count is 1.026T)
+    "kimi-k2": PublishedSize(1.0e12, 32e9, 0.05e12, 1e9, False, "Kimi-K2 model card"),
+    "qwen3-30b-a3b": PublishedSize(30.5e9, 3.3e9, 0.1e9, 0.1e9, True, "Qwen3-30B-A3B model card"),
+    "qwen3-235b-a22b": PublishedSize(235e9, 22e9, 1e9, 1e9, True, "Qwen3-235B-A22B model card"),
+    "gpt-oss-20b": PublishedSize(20.91e9, 3.61e9, 0.01e9, 0.01e9, False, "gpt-oss model card, table 1"),
+    "gpt-oss-120b": PublishedSize(116.83e9, 5.13e9, 0.01e9, 0.01e9, False, "gpt-oss model card, table 1"),
+    "mixtral-8x7b": PublishedSize(46.7e9, 12.9e9, 0.1e9, 0.1e9, True, "Mixtral of Experts paper"),
+}
