@@ -44,6 +44,11 @@ def hf_config(case: str):
             num_experts_per_tok=2,
             sliding_window=WINDOW,
         )
+    if case == "kimi_k2":  # the DeepSeek-V3 architecture: half the heads, 1.5x the experts, one group
+        kimi = {"num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 24, "n_shared_experts": 1}
+        routing = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827}
+        base = hf_config("deepseek_v3")
+        return base.__class__(**(base.to_dict() | kimi | routing))
     if case.startswith("deepseek_v3"):
         return DeepseekV3Config(
             **_small(),

@@ -25,6 +25,7 @@ EXERCISED = {
     "deepseek_v3": {"moe_router_num_groups": None, "moe_router_group_topk": None},
     "deepseek_v3_no_q_lora": {"rotary_interleaved": False},
     "gpt_oss": {"window_size": None, "window_attn_skip_freq": None},
+    "kimi_k2": {"moe_router_topk_scaling_factor": 2.5},
 }
 
 
@@ -46,6 +47,9 @@ def test_logits_match_transformers_both_ways(case, tmp_path):
     ids = input_ids()
     ref_logits = _logits(ref, ids)
     ref.save_pretrained(tmp_path / "hf")
+    if case == "kimi_k2":  # Kimi-K2's config.json names its own model_type over DeepseekV3ForCausalLM
+        config_json = tmp_path / "hf" / "config.json"
+        config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {"model_type": "kimi_k2"}))
 
     ours = load_pretrained(tmp_path / "hf")
     load_err = rel_err(_logits(ours, ids), ref_logits)
