@@ -155,7 +155,9 @@ class Progress:
         eta_text = "--:--" if step == 1 and self.total > 1 else f"{int(eta) // 60}:{int(eta) % 60:02d}"
         self.message(
             f"step {step:>{len(str(self.total))}}/{self.total}  loss {record['loss']:.4f}  "
-            f"aux {record['aux_loss']:.4f}  lr {record['lr']:.2e}  gnorm {record['grad_norm']:.3f}  "
+            f"aux {record['aux_loss']:.4f}  "
+            + (f"mtp {record['mtp_loss']:.4f}  " if record["mtp_loss"] else "")
+            + f"lr {record['lr']:.2e}  gnorm {record['grad_norm']:.3f}  "
             f"{record['tokens_per_s'] / 1e3:.1f}k tok/s  {record['tflops_per_gpu']:.3f} TFLOPS  "
             f"MFU {100 * record['mfu']:.1f}%  eta {eta_text}"
         )
