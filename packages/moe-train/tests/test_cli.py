@@ -121,3 +121,19 @@ def test_gradient_accumulation_matches_one_big_micro_batch(micro_overrides: dict
         losses.append([(json.loads(r)["loss"], json.loads(r)["grad_norm"]) for r in records])
     # Adam hides a gradient scale, the gradient norm does not
     assert [v for pair in losses[0] for v in pair] == pytest.approx([v for pair in losses[1] for v in pair], rel=1e-5)
+
+
+def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "run"
+    args = ["plan", "--parallel.ep", "4", "--parallel.tp", "2", "--run.output_dir", str(out_dir)]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # smallest world for tp=2 on the attention side and ep=4 (etp = tp = 2) on the expert side: 8 ranks
+    assert lines[0] == "8 ranks, 8 experts per MoE layer (qwen3_moe)"
+    assert len(lines) == 2 + 8
+    assert lines[2].endswith("holds experts 0..1") and lines[-1].endswith("holds experts 6..7")
+    assert not out_dir.exists()
+    assert cli.main(["plan", "--world-size", "4", "--parallel.ep", "3"]) == cli.EXIT_USAGE
+    assert cli.main(["plan", "--parallel.ep", "3"]) == cli.EXIT_USAGE  # 8 experts over 3 ranks
+    err = capsys.readouterr().err
+    assert "model.num_moe_experts=8 is not divisible by parallel.ep=3" in err and "Traceback" not in err

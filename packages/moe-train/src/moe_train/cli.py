@@ -2,12 +2,14 @@
 
 moe-train                          # = moe-train train --config tiny
 moe-train train --config NAME_OR_PATH [--section.key value ...]
+moe-train plan [--world-size N] [--config ...] [--parallel.ep 4 ...]   # the rank map, no run
 moe-train env                      # capability table
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -51,6 +53,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Overrides: any --section.key value, e.g. --train.steps 20 --model.num_layers 4.",
     )
     train.add_argument("--config", default="tiny", help=f"preset ({', '.join(preset_names())}) or YAML file")
+    plan = commands.add_parser(
+        "plan",
+        help="print which rank holds which attention shard and which experts, without starting a run",
+        description="Takes the same --config and --section.key overrides as train.",
+    )
+    plan.add_argument("--config", default="tiny", help=f"preset ({', '.join(preset_names())}) or YAML file")
+    plan.add_argument(
+        "--world-size", type=int, default=0, help="ranks to plan for (default: $WORLD_SIZE, else the smallest fit)"
+    )
     commands.add_parser("env", help="show which back ends and optional packages this machine has")
     return parser
 
@@ -67,6 +78,28 @@ def _train(config: str, override_tokens: list[str]) -> int:
     return 0
 
 
+def _plan(config: str, world_size: int, override_tokens: list[str]) -> int:
+    cfg = load_config(config, _parse_overrides(override_tokens))
+    p = cfg.parallel
+    if world_size <= 0:
+        world_size = int(os.environ.get("WORLD_SIZE", "0"))
+    if world_size <= 0:  # the smallest world both the attention and the expert side fold into
+        attention = p.tp * p.cp * p.pp * p.dp_replicate * max(p.dp_shard, 1)
+        world_size = math.lcm(attention, (p.etp or p.tp) * p.ep * p.pp)
+    try:
+        layout = p.layout(world_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.model.num_moe_experts % p.ep:
+        raise ConfigError(
+            f"model.num_moe_experts={cfg.model.num_moe_experts} is not divisible by parallel.ep={p.ep}: "
+            "each expert-parallel rank holds the same number of experts"
+        )
+    print(f"{world_size} ranks, {cfg.model.num_moe_experts} experts per MoE layer ({cfg.model.family})")
+    print(layout.rank_map(cfg.model.num_moe_experts))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("--") and argv[0] not in ("-h", "--help", "--version")):
@@ -80,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(format_table(capability_rows()))
             return 0
+        if args.command == "plan":
+            return _plan(args.config, args.world_size, rest)
         return _train(args.config, rest)
     except ConfigError as err:
         print(f"moe-train: error: {err}", file=sys.stderr)
