@@ -24,7 +24,8 @@ class MultiLatentAttention(nn.Module):
         self.scale = c.softmax_scale
         self.interleaved = c.rotary_interleaved
         qk_dim, h = self.nope_dim + self.rope_dim, c.hidden_size
-        if c.q_lora_rank is None:
+        self.q_latent = c.q_lora_rank is not None
+        if not self.q_latent:
             self.q_proj = nn.Linear(h, self.num_heads * qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=False)
@@ -36,7 +37,7 @@ class MultiLatentAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
 
     def _queries(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
+        if not self.q_latent:
             return self.q_proj(x_BSH)
         return self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSH)))
 

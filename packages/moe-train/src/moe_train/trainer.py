@@ -86,9 +86,8 @@ def _load_hf_weights(model: torch.nn.Module, cfg: ExperimentConfig) -> None:
     except (ValueError, OSError) as err:  # HFCheckpointError is a ValueError
         hint = "; model.* overrides must not change the checkpoint's sizes" if "shape" in str(err) else ""
         raise ConfigError(f"model.from_hf={cfg.model_from_hf!r}: {err}{hint}") from None
-    if cfg.model.share_embeddings_and_output_weights:
-        state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    # a tied head is the embedding: read_state_dict leaves it out
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.model.share_embeddings_and_output_weights)]
     if missing or unexpected:
         raise ConfigError(
