@@ -9,18 +9,32 @@ PUBLIC_NAMES = [
     "ATTENTION_DIMS",
     "DistributedContext",
     "EXPERT_DIMS",
+    "GradientSync",
     "ParallelConfig",
     "ParallelLayout",
+    "ParallelMeshes",
+    "ParallelModel",
     "__version__",
     "all_reduce_mean",
     "apply_data_parallel",
+    "apply_expert_parallel",
+    "apply_fsdp",
+    "apply_tensor_parallel",
+    "build_meshes",
+    "check_model",
+    "check_tensor_parallel",
     "init_distributed",
+    "local_grad",
+    "moe_blocks",
+    "parallelize",
+    "replica_count",
+    "shard_experts",
     "shutdown_distributed",
 ]
 
 
-def test_version_is_semver_0_1() -> None:
-    assert moe_parallel.__version__ == "0.1.0"
+def test_version_is_semver_0_2() -> None:
+    assert moe_parallel.__version__ == "0.2.0"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

@@ -20,6 +20,7 @@ from moe_dispatch.capacity import capacity_keep_mask, get_capacity
 from moe_dispatch.config import RouterConfig
 from moe_dispatch.expert_bias import update_expert_bias
 from moe_dispatch.load_balancing import (
+    SequenceGroupStats,
     attach_aux_loss,
     aux_loss_scores,
     global_aux_loss,
@@ -73,6 +74,17 @@ class TopKRouter(nn.Module):
     ``stats_group``: the data-parallel process group ``global_aux_loss`` sums expert counts over and
     :meth:`update_expert_bias` defaults to; parallelize code may set the attribute later. ``replay``: a
     :class:`~moe_dispatch.replay.RoutingReplay` that records or replays the chosen experts.
+
+    ``sequence_group`` (settable later too): under sequence parallelism, the ranks holding the other chunks
+    of the same sequences (each an equal contiguous chunk of every sequence, ``seq_len`` = the LOCAL chunk
+    length). Balancing one chunk would balance the wrong tokens, so the losses then use counts of the full
+    sequences and keep only the local tokens differentiable: with the model loss replicated over the group
+    and the router gradients SUMMED over it, the gradients are those of the full-sequence losses, and
+    ``losses`` / ``aux_loss`` report the full-sequence values, the same on every rank of the group. Under
+    ``global_aux_loss`` the ``stats_group`` must then hold the sequence groups too (all ranks with distinct
+    tokens), its gradients averaged over the data-parallel part only; the reported value is the loss
+    summed over the sequence group. Costs one all-reduce of a small fp64 vector per training forward (plus
+    ``global_aux_loss``'s own over ``stats_group``); None or a group of size 1 changes nothing.
     """
 
     def __init__(
@@ -81,10 +93,12 @@ class TopKRouter(nn.Module):
         config: RouterConfig,
         stats_group: dist.ProcessGroup | None = None,
         replay: RoutingReplay | None = None,
+        sequence_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.stats_group = stats_group
+        self.sequence_group = sequence_group
         self.replay = replay
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.add_bias else None
@@ -143,32 +157,50 @@ class TopKRouter(nn.Module):
             self.replay.store(idx_TK)
         return idx_TK
 
+    def _sequence_stats(
+        self, scores_TE: torch.Tensor | None, logits_TE: torch.Tensor, seq_len: int | None
+    ) -> SequenceGroupStats | None:
+        """The full-sequence statistics every loss of this forward needs, in one all-reduce; None without
+        sequence parallelism (then the losses are exactly those of a single rank)."""
+        group = self.sequence_group
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+        cfg = self.config
+        return SequenceGroupStats.reduce(
+            group,
+            cfg.topk,
+            scores_TE=scores_TE,
+            logits_TE=logits_TE if cfg.z_loss_coeff else None,
+            seq_len=seq_len if cfg.aux_loss_coeffs.get("seq_aux_loss") else None,
+        )
+
     def _losses(self, logits_TE: torch.Tensor, seq_len: int | None) -> dict[str, torch.Tensor]:
         cfg = self.config
         losses: dict[str, torch.Tensor] = {}
         coeffs = cfg.aux_loss_coeffs
-        if any(c > 0 for c in coeffs.values()):
-            scores_TE = aux_loss_scores(logits_TE, cfg.score_function)
+        if coeffs.get("seq_aux_loss") and seq_len is None:
+            raise ValueError("load_balancing_type includes 'seq_aux_loss': call the router as router(x_TH, seq_len=S)")
+        scores_TE = aux_loss_scores(logits_TE, cfg.score_function) if any(c > 0 for c in coeffs.values()) else None
+        seq = self._sequence_stats(scores_TE, logits_TE, seq_len) if scores_TE is not None or cfg.z_loss_coeff else None
+        if scores_TE is not None:
             for kind, coeff in coeffs.items():
                 if coeff == 0:
                     continue
                 if kind == "aux_loss":
-                    loss = switch_aux_loss(scores_TE, topk_counts(scores_TE, cfg.topk), cfg.topk)
+                    counts_E = topk_counts(scores_TE, cfg.topk) if seq is None else seq.counts_E
+                    loss = switch_aux_loss(scores_TE, counts_E, cfg.topk, sequence_stats=seq)
                 elif kind == "seq_aux_loss":
-                    if seq_len is None:
-                        raise ValueError(
-                            "load_balancing_type includes 'seq_aux_loss': call the router as router(x_TH, seq_len=S)"
-                        )
-                    loss = seq_aux_loss(scores_TE, cfg.topk, seq_len)
+                    loss = seq_aux_loss(scores_TE, cfg.topk, seq_len, sequence_stats=seq)
                 else:  # global_aux_loss
-                    loss = global_aux_loss(scores_TE, cfg.topk, self.stats_group)
+                    loss = global_aux_loss(scores_TE, cfg.topk, self.stats_group, sequence_stats=seq)
                 losses[kind] = coeff * loss
         if cfg.z_loss_coeff:
-            losses["z_loss"] = cfg.z_loss_coeff * z_loss(logits_TE)
+            losses["z_loss"] = cfg.z_loss_coeff * z_loss(logits_TE, sequence_stats=seq)
         return losses
 
     def forward(self, x_TH: torch.Tensor, seq_len: int | None = None) -> RoutingResult:
-        """Route T tokens. ``seq_len``: tokens per sequence (batch-major), needed by ``seq_aux_loss`` only."""
+        """Route T tokens. ``seq_len``: tokens per sequence (batch-major; with a ``sequence_group``, per local
+        chunk), needed by ``seq_aux_loss`` only."""
         cfg = self.config
         dtype = cfg.torch_router_dtype
         bias = None if self.bias is None else self.bias.to(dtype)

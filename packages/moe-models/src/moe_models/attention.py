@@ -59,9 +59,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSH.shape
-        q = self.q_norm(self.q_proj(x_BSH).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # head counts come from the projections' widths, so a tensor-parallel rank computes its share of the heads
+        q = self.q_norm(self.q_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BSH).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_SF, sin_SF, self.interleaved), apply_rotary(k, cos_SF, sin_SF, self.interleaved)
         if self.sinks is not None:
             repeat = self.num_heads // self.num_kv_heads
@@ -74,4 +75,4 @@ class Attention(nn.Module):
             else:
                 mask = causal_mask(s, self.window, x_BSH.device)
                 out_BNSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return self.o_proj(out_BNSD.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(out_BNSD.transpose(1, 2).reshape(b, s, -1))

@@ -43,15 +43,16 @@ class MultiLatentAttention(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSH.shape
-        n = self.num_heads
-        q_BNSD = self._queries(x_BSH).view(b, s, n, self.nope_dim + self.rope_dim).transpose(1, 2)
+        # heads counted from the projection widths, so a tensor-parallel rank computes its share of them
+        q_BNSD = self._queries(x_BSH).view(b, s, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
+        n = q_BNSD.shape[1]
         q_nope, q_rope = q_BNSD.split([self.nope_dim, self.rope_dim], dim=-1)
         latent_BSC, k_rope_BSR = self.kv_a_proj(x_BSH).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_BNSD = self.kv_b_proj(self.kv_a_norm(latent_BSC)).view(b, s, n, self.nope_dim + self.v_dim).transpose(1, 2)
+        kv_BNSD = self.kv_b_proj(self.kv_a_norm(latent_BSC)).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v_BNSV = kv_BNSD.split([self.nope_dim, self.v_dim], dim=-1)
         q_rope = apply_rotary(q_rope, cos_SF, sin_SF, self.interleaved)
         k_rope_B1SR = apply_rotary(k_rope_BSR.unsqueeze(1), cos_SF, sin_SF, self.interleaved)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope_B1SR.expand(b, n, s, self.rope_dim)], dim=-1)
         out_BNSV = F.scaled_dot_product_attention(q, k, v_BNSV, is_causal=True, scale=self.scale)
-        return self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, n * self.v_dim))
+        return self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, -1))

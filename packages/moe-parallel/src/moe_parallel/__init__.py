@@ -1,4 +1,5 @@
-"""moe-parallel: parallel layouts (incl. folding), process groups and data/expert/tensor parallelism."""
+"""moe-parallel: parallel layouts (incl. folding), device meshes, FSDP2, expert / expert-tensor / tensor parallelism
+applied to a model from outside, and the gradient bookkeeping a training step needs across them."""
 
 from moe_parallel.config import ParallelConfig
 from moe_parallel.distributed import (
@@ -8,19 +9,39 @@ from moe_parallel.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks, shard_experts
+from moe_parallel.fsdp import apply_fsdp
+from moe_parallel.grads import GradientSync, local_grad, replica_count
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, ParallelLayout
+from moe_parallel.mesh import ParallelMeshes, build_meshes
+from moe_parallel.parallelize import ParallelModel, check_model, parallelize
+from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ATTENTION_DIMS",
     "EXPERT_DIMS",
     "DistributedContext",
+    "GradientSync",
     "ParallelConfig",
     "ParallelLayout",
+    "ParallelMeshes",
+    "ParallelModel",
     "__version__",
     "all_reduce_mean",
     "apply_data_parallel",
+    "apply_expert_parallel",
+    "apply_fsdp",
+    "apply_tensor_parallel",
+    "build_meshes",
+    "check_model",
+    "check_tensor_parallel",
     "init_distributed",
+    "local_grad",
+    "moe_blocks",
+    "parallelize",
+    "replica_count",
+    "shard_experts",
     "shutdown_distributed",
 ]

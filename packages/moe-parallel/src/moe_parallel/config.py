@@ -6,10 +6,14 @@ from dataclasses import dataclass
 
 from moe_parallel.layout import ParallelLayout
 
+TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
+PRECISIONS = ("float32", "bfloat16")
+
 
 @dataclass
 class ParallelConfig:
-    """The ``parallel`` config section: sizes of each parallel dimension and the process-group backend."""
+    """The ``parallel`` config section: sizes of each parallel dimension, the token dispatcher expert parallelism
+    uses, FSDP's mixed precision and the process-group backend."""
 
     tp: int = 1
     cp: int = 1
@@ -18,7 +22,22 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     etp: int | None = None
+    # Megatron-Core's --moe-token-dispatcher-type: how tokens reach experts on other ranks (ep or etp > 1)
+    moe_token_dispatcher_type: str = "alltoall"
+    # FSDP2 MixedPrecisionPolicy, as torchtitan's: the dtype parameters are gathered in, and gradients reduced in
+    mixed_precision_param: str = "float32"
+    mixed_precision_reduce: str = "float32"
     backend: str = "auto"  # process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl
+
+    def __post_init__(self) -> None:
+        if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
+            raise ValueError(
+                f"parallel.moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: choose one of "
+                f"{', '.join(TOKEN_DISPATCHERS)}"
+            )
+        for name in ("mixed_precision_param", "mixed_precision_reduce"):
+            if getattr(self, name) not in PRECISIONS:
+                raise ValueError(f"parallel.{name}={getattr(self, name)!r}: choose one of {', '.join(PRECISIONS)}")
 
     def layout(self, world_size: int) -> ParallelLayout:
         return ParallelLayout(

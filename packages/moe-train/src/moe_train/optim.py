@@ -6,19 +6,22 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe_train.config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
-            # norms and other vectors are not decayed, as in Megatron and torchtitan
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            # norms and other vectors are not decayed, as in Megatron and torchtitan. Sharded (DTensor) and
+            # plain parameters (experts held whole by their rank) go to separate groups: the foreach kernels
+            # refuse a list that mixes them
+            groups.setdefault((param.ndim >= 2, isinstance(param, DTensor)), []).append(param)
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+        for (decay, _), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=True)
 

@@ -1,8 +1,8 @@
-"""The training loop: data-parallel AdamW on byte-level data, with metrics, progress and a final checkpoint."""
+"""The training loop: AdamW on byte-level data over any moe_parallel layout (FSDP2, expert, expert-tensor and
+tensor parallel), with metrics, progress and a final checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import statistics
@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moe_experts import BackendUnavailableError
@@ -22,9 +21,13 @@ from moe_models import build_model, causal_lm_loss, training_flops_per_token
 from moe_parallel import (
     DistributedContext,
     ParallelLayout,
+    ParallelModel,
     all_reduce_mean,
-    apply_data_parallel,
+    build_meshes,
+    check_model,
     init_distributed,
+    local_grad,
+    parallelize,
 )
 from moe_train.checkpoint import save_checkpoint
 from moe_train.config import ConfigError, ExperimentConfig
@@ -41,7 +44,8 @@ class Setup:
     cfg: ExperimentConfig
     ctx: DistributedContext
     layout: ParallelLayout
-    model: nn.Module  # the bare model; data parallelism is applied in train()
+    model: nn.Module  # split over the layout in place; ``parallel`` holds what the training step needs
+    parallel: ParallelModel
     dtype: torch.dtype
     micro_batch: int
     grad_accum: int
@@ -68,13 +72,21 @@ def _resolve_device(cfg: ExperimentConfig) -> str:
     return cfg.run.device
 
 
-def _check_layout(layout: ParallelLayout) -> None:
-    for name in ("tp", "cp", "pp", "ep", "etp"):
-        if getattr(layout, name) != 1:
-            raise ConfigError(
-                f"parallel.{name}={getattr(layout, name)}: this version of moe-train runs data parallel only; "
-                f"set parallel.{name}=1"
-            )
+def _check_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
+    try:
+        check_model(cfg.model, cfg.parallel, layout)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.data.seq_len % layout.tp:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp} (sequence parallel "
+            "splits every sequence over the tp ranks)"
+        )
+    if cfg.run.save_checkpoint and layout.ep * layout.etp > 1:
+        raise ConfigError(
+            f"run.save_checkpoint=true with parallel.ep={layout.ep} / parallel.etp={layout.etp}: expert-parallel "
+            "checkpoints are not implemented yet; set run.save_checkpoint=false"
+        )
 
 
 def _load_hf_weights(model: torch.nn.Module, cfg: ExperimentConfig) -> None:
@@ -103,7 +115,7 @@ def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
         layout = cfg.parallel.layout(world_size)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    _check_layout(layout)
+    _check_layout(cfg, layout)
     micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // layout.dp
     if micro == 0 or cfg.train.global_batch_size % (micro * layout.dp):
         raise ConfigError(
@@ -126,10 +138,11 @@ def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
         recomputed = apply_activation_checkpointing(model, cfg.run.recompute_modules)
     except ValueError as err:
         raise ConfigError(f"run.recompute_modules: {err}") from None
+    meshes = build_meshes(layout, ctx.device.type) if ctx.world_size > 1 else None
+    parallel = parallelize(model, meshes, cfg.parallel)
     data_path = stdlib_token_file(Path(cfg.data.cache_dir) if cfg.data.cache_dir else None)
-    return Setup(
-        cfg, ctx, layout, model, dtype, micro, cfg.train.global_batch_size // (micro * layout.dp), data_path, recomputed
-    )
+    grad_accum = cfg.train.global_batch_size // (micro * layout.dp)
+    return Setup(cfg, ctx, layout, model, parallel, dtype, micro, grad_accum, data_path, recomputed)
 
 
 class Progress:
@@ -167,17 +180,16 @@ def train(setup: Setup) -> TrainSummary:
     started = time.perf_counter()
     out_dir = Path(cfg.run.output_dir)
     progress = Progress(cfg.train.steps, cfg.run.log_interval, ctx.is_main)
-    bare_model = setup.model
-    model = apply_data_parallel(bare_model, ctx)
-    optimizer = build_optimizer(bare_model, cfg.train)
+    model, parallel = setup.model, setup.parallel
+    optimizer = build_optimizer(model, cfg.train)
     stream = TokenStream(setup.data_path, cfg.data.seq_len, cfg.train.seed)
     peak, peak_source = peak_tflops(ctx.device, setup.dtype, cfg.run.peak_tflops)
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     per_rank = setup.micro_batch * setup.grad_accum
-    params = [p for p in bare_model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
     autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
-    n_params = sum(p.numel() for p in params)
+    n_params = sum(p.numel() for p in params)  # this rank's view: experts of other ep ranks are not counted
 
     log: MetricsLog | None = None
     if ctx.is_main:
@@ -200,17 +212,14 @@ def train(setup: Setup) -> TrainSummary:
         aux_sum = torch.zeros((), device=ctx.device)
         mtp_sum = torch.zeros((), device=ctx.device)
         for micro in range(setup.grad_accum):
-            batch = stream.batch(
-                step, cfg.train.global_batch_size, ctx.rank * per_rank + micro * setup.micro_batch, setup.micro_batch
-            )
+            # the ranks of one data-parallel replica (tp) read the same sequences
+            first = parallel.dp_index * per_rank + micro * setup.micro_batch
+            batch = stream.batch(step, cfg.train.global_batch_size, first, setup.micro_batch)
             inputs, labels = batch.input_ids_BS.to(ctx.device), batch.labels_BS.to(ctx.device)
-            last = micro == setup.grad_accum - 1
-            sync = contextlib.nullcontext() if last or model is bare_model else model.no_sync()
-            with sync:
-                with autocast:
-                    out = model(inputs)
-                loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor)
-                loss.total.backward()  # the routers' balancing losses ride along on their probabilities
+            with autocast:
+                out = model(inputs)
+            loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor)
+            loss.total.backward()  # the routers' balancing losses ride along on their probabilities
             lm_sum += loss.lm
             if loss.mtp:
                 mtp_sum += torch.stack(loss.mtp).mean()
@@ -219,15 +228,17 @@ def train(setup: Setup) -> TrainSummary:
         clip = cfg.train.clip_grad if cfg.train.clip_grad > 0 else math.inf
         # the accumulated gradient is a sum over micro-batches; dividing it (not each loss) also scales
         # the load-balancing gradients the routers attach inside the backward
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [g for g in map(local_grad, params) if g is not None]
         if setup.grad_accum > 1:
             torch._foreach_div_(grads, float(setup.grad_accum))
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        parallel.finalize_grads()
+        grad_norm = parallel.clip_grad_norm_(clip, params)
         optimizer.step()
         if cfg.model.moe_router_enable_expert_bias:
-            # counts the forwards returned, so a recomputed layer is not counted twice
-            for router, counts_E in zip(bare_model.routers(), load_LE, strict=True):
-                router.update_expert_bias(counts_E, group=dist.group.WORLD if ctx.world_size > 1 else None)
+            # counts the forwards returned, so a recomputed layer is not counted twice; summed over every rank's
+            # tokens (the routers' stats_group) so all ranks apply the same update
+            for router, counts_E in zip(model.routers(), load_LE, strict=True):
+                router.update_expert_bias(counts_E)
         loss = all_reduce_mean(lm_sum / setup.grad_accum).item()
         aux = all_reduce_mean(aux_sum / setup.grad_accum).item()
         mtp = all_reduce_mean(mtp_sum / setup.grad_accum).item()
@@ -257,7 +268,7 @@ def train(setup: Setup) -> TrainSummary:
 
     checkpoint = None
     if cfg.run.save_checkpoint:
-        checkpoint = str(save_checkpoint(out_dir / "checkpoints", bare_model, optimizer, cfg.train.steps))
+        checkpoint = str(save_checkpoint(out_dir / "checkpoints", model, optimizer, cfg.train.steps))
     records = log.records if log is not None else []
     summary = TrainSummary(
         steps=cfg.train.steps,

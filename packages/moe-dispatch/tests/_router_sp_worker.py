@@ -1,0 +1,180 @@
+"""One rank of the sequence-parallel router checks in test_router_sequence_parallel.py:
+``python _router_sp_worker.py OUT_DIR``.
+
+Every rank builds the same full micro-batch(es) from fixed seeds and computes, without any group, the
+single-process reference (a plain router on the full sequences); then it routes only its own chunk of
+every sequence with a ``sequence_group`` and, as a control, without one. Gradients of the sharded routers
+are summed over the sequence group here (what the parallelize code will do); the parent asserts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_dispatch.config import RouterConfig
+from moe_dispatch.router import TopKRouter
+
+HIDDEN, EXPERTS, TOPK = 6, 8, 3
+BATCH, SEQ = 3, 8  # full sequences of 8 tokens: chunks of 4 on 2 ranks, of 2 on 4 ranks
+
+# name -> RouterConfig fields; all of them run with the whole world as the sequence group
+CASES = {
+    "aux_softmax": {"load_balancing_type": "aux_loss", "aux_loss_coeff": 0.3},
+    "aux_sigmoid": {"load_balancing_type": "aux_loss", "aux_loss_coeff": 0.3, "score_function": "sigmoid"},
+    "seq_softmax": {"load_balancing_type": "seq_aux_loss", "aux_loss_coeff": 0.3},
+    "seq_sigmoid": {"load_balancing_type": "seq_aux_loss", "aux_loss_coeff": 0.3, "score_function": "sigmoid"},
+    "z_loss": {"load_balancing_type": "none", "z_loss_coeff": 0.05},
+    "aux_plus_seq": {"load_balancing_type": ("aux_loss", "seq_aux_loss"), "aux_loss_coeff": (0.3, 0.2)},
+    "global": {"load_balancing_type": "global_aux_loss", "aux_loss_coeff": 0.3},
+    "all_sigmoid": {
+        "load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss"),
+        "aux_loss_coeff": (0.3, 0.2, 0.1),
+        "z_loss_coeff": 0.05,
+        "score_function": "sigmoid",
+    },
+}
+
+
+def micro_batch(replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_BSH, w_BSK): the full micro-batch of a data-parallel replica and the fixed weights of the model
+    loss ``sum(probs_TK * w_TK)``."""
+    gen = torch.Generator().manual_seed(1000 + replica)
+    return torch.randn(BATCH, SEQ, HIDDEN, generator=gen), torch.randn(BATCH, SEQ, TOPK, generator=gen)
+
+
+def router_weight() -> torch.Tensor:
+    return torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(99))
+
+
+def chunk(t_BSX: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    """This rank's contiguous 1/size of every sequence, flattened batch-major."""
+    length = t_BSX.shape[1] // size
+    return t_BSX[:, index * length : (index + 1) * length].reshape(-1, t_BSX.shape[-1])
+
+
+class CountAllReduce:
+    """Counts ``dist.all_reduce`` calls (the router's collectives) while active."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = dist.all_reduce
+
+    def __enter__(self) -> CountAllReduce:
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._original
+
+
+def route(
+    fields: dict, x_TH: torch.Tensor, w_TK: torch.Tensor, seq_len: int, loss_scale: float = 1.0, **groups
+) -> dict:
+    """Forward + backward of ``loss_scale * sum(probs_TK * w_TK)`` (the attached losses add their own
+    gradient); returns the reported values, the weight gradient and the collectives of the forward."""
+    router = TopKRouter(HIDDEN, RouterConfig(num_experts=EXPERTS, topk=TOPK, **fields), **groups)
+    with torch.no_grad():
+        router.weight.copy_(router_weight())
+    with CountAllReduce() as counter:
+        out = router(x_TH, seq_len=seq_len)
+    (loss_scale * (out.probs_TK * w_TK).sum()).backward()
+    return {
+        "losses": out.losses,
+        "aux_loss": out.aux_loss,
+        "probs": out.probs_TK.detach(),
+        "grad": router.weight.grad.clone(),
+        "collectives": counter.calls,
+    }
+
+
+def summed(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def sequence_parallel_cases(rank: int, world: int, group) -> dict:
+    """Every case with the whole world as one sequence group (and as stats_group, for global_aux_loss)."""
+    x_BSH, w_BSK = micro_batch()
+    x_TH, w_TK = chunk(x_BSH, rank, world), chunk(w_BSK, rank, world)
+    results = {}
+    for name, fields in CASES.items():
+        ref = route(fields, x_BSH.reshape(-1, HIDDEN), w_BSK.reshape(-1, TOPK), SEQ)
+        sharded = route(fields, x_TH, w_TK, SEQ // world, stats_group=group, sequence_group=group)
+        sharded["grad_sum"] = summed(sharded["grad"], group)
+        naive = route(fields, x_TH, w_TK, SEQ // world, stats_group=group)  # what the router did before
+        naive["grad_sum"] = summed(naive["grad"], group)
+        results[name] = {"ref": ref, "sharded": sharded, "naive": naive}
+    return results
+
+
+def size_one_cases(rank: int, world: int, group) -> dict:
+    """A sequence group of size 1 against None, bit for bit, on this rank's own tokens."""
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
+    x_BSH, w_BSK = micro_batch()
+    x_TH, w_TK = chunk(x_BSH, rank, world), chunk(w_BSK, rank, world)
+    results = {}
+    for name in ("aux_plus_seq", "z_loss", "all_sigmoid"):
+        results[name] = {
+            label: route(CASES[name], x_TH, w_TK, SEQ // world, stats_group=group, sequence_group=seq_group)
+            for label, seq_group in (("none", None), ("one", singles[rank]))
+        }
+    try:  # a purely data-parallel stats group would give global_aux_loss the wrong weight
+        route(CASES["global"], x_TH, w_TK, SEQ // world, stats_group=singles[rank], sequence_group=group)
+    except ValueError as err:
+        results["bad_stats_group"] = str(err)
+    return results
+
+
+def data_parallel_global_case(rank: int, world: int) -> dict:
+    """World 4 as 2 data-parallel replicas x sequence groups of 2: global_aux_loss against the Switch loss
+    of both micro-batches, gradients summed over the sequence group and averaged over replicas."""
+    sp = 2
+    replicas = world // sp
+    seq_groups = [dist.new_group(list(range(d * sp, (d + 1) * sp))) for d in range(replicas)]
+    dp_groups = [dist.new_group(list(range(i, world, sp))) for i in range(sp)]
+    replica, index = divmod(rank, sp)
+    batches = [micro_batch(d) for d in range(replicas)]
+    x_all = torch.cat([x.reshape(-1, HIDDEN) for x, _ in batches])
+    w_all = torch.cat([w.reshape(-1, TOPK) for _, w in batches])
+    fields = CASES["global"]
+    ref = route({**fields, "load_balancing_type": "aux_loss"}, x_all, w_all, SEQ, loss_scale=1 / replicas)
+    x_BSH, w_BSK = batches[replica]
+    world_group = dist.new_group(list(range(world)))
+    sharded = route(
+        fields,
+        chunk(x_BSH, index, sp),
+        chunk(w_BSK, index, sp),
+        SEQ // sp,
+        stats_group=world_group,
+        sequence_group=seq_groups[replica],
+    )
+    sharded["grad_avg"] = summed(summed(sharded["grad"], seq_groups[replica]), dp_groups[index]) / replicas
+    return {"ref": ref, "sharded": sharded, "replica": replica}
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    result = {
+        "sp": sequence_parallel_cases(rank, world, group),
+        "size_one": size_one_cases(rank, world, group),
+    }
+    if world == 4:
+        result["dp_global"] = data_parallel_global_case(rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(result, out_dir / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))  # a failure's traceback reaches the test through the launcher's captured output

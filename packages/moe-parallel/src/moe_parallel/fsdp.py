@@ -1,0 +1,55 @@
+"""FSDP2 (``fully_shard``) over both sides of a layout: dense parameters over the attention data-parallel mesh,
+routed experts over the expert data-parallel mesh only.
+
+Experts are wrapped first, as their own FSDP units on the ``edp`` mesh, so the enclosing layer's unit (on the
+``dp`` mesh) leaves them alone: no parameter is sharded twice. When an edp group has more ranks than a rank has
+experts, sharding dim 0 would leave ranks empty, so the experts shard along their first dim that divides evenly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from moe_parallel.expert_parallel import moe_blocks
+from moe_parallel.mesh import ParallelMeshes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _expert_placement(edp: int):
+    def placement(param: nn.Parameter) -> Shard:
+        for dim in range(min(param.ndim, 2)):
+            if param.shape[dim] % edp == 0:
+                return Shard(dim)
+        return Shard(0)
+
+    return placement
+
+
+def apply_fsdp(
+    model: nn.Module, meshes: ParallelMeshes, param_dtype: str = "float32", reduce_dtype: str = "float32"
+) -> None:
+    """Shard ``model`` (a moe_models ``MoETransformer``) in place: each decoder layer (MTP depths' included) and the
+    root are units on the dp mesh (HSDP when dp_replicate > 1), each MoE block's experts a unit on the edp mesh.
+
+    Gradients are averaged over each unit's mesh; :class:`~moe_parallel.grads.GradientSync` rescales the experts'
+    to the data-parallel mean. Nothing is wrapped along a dimension of size 1.
+    """
+    layout = meshes.layout
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    experts = [block.experts for block in moe_blocks(model)]
+    ignored = None
+    if layout.edp > 1:
+        for module in experts:
+            fully_shard(module, mesh=meshes.edp_mesh, mp_policy=mp, shard_placement_fn=_expert_placement(layout.edp))
+    else:  # each rank's experts are its own: no data-parallel copy to shard over
+        ignored = {p for module in experts for p in module.parameters()}
+    if layout.dp > 1:
+        # an MTP depth's final norm runs outside its forward (the model applies it before the shared head), so the
+        # depth's decoder layer is the unit and its small input/output parts stay with the root
+        for unit in [*model.layers, *(mtp.layer for mtp in model.mtp)]:
+            fully_shard(unit, mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)
+        fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)

@@ -1,0 +1,87 @@
+"""Device meshes of both sides of a :class:`~moe_parallel.layout.ParallelLayout`, over the same ranks.
+
+The attention mesh has dimensions ``(pp, dp_replicate, dp_shard, cp, tp)`` and the expert mesh
+``(pp, edp, ep, etp)``, slowest first, so a rank's coordinates in each equal ``layout.coords(rank, side)``.
+Both are plain :class:`~torch.distributed.device_mesh.DeviceMesh` objects (gloo on CPU, NCCL on CUDA): FSDP2 and
+the DTensor parallel styles take their sub-meshes, the token dispatchers their process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, ParallelLayout
+
+
+@dataclass(frozen=True)
+class ParallelMeshes:
+    """The attention-side and expert-side meshes of one layout, and this rank's place in them."""
+
+    layout: ParallelLayout
+    attention: DeviceMesh  # (pp, dp_replicate, dp_shard, cp, tp)
+    expert: DeviceMesh  # (pp, edp, ep, etp)
+
+    @property
+    def rank(self) -> int:
+        return self.attention.get_rank()
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """What FSDP2 shards dense parameters over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` (HSDP)."""
+        if self.layout.dp_replicate > 1:
+            return self.attention["dp_replicate", "dp_shard"]
+        return self.attention["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.attention["tp"]
+
+    @property
+    def edp_mesh(self) -> DeviceMesh:
+        """Ranks holding the same experts (the same ep and etp coordinates): FSDP2 shards experts over these."""
+        return self.expert["edp"]
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The process group of this rank along ``dim`` of the attention (tp, cp, dp_shard, dp_replicate, pp) or
+        expert (etp, ep, edp) mesh."""
+        mesh = self.expert if dim in ("etp", "ep", "edp") else self.attention
+        return mesh.get_group(dim)
+
+    @property
+    def token_group(self) -> dist.ProcessGroup:
+        """Every rank holding different tokens of a step (all but the pipeline dimension): expert-load statistics
+        are summed over it."""
+        if self.layout.pp > 1:
+            raise NotImplementedError("pipeline parallelism (pp > 1) is not implemented yet")
+        return dist.group.WORLD
+
+    def dp_index(self) -> int:
+        """Which data-parallel replica this rank is: the ranks of one replica (tp, cp) read the same batch."""
+        coords = self.layout.coords(self.rank, "attention")
+        return coords["dp_replicate"] * self.layout.dp_shard + coords["dp_shard"]
+
+
+def build_meshes(layout: ParallelLayout, device_type: str = "cpu") -> ParallelMeshes:
+    """Both meshes over ``layout.world_size`` ranks; the default process group must be initialised with that size."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_meshes needs an initialised process group (torchrun + init_distributed)")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(
+            f"the layout is for {layout.world_size} ranks but the process group has {dist.get_world_size()}"
+        )
+    ranks = torch.arange(layout.world_size)
+    attention_dims = tuple(reversed(ATTENTION_DIMS))
+    expert_dims = tuple(reversed(EXPERT_DIMS))
+    attention = DeviceMesh(
+        device_type,
+        ranks.view(*(layout.sizes("attention")[d] for d in attention_dims)),
+        mesh_dim_names=attention_dims,
+    )
+    expert = DeviceMesh(
+        device_type, ranks.view(*(layout.sizes("expert")[d] for d in expert_dims)), mesh_dim_names=expert_dims
+    )
+    return ParallelMeshes(layout, attention, expert)

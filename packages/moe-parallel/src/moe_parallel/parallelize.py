@@ -1,0 +1,105 @@
+"""``parallelize``: apply a :class:`~moe_parallel.config.ParallelConfig` to a moe_models model, from outside it.
+
+Order, as torchtitan's: expert parallelism (swap in this rank's experts and a distributed dispatcher), tensor +
+sequence parallelism (DTensor styles), then FSDP2 (experts on the edp mesh, the rest on the dp mesh). The routers
+are told which ranks share their statistics. What the training step still has to do with the gradients is in the
+returned :class:`ParallelModel` (``finalize_grads``, ``clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe_parallel.config import ParallelConfig
+from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks
+from moe_parallel.fsdp import apply_fsdp
+from moe_parallel.grads import GradientSync, replica_count
+from moe_parallel.mesh import ParallelMeshes
+from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+
+
+@dataclass
+class ParallelModel:
+    """A model after :func:`parallelize` (the same module, changed in place) and what its training step needs."""
+
+    model: nn.Module
+    meshes: ParallelMeshes | None  # None: one process
+    sync: GradientSync
+
+    def finalize_grads(self) -> None:
+        """Complete the gradients after the last micro-batch's backward (:class:`~moe_parallel.grads.GradientSync`)."""
+        self.sync.finalize(self.model.parameters())
+
+    def clip_grad_norm_(self, max_norm: float, params: Iterable[nn.Parameter] | None = None) -> torch.Tensor:
+        """Clip to a global norm counted over every rank, each parameter once; returns the norm before clipping."""
+        return self.sync.clip_grad_norm_(self.model.parameters() if params is None else params, max_norm)
+
+    @property
+    def dp_index(self) -> int:
+        """Which slice of the global batch this rank reads (0 in one process)."""
+        return 0 if self.meshes is None else self.meshes.dp_index()
+
+
+def check_model(model_config, config: ParallelConfig, layout) -> None:
+    """Raise ``ValueError`` naming the field when the model cannot be split as ``layout`` asks."""
+    if layout.cp > 1 or layout.pp > 1:
+        dim = "cp" if layout.cp > 1 else "pp"
+        raise ValueError(
+            f"parallel.{dim}={getattr(layout, dim)}: context and pipeline parallelism are not implemented yet"
+        )
+    if model_config.num_moe_experts and model_config.num_moe_experts % layout.ep:
+        raise ValueError(
+            f"model.num_moe_experts={model_config.num_moe_experts} is not divisible by parallel.ep={layout.ep}"
+        )
+    if model_config.moe_ffn_hidden_size and model_config.moe_ffn_hidden_size % layout.etp:
+        raise ValueError(
+            f"model.moe_ffn_hidden_size={model_config.moe_ffn_hidden_size} is not divisible by "
+            f"parallel.etp={layout.etp}"
+        )
+    if config.moe_token_dispatcher_type == "flex" and layout.etp > 1:
+        raise ValueError("parallel.moe_token_dispatcher_type='flex' (DeepEP) does not support etp > 1: use 'alltoall'")
+    check_tensor_parallel(model_config, layout.tp)
+
+
+def parallelize(model: nn.Module, meshes: ParallelMeshes | None, config: ParallelConfig) -> ParallelModel:
+    """Split ``model`` (a moe_models ``MoETransformer`` built identically on every rank) over ``meshes``, in place.
+
+    With ``meshes=None`` (one process) the model is left as it is.
+    """
+    if meshes is None:
+        return ParallelModel(model, None, GradientSync())
+    layout = meshes.layout
+    check_model(model.config, config, layout)
+    apply_expert_parallel(model, meshes, config.moe_token_dispatcher_type)
+    tp_partial: list[str] = []
+    if layout.tp > 1:
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        tp_partial = [by_id[id(p)] for p in apply_tensor_parallel(model, meshes.tp_mesh)]
+    for block in moe_blocks(model):
+        block.router.stats_group = meshes.token_group
+        if layout.tp > 1:
+            block.router.sequence_group = meshes.group("tp")
+    # FSDP replaces parameters by new (DTensor) ones: everything below looks them up afterwards
+    apply_fsdp(model, meshes, config.mixed_precision_param, config.mixed_precision_reduce)
+    named = dict(model.named_parameters())
+    experts = [b.experts for b in moe_blocks(model)]
+    down_biases = {id(e.b_down_EH) for e in experts if e.b_down_EH is not None}
+    world = layout.world_size // layout.pp
+    replicas = {id(p): replica_count(p, world) for p in named.values()}
+    for param in (p for e in experts for p in e.parameters()):
+        shards = layout.ep * (1 if id(param) in down_biases else layout.etp)
+        replicas[id(param)] = replica_count(param, world, shards)
+    sync = GradientSync(
+        tp_partial=[named[n] for n in tp_partial],
+        tp_group=meshes.group("tp") if layout.tp > 1 else None,
+        etp_partial=[e.b_down_EH for e in experts if e.b_down_EH is not None] if layout.etp > 1 else [],
+        etp_group=meshes.group("etp") if layout.etp > 1 else None,
+        experts=[p for e in experts for p in e.parameters()],
+        expert_scale=layout.edp / layout.dp,
+        replicas=replicas,
+    )
+    return ParallelModel(model, meshes, sync)
