@@ -1,6 +1,7 @@
 """The command line, in process: exit codes, one-line errors, nothing half-written."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,27 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
     assert cli.main(["plan", "--parallel.ep", "3"]) == cli.EXIT_USAGE  # 8 experts over 3 ranks
     err = capsys.readouterr().err
     assert "model.num_moe_experts=8 is not divisible by parallel.ep=3" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            {"parallel.tp": "2", "model.num_query_groups": "2", "data.seq_len": "33"},
+            "data.seq_len=33 is not divisible by parallel.tp=2",
+        ),
+        ({"parallel.ep": "2"}, "run.save_checkpoint=true with parallel.ep=2"),
+        ({"parallel.ep": "2", "parallel.etp": "2", "parallel.moe_token_dispatcher_type": "flex"}, "'flex' (DeepEP)"),
+        ({"parallel.pp": "2"}, "parallel.pp=2: context and pipeline parallelism are not implemented yet"),
+        ({"parallel.tp": "2"}, "model.num_query_groups=1 is not divisible by parallel.tp=2"),
+    ],
+)
+def test_layouts_the_model_cannot_take_fail_before_any_process_group(
+    micro_overrides: dict[str, str], overrides: dict[str, str], expected: str
+) -> None:
+    from moe_train.config import ConfigError
+
+    cfg = load_config("tiny", {**micro_overrides, **overrides})
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        prepare(cfg, 4)  # validated against a 4-rank launch before joining any process group
+    assert not torch.distributed.is_initialized()
