@@ -33,6 +33,11 @@ LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
     "tp=2 (SP, etp=tp)": (2, {"parallel.tp": "2"}),
     "tp=2 x ep=2 (etp=1)": (2, {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"}),
     "ep=2 allgather": (2, {"parallel.ep": "2", "parallel.moe_token_dispatcher_type": "allgather"}),
+    # recomputed layers re-run their all-to-alls and tensor-parallel collectives in the backward
+    "tp=2 x ep=2 recomputing layers": (
+        2,
+        {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1", "run.recompute_modules": "layers.*"},
+    ),
     "ep=4": (4, {"parallel.ep": "4"}),
     "ep=2 x dp_shard=4 (edp=2)": (4, {"parallel.ep": "2"}),
     "ep=2 x dp_shard=2 x tp=2": (4, {"parallel.ep": "2", "parallel.tp": "2", "parallel.etp": "1"}),

@@ -44,3 +44,20 @@ def test_layout_that_does_not_fit_the_world_fails_on_every_rank(tmp_path: Path, 
     assert bad.stderr.count("moe-train: error: tp(1) x cp(1) x dp_replicate(1) x dp_shard(4)") == 2
     assert "moe_train" not in "".join(line for line in bad.stderr.splitlines() if line.lstrip().startswith("File "))
     assert not (tmp_path / "bad").exists()
+
+
+def test_torchrun_cli_drives_tensor_and_expert_parallel(tmp_path: Path, data_cache: Path, run) -> None:
+    """The flags alone, through torchrun: tp=2 with sequence parallel, the experts split over the same 2 ranks
+    (ep borrowing the tp ranks), all-gather dispatch. One data-parallel replica reads the whole batch, as one
+    process does, so every step's loss is the single process's."""
+    args = [*COMMON, "--data.cache_dir", str(data_cache), "--run.save_checkpoint", "false"]
+    single = run(["moe-train", *args, "--run.output_dir", str(tmp_path / "one")], cwd=tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    layout = ["--parallel.tp", "2", "--parallel.ep", "2", "--parallel.etp", "1"]
+    layout += ["--parallel.moe_token_dispatcher_type", "allgather"]
+    launch = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "moe_train"]
+    split = run([*launch, *args, *layout, "--run.output_dir", str(tmp_path / "two")], cwd=tmp_path)
+    assert split.returncode == 0, split.stderr[-2000:]
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(two) == 5 and two == pytest.approx(one, rel=1e-4)
+    assert one[-1] < one[0]

@@ -1,5 +1,6 @@
 """The command line, in process: exit codes, one-line errors, nothing half-written."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -149,6 +150,13 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
         ),
         ({"parallel.ep": "2"}, "run.save_checkpoint=true with parallel.ep=2"),
         ({"parallel.ep": "2", "parallel.etp": "2", "parallel.moe_token_dispatcher_type": "flex"}, "'flex' (DeepEP)"),
+        pytest.param(
+            {"parallel.ep": "2", "parallel.moe_token_dispatcher_type": "flex", "run.save_checkpoint": "false"},
+            "parallel.moe_token_dispatcher_type='flex': FlexDispatcher needs",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("deep_ep") is not None and torch.cuda.is_available(), reason="DeepEP runs"
+            ),
+        ),
         ({"parallel.pp": "2"}, "parallel.pp=2: context and pipeline parallelism are not implemented yet"),
         ({"parallel.tp": "2"}, "model.num_query_groups=1 is not divisible by parallel.tp=2"),
     ],

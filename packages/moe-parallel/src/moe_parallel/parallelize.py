@@ -62,6 +62,13 @@ def check_model(model_config, config: ParallelConfig, layout) -> None:
         )
     if config.moe_token_dispatcher_type == "flex" and layout.etp > 1:
         raise ValueError("parallel.moe_token_dispatcher_type='flex' (DeepEP) does not support etp > 1: use 'alltoall'")
+    if config.moe_token_dispatcher_type == "flex" and layout.ep > 1:
+        from moe_dispatch.deepep import load_deep_ep
+
+        try:
+            load_deep_ep()
+        except RuntimeError as err:
+            raise ValueError(f"parallel.moe_token_dispatcher_type='flex': {err}") from None
     check_tensor_parallel(model_config, layout.tp)
 
 
