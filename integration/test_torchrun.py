@@ -4,6 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+
+from moe_models import build_model
+from moe_train.checkpoint import load_checkpoint
+from moe_train.config import load_config
 
 pytestmark = pytest.mark.dist
 
@@ -49,8 +54,9 @@ def test_layout_that_does_not_fit_the_world_fails_on_every_rank(tmp_path: Path, 
 def test_torchrun_cli_drives_tensor_and_expert_parallel(tmp_path: Path, data_cache: Path, run) -> None:
     """The flags alone, through torchrun: tp=2 with sequence parallel, the experts split over the same 2 ranks
     (ep borrowing the tp ranks), all-gather dispatch. One data-parallel replica reads the whole batch, as one
-    process does, so every step's loss is the single process's."""
-    args = [*COMMON, "--data.cache_dir", str(data_cache), "--run.save_checkpoint", "false"]
+    process does, so every step's loss is the single process's, and so is the checkpoint: DCP stores the global
+    tensors, which load into one process."""
+    args = [*COMMON, "--data.cache_dir", str(data_cache)]
     single = run(["moe-train", *args, "--run.output_dir", str(tmp_path / "one")], cwd=tmp_path)
     assert single.returncode == 0, single.stderr[-2000:]
     layout = ["--parallel.tp", "2", "--parallel.ep", "2", "--parallel.etp", "1"]
@@ -61,3 +67,17 @@ def test_torchrun_cli_drives_tensor_and_expert_parallel(tmp_path: Path, data_cac
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(two) == 5 and two == pytest.approx(one, rel=1e-4)
     assert one[-1] < one[0]
+
+    cfg = load_config("tiny", {"model.num_layers": "1"})
+    config = cfg.model
+    torch.manual_seed(cfg.train.seed)
+    initial = build_model(config)  # the weights both runs started from
+    models = {}
+    for name in ("one", "two"):
+        models[name] = build_model(config)
+        assert load_checkpoint(tmp_path / name / "checkpoints" / "step_5", models[name]) == 5
+    trained = dict(models["one"].named_parameters())
+    for key, value in models["two"].named_parameters():
+        torch.testing.assert_close(value, trained[key], rtol=1e-3, atol=1e-5, msg=key)
+    # the checkpoints hold trained experts, not the initial ones
+    assert not torch.allclose(trained["layers.0.mlp.experts.w_down_EFH"], initial.layers[0].mlp.experts.w_down_EFH)

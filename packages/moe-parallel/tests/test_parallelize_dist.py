@@ -31,17 +31,18 @@ def test_mesh_groups_are_the_layouts(ranks) -> None:
 
 def test_experts_are_sharded_over_edp_only(ranks) -> None:
     placements = ranks[0]["placements"]
-    # ep=2 on 4 ranks: experts 4 per rank, FSDP-sharded over their 2 edp copies and nothing else
-    mesh, shape = placements["ep=2 (edp=2)"]["layers.0.mlp.experts.w_gate_up_EH2F"][1::2]
-    assert mesh == ("edp",) and shape == (4, 128, 256)
+    # ep=2 on 4 ranks: the experts are a DTensor split over ep (a rank's 4 experts), then by FSDP over their 2 edp
+    # copies, and over nothing else; its shape is the global one, as a checkpoint stores it
+    kind, mesh, split, shape = placements["ep=2 (edp=2)"]["layers.0.mlp.experts.w_gate_up_EH2F"]
+    assert kind == "dtensor" and mesh == ("edp", "ep") and shape == (8, 128, 256), split
     assert placements["ep=2 (edp=2)"]["layers.0.attention.q_proj.weight"][1] == ("dp_shard",)
-    # ep=4: each rank's 2 experts are its own, so FSDP leaves them whole while it shards the rest over 4 ranks
-    kind, _, _, shape = placements["ep=4 (edp=1)"]["layers.0.mlp.experts.w_gate_up_EH2F"]
-    assert kind == "plain" and shape == (2, 128, 256)
+    # ep=4: each rank's 2 experts are its own, so FSDP leaves them alone while it shards the rest over 4 ranks
+    kind, mesh, split, shape = placements["ep=4 (edp=1)"]["layers.0.mlp.experts.w_gate_up_EH2F"]
+    assert (kind, mesh, split, shape) == ("dtensor", ("ep",), ("Shard(dim=0)",), (8, 128, 256))
     assert placements["ep=4 (edp=1)"]["layers.0.mlp.router.weight"][1] == ("dp_shard",)
-    # tp=2 x ep=2 x dp_shard=2: attention 2-D (FSDP over TP), experts over edp
+    # tp=2 x ep=2 x dp_shard=2: attention 2-D (FSDP over TP), experts over edp and ep
     assert placements["tp=2 x ep=2"]["layers.0.attention.q_proj.weight"][1] == ("dp_shard", "tp")
-    assert placements["tp=2 x ep=2"]["layers.0.mlp.experts.w_down_EFH"][1] == ("edp",)
+    assert placements["tp=2 x ep=2"]["layers.0.mlp.experts.w_down_EFH"][1] == ("edp", "ep")
 
 
 def test_fewer_experts_than_shards_train_as_one_process(ranks) -> None:

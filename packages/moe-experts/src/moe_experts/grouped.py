@@ -34,6 +34,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe_experts.activations import gate_up_columns, get_activation
 from moe_experts.backends import GroupedMM, loop_grouped_mm, resolve_backend
@@ -53,6 +54,12 @@ def _splitmix64(z: int) -> int:
 def expert_seed(seed: int, global_expert: int) -> int:
     """Seed of the generator that initialises global expert ``global_expert`` (a 63-bit mix of both)."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ global_expert) >> 1
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: expert parallelism may hold the parameters as DTensors sharded over the experts (so that
+    checkpoints see the global tensors); the computation is on the local shard, whose gradient flows back sharded."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 class GroupedExperts(nn.Module):
@@ -163,7 +170,7 @@ class GroupedExperts(nn.Module):
             )
         gmm = self._grouped_mm(x_NH.element_size())
         dtype = x_NH.dtype
-        w_gate_up, w_down = self.w_gate_up_EH2F.to(dtype), self.w_down_EFH.to(dtype)
+        w_gate_up, w_down = _local(self.w_gate_up_EH2F).to(dtype), _local(self.w_down_EFH).to(dtype)
         h_NW = gmm(x_NH, w_gate_up, tokens_per_expert_E)
         expert_N = None
         if self.b_gate_up_E2F is not None:
@@ -172,11 +179,11 @@ class GroupedExperts(nn.Module):
                 tokens_per_expert_E.to(x_NH.device),
                 output_size=x_NH.shape[0],
             )
-            h_NW = h_NW + self.b_gate_up_E2F.to(dtype)[expert_N]
+            h_NW = h_NW + _local(self.b_gate_up_E2F).to(dtype)[expert_N]
         a_NF = weighted_activation(h_NW, probs_N, self.activation)
         y_NH = gmm(a_NF, w_down, tokens_per_expert_E)
         if self.b_down_EH is not None:
-            b_down = self.b_down_EH.to(dtype)
+            b_down = _local(self.b_down_EH).to(dtype)
             if self.etp_rank != 0:
                 b_down = b_down * 0.0  # added once over the etp group (zero gradient here)
             b_NH = b_down[expert_N]

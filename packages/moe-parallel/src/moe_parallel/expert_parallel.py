@@ -6,12 +6,18 @@ ep x etp swaps in the experts this rank owns (``num_experts / ep`` of them, star
 the ``etp_rank``-th slice of the FFN width) with their values copied from the whole ones, and a distributed
 dispatcher over the ep (and etp) process groups. Every rank must hold the same whole weights before (same seed or
 the same checkpoint), which is what makes the split model compute what the whole one did.
+
+Without expert tensor parallelism the experts' parameters become DTensors sharded along the experts over the ep
+mesh: checkpoints (DCP) then hold the global tensors, loadable into any other layout, and FSDP2 composes with
+them as with tensor parallelism. An etp slice of a gated projection is two column blocks (gate and up) of the whole
+tensor, which no DTensor placement describes, so with ``etp > 1`` the parameters stay plain per-rank tensors.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from moe_dispatch import TopKRouter, build_dispatcher
 from moe_experts import GroupedExperts
@@ -75,8 +81,13 @@ def apply_expert_parallel(model: nn.Module, meshes: ParallelMeshes, dispatcher: 
     coords = layout.coords(meshes.rank, "expert")
     ep_group = meshes.group("ep")
     etp_group = meshes.group("etp") if layout.etp > 1 else None
+    ep_mesh = meshes.expert["ep"]
     for block in moe_blocks(model):
         block.experts = shard_experts(block.experts, coords["ep"], layout.ep, coords["etp"], layout.etp)
+        if layout.etp == 1:
+            for name, param in list(block.experts.named_parameters()):
+                sharded = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
+                setattr(block.experts, name, nn.Parameter(sharded))
         block.dispatcher = build_dispatcher(
             dispatcher, block.router.config.num_experts, ep_group=ep_group, etp_group=etp_group
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from moe_parallel.expert_parallel import moe_blocks
 from moe_parallel.mesh import ParallelMeshes
@@ -21,8 +21,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _expert_placement(edp: int):
     def placement(param: nn.Parameter) -> Shard:
+        # an expert-parallel DTensor holds this rank's experts locally: those are what FSDP splits further
+        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
         for dim in range(min(param.ndim, 2)):
-            if param.shape[dim] % edp == 0:
+            if shape[dim] % edp == 0:
                 return Shard(dim)
         return Shard(0)
 

@@ -55,8 +55,8 @@ class ParallelMeshes:
     def token_group(self) -> dist.ProcessGroup:
         """Every rank holding different tokens of a step (all but the pipeline dimension): expert-load statistics
         are summed over it."""
-        if self.layout.pp > 1:
-            raise NotImplementedError("pipeline parallelism (pp > 1) is not implemented yet")
+        if self.layout.pp > 1:  # each stage would need its own group; check_model refuses pp > 1 before this
+            raise ValueError(f"parallel.pp={self.layout.pp}: pipeline parallelism is not available in this version")
         return dist.group.WORLD
 
     def dp_index(self) -> int:

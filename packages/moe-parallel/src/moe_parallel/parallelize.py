@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe_parallel.config import ParallelConfig
 from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks
@@ -98,6 +99,9 @@ def parallelize(model: nn.Module, meshes: ParallelMeshes | None, config: Paralle
     world = layout.world_size // layout.pp
     replicas = {id(p): replica_count(p, world) for p in named.values()}
     for param in (p for e in experts for p in e.parameters()):
+        if isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ()):
+            continue  # the placements already say how the experts are split
+        # plain per-rank experts (etp > 1): distinct on every ep x etp rank, the down bias on every ep rank
         shards = layout.ep * (1 if id(param) in down_biases else layout.etp)
         replicas[id(param)] = replica_count(param, world, shards)
     sync = GradientSync(

@@ -82,10 +82,10 @@ def _check_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp} (sequence parallel "
             "splits every sequence over the tp ranks)"
         )
-    if cfg.run.save_checkpoint and layout.ep * layout.etp > 1:
+    if cfg.run.save_checkpoint and layout.etp > 1:
         raise ConfigError(
-            f"run.save_checkpoint=true with parallel.ep={layout.ep} / parallel.etp={layout.etp}: expert-parallel "
-            "checkpoints are not implemented yet; set run.save_checkpoint=false"
+            f"run.save_checkpoint=true with parallel.etp={layout.etp}: checkpoints of expert-tensor-parallel runs "
+            "are not implemented yet; set run.save_checkpoint=false or parallel.etp=1"
         )
 
 
