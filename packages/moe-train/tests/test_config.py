@@ -85,3 +85,14 @@ def test_bad_yaml_shapes(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="is not valid YAML"):
         load_config(str(tmp_path / "bad.yaml"))
+
+
+def test_a_model_preset_on_the_command_line_replaces_the_files_model() -> None:
+    from dataclasses import replace
+
+    from moe_models.presets import preset
+
+    # tiny.yaml describes a 4-layer model of its own; the named preset (2 layers, MLA, MTP) is what runs
+    cfg = load_config("tiny", {"model.preset": "tiny-deepseek-v3", "model.init_method_std": "0.01"})
+    assert cfg.model == replace(preset("tiny-deepseek-v3"), init_method_std=0.01)
+    assert cfg.train.steps == load_config("tiny").train.steps  # the other sections still come from the file

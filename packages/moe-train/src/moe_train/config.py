@@ -211,8 +211,8 @@ def load_config(name_or_path: str = "tiny", overrides: dict[str, Any] | None = N
     """Preset or YAML file, then overrides (``{"train.steps": "5"}``), validated section by section.
 
     The model section may start from ``model.preset NAME`` or ``model.from_hf PATH``; its other keys override
-    that. A ``model.from_hf`` given as an override replaces the file's whole model section (whose keys describe
-    another model); only ``model.*`` overrides apply on top of the checkpoint's config.
+    that. A ``model.preset`` or ``model.from_hf`` given as an override replaces the file's whole model section (whose
+    keys describe another model); only ``model.*`` overrides apply on top of it.
     """
     raw = _read_yaml(name_or_path)
     overrides = dict(overrides or {})
@@ -224,7 +224,7 @@ def load_config(name_or_path: str = "tiny", overrides: dict[str, Any] | None = N
     model_raw = dict(raw.get("model", {}))
     source = {key: model_raw.pop(key) for key in MODEL_SOURCE_KEYS if key in model_raw}
     cli_source = {key: str(overrides.pop(f"model.{key}")) for key in MODEL_SOURCE_KEYS if f"model.{key}" in overrides}
-    if "from_hf" in cli_source:
+    if cli_source:  # the file's model keys describe its own model, not the one named here
         source, model_raw = {}, {}
     source.update(cli_source)
     if "preset" in source and "from_hf" in source:
