@@ -106,6 +106,7 @@ def test_experts_shard_along_a_dim_that_divides(shape, edp: int, dim: int) -> No
         ({}, {"tp": 4}, "model.num_query_groups=2 is not divisible by parallel.tp=4"),
         ({"softmax_type": "learnable"}, {"tp": 2}, "attention sinks"),
         ({}, {"cp": 2}, "parallel.cp=2: context and pipeline parallelism are not implemented yet"),
+        ({}, {"tp": 2, "moe_token_dispatcher_type": "flex"}, "\\(parallel.etp defaults to parallel.tp\\)"),
         ({}, {"ep": 2, "etp": 2, "moe_token_dispatcher_type": "flex"}, "'flex' \\(DeepEP\\) does not support etp"),
     ],
 )
@@ -116,8 +117,29 @@ def test_layouts_a_model_cannot_take_name_the_field(changes: dict, parallel: dic
         check_model(config, cfg, cfg.layout(48))  # 48 ranks fit every layout here
 
 
+@pytest.mark.parametrize(
+    ("sizes", "unsharded"), [({"ep": 2}, "experts \\(edp\\)"), ({"tp": 2, "etp": 1}, "dense parameters \\(dp\\)")]
+)
+def test_fsdp_mixed_precision_needs_fsdp_on_both_sides(sizes: dict, unsharded: str) -> None:
+    cfg = ParallelConfig(**sizes, mixed_precision_param="bfloat16")
+    with pytest.raises(ValueError, match=f"this layout shards no {unsharded}; keep it float32 and set run.dtype=bf16"):
+        check_model(preset("tiny-qwen3-moe"), cfg, cfg.layout(2))
+    fp32 = ParallelConfig(**sizes)
+    check_model(preset("tiny-qwen3-moe"), fp32, fp32.layout(2))
+
+
+def test_tensor_parallel_checks_the_dense_width_only_with_dense_layers() -> None:
+    moe_only = dataclasses.replace(preset("tiny-qwen3-moe"), ffn_hidden_size=255)  # every layer is MoE
+    check_model(moe_only, ParallelConfig(tp=2), ParallelConfig(tp=2).layout(2))
+    with_dense = dataclasses.replace(moe_only, moe_layer_freq=[0, 1])
+    with pytest.raises(ValueError, match="model.ffn_hidden_size=255 is not divisible by parallel.tp=2"):
+        check_model(with_dense, ParallelConfig(tp=2), ParallelConfig(tp=2).layout(2))
+
+
 def test_parallel_config_names_bad_choices() -> None:
     with pytest.raises(ValueError, match="parallel.moe_token_dispatcher_type='deepep'"):
         ParallelConfig(moe_token_dispatcher_type="deepep")
+    with pytest.raises(ValueError, match="parallel.backend='glo': choose one of auto, gloo, nccl"):
+        ParallelConfig(backend="glo")
     with pytest.raises(ValueError, match="parallel.mixed_precision_param='fp16'"):
         ParallelConfig(mixed_precision_param="fp16")

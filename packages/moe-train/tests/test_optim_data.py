@@ -29,6 +29,15 @@ def test_weight_decay_only_on_matrices() -> None:
     assert sum(len(g["params"]) for g in opt.param_groups) == 4
 
 
+def test_grouped_expert_biases_are_not_decayed() -> None:
+    from moe_experts import GroupedExperts
+
+    experts = GroupedExperts(4, 8, 6, backend="loop", bias=True, seed=0)  # biases stacked per expert: 2-D
+    opt = build_optimizer(experts, TrainConfig(weight_decay=0.3))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.3 for p in g["params"]}
+    assert decayed == {id(experts.w_gate_up_EH2F), id(experts.w_down_EFH)}
+
+
 def test_token_file_is_the_concatenated_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sources = []
     for name, text in (("a.py", b"import os\n"), ("b.py", b"x = 1\n")):

@@ -8,6 +8,7 @@ from moe_parallel.layout import ParallelLayout
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
 PRECISIONS = ("float32", "bfloat16")
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
@@ -35,6 +36,8 @@ class ParallelConfig:
                 f"parallel.moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: choose one of "
                 f"{', '.join(TOKEN_DISPATCHERS)}"
             )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"parallel.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
         for name in ("mixed_precision_param", "mixed_precision_reduce"):
             if getattr(self, name) not in PRECISIONS:
                 raise ValueError(f"parallel.{name}={getattr(self, name)!r}: choose one of {', '.join(PRECISIONS)}")

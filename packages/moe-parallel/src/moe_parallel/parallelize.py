@@ -56,13 +56,27 @@ def check_model(model_config, config: ParallelConfig, layout) -> None:
         raise ValueError(
             f"model.num_moe_experts={model_config.num_moe_experts} is not divisible by parallel.ep={layout.ep}"
         )
+    etp_default = " (parallel.etp defaults to parallel.tp)" if config.etp is None and layout.etp > 1 else ""
     if model_config.moe_ffn_hidden_size and model_config.moe_ffn_hidden_size % layout.etp:
         raise ValueError(
             f"model.moe_ffn_hidden_size={model_config.moe_ffn_hidden_size} is not divisible by "
-            f"parallel.etp={layout.etp}"
+            f"parallel.etp={layout.etp}{etp_default}"
         )
+    if config.mixed_precision_param != "float32":
+        # FSDP's policy casts the parameters of the modules it wraps, and it wraps nothing along a size-1 dimension
+        whole = [
+            what for what, size in (("dense parameters (dp)", layout.dp), ("experts (edp)", layout.edp)) if size == 1
+        ]
+        if whole:
+            raise ValueError(
+                f"parallel.mixed_precision_param={config.mixed_precision_param!r} applies to FSDP-sharded parameters "
+                f"and this layout shards no {' or '.join(whole)}; keep it float32 and set run.dtype=bf16 (autocast)"
+            )
     if config.moe_token_dispatcher_type == "flex" and layout.etp > 1:
-        raise ValueError("parallel.moe_token_dispatcher_type='flex' (DeepEP) does not support etp > 1: use 'alltoall'")
+        raise ValueError(
+            f"parallel.moe_token_dispatcher_type='flex' (DeepEP) does not support etp > 1{etp_default}: use 'alltoall' "
+            "or parallel.etp=1"
+        )
     if config.moe_token_dispatcher_type == "flex" and layout.ep > 1:
         from moe_dispatch.deepep import load_deep_ep
 

@@ -3,7 +3,9 @@
 The residual stream between blocks is split along the sequence over the tp ranks (sequence parallel): norms run
 on the local chunk (:class:`SequenceParallel`), attention and dense MLPs all-gather it, split heads / FFN columns
 (:class:`ColwiseParallel`) and reduce-scatter the output (:class:`RowwiseParallel`). MoE blocks route the local
-chunk: tokens reach their experts through the expert-parallel dispatcher, not through tp.
+chunk: tokens reach their experts through the expert-parallel dispatcher, not through tp. Balancing statistics
+are summed over the tp ranks (the routers' ``sequence_group``), but a capacity factor is applied per chunk, as in
+Megatron-Core: with token dropping, tp changes which tokens are dropped.
 
 Parameters that stay plain tensors and see only part of the data get only part of their gradient on each tp rank;
 :func:`apply_tensor_parallel` returns them so the training step sums their gradients over tp
@@ -70,7 +72,7 @@ def check_tensor_parallel(config, tp: int) -> None:
         raise ValueError(f"model.softmax_type={config.softmax_type!r} (attention sinks) does not support tp > 1 yet")
     if config.share_embeddings_and_output_weights:
         raise ValueError("model.share_embeddings_and_output_weights=true does not support tp > 1 yet")
-    if config.ffn_hidden_size % tp:
+    if 0 in config.moe_layer_pattern() and config.ffn_hidden_size % tp:  # only dense layers split it
         raise ValueError(f"model.ffn_hidden_size={config.ffn_hidden_size} is not divisible by parallel.tp={tp}")
 
 

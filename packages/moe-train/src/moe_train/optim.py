@@ -13,12 +13,14 @@ from moe_train.config import TrainConfig
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            # norms and other vectors are not decayed, as in Megatron and torchtitan. Sharded (DTensor) and
-            # plain parameters (experts held whole by their rank) go to separate groups: the foreach kernels
-            # refuse a list that mixes them
-            groups.setdefault((param.ndim >= 2, isinstance(param, DTensor)), []).append(param)
+            # norms, biases and other vectors are not decayed, as in Megatron and torchtitan (grouped experts' biases
+            # are 2-D only because they stack one vector per expert). Sharded (DTensor) and plain parameters go to
+            # separate groups: the foreach kernels refuse a list that mixes them
+            leaf = name.rsplit(".", 1)[-1]
+            decay = param.ndim >= 2 and not (leaf.startswith("b_") or leaf == "bias")
+            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
     groups = [
         {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
         for (decay, _), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))

@@ -83,9 +83,10 @@ def _check_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
             "splits every sequence over the tp ranks)"
         )
     if cfg.run.save_checkpoint and layout.etp > 1:
+        default = " (parallel.etp defaults to parallel.tp)" if cfg.parallel.etp is None else ""
         raise ConfigError(
-            f"run.save_checkpoint=true with parallel.etp={layout.etp}: checkpoints of expert-tensor-parallel runs "
-            "are not implemented yet; set run.save_checkpoint=false or parallel.etp=1"
+            f"run.save_checkpoint=true with parallel.etp={layout.etp}{default}: checkpoints of expert-tensor-parallel "
+            "runs are not implemented yet; set parallel.etp=1 or run.save_checkpoint=false"
         )
 
 
