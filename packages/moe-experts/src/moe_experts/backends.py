@@ -29,25 +29,21 @@ class BackendUnavailableError(RuntimeError):
     """An expert back end was asked for but cannot run here."""
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward rejects
-    the expanded (stride-0) gradients that reductions such as ``sum()`` produce."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        if grad.numel() == 0:  # .contiguous() keeps the stride-0 layout of an empty expanded gradient
-            return torch.empty_like(grad, memory_format=torch.contiguous_format)
-        return grad.contiguous()
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    if grad.numel() == 0:  # .contiguous() keeps the stride-0 layout of an empty expanded gradient
+        return torch.empty_like(grad, memory_format=torch.contiguous_format)
+    return grad.contiguous()
 
 
 def torch_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """One ``torch.nn.functional.grouped_mm`` call for all experts."""
     offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-    return _ContiguousGrad.apply(F.grouped_mm(x_NK, w_EKM, offs=offsets_E))
+    out = F.grouped_mm(x_NK, w_EKM, offs=offsets_E)
+    if out.requires_grad:
+        # grouped_mm's backward rejects the expanded (stride-0) gradients that reductions such as sum() produce. A
+        # hook rather than an identity autograd.Function: that would return a view, which FSDP2 warns about
+        out.register_hook(_contiguous)
+    return out
 
 
 def grouped_gemm_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
