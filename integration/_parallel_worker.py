@@ -8,6 +8,7 @@ with ``"skip_grad_sync": true`` turns off moe_parallel's gradient completion: a 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from moe_train.trainer import prepare, train
 
 def main(out_dir: Path) -> None:
     cases = json.loads((out_dir / "cases.json").read_text())
-    world = int(__import__("os").environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     finalize = moe_parallel.grads.GradientSync.finalize
     for case in cases:
         if case.get("skip_grad_sync"):

@@ -101,14 +101,15 @@ def parallelize(model: nn.Module, meshes: ParallelMeshes | None, config: Paralle
     if layout.tp > 1:
         by_id = {id(p): n for n, p in model.named_parameters()}
         tp_partial = [by_id[id(p)] for p in apply_tensor_parallel(model, meshes.tp_mesh)]
-    for block in moe_blocks(model):
+    blocks = moe_blocks(model)  # the same module objects before and after fully_shard
+    for block in blocks:
         block.router.stats_group = meshes.token_group
         if layout.tp > 1:
             block.router.sequence_group = meshes.group("tp")
     # FSDP replaces parameters by new (DTensor) ones: everything below looks them up afterwards
     apply_fsdp(model, meshes, config.mixed_precision_param, config.mixed_precision_reduce)
     named = dict(model.named_parameters())
-    experts = [b.experts for b in moe_blocks(model)]
+    experts = [b.experts for b in blocks]
     down_biases = {id(e.b_down_EH) for e in experts if e.b_down_EH is not None}
     world = layout.world_size // layout.pp
     replicas = {id(p): replica_count(p, world) for p in named.values()}

@@ -190,7 +190,7 @@ def train(setup: Setup) -> TrainSummary:
     per_rank = setup.micro_batch * setup.grad_accum
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
-    n_params = sum(p.numel() for p in params)  # this rank's view: experts of other ep ranks are not counted
+    n_params = sum(p.numel() for p in params)  # DTensors count globally; etp > 1 experts count this rank's slice
 
     log: MetricsLog | None = None
     if ctx.is_main:
