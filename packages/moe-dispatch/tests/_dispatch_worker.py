@@ -9,6 +9,7 @@ expert shard to ``OUT_DIR/rank{r}.pt``; the parent asserts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -165,6 +166,14 @@ def hand_distinct_destinations(case: Case, layout: Layout, idx, keep) -> tuple[i
     return len(pairs), sum(1 for _, d in pairs if d != layout.ep_rank)
 
 
+def handle_is_frozen(handle) -> bool:
+    try:
+        handle.num_tokens = -1
+    except dataclasses.FrozenInstanceError:
+        return True
+    return False
+
+
 def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False) -> dict:
     rank = dist.get_rank()
     cases = [case, Case(**{**case.__dict__, "seed": case.seed + 77})] if in_flight else [case]
@@ -185,6 +194,11 @@ def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False) -> 
     state_unchanged = vars(disp) == state_before  # every per-dispatch value lives in the handles
     loss = sum((outs[i] * batches[i][3][rank]).sum() for i in outs)
     loss.backward()
+    with torch.no_grad():  # the experts apply the probabilities themselves, combine sums unweighted
+        outs_probs_applied = {}
+        for i, (*_, shard, res) in enumerate(batches):
+            y_NH = swiglu_experts(res.tokens_NH, res.tokens_per_expert_E, *shard) * res.row_probs().unsqueeze(1)
+            outs_probs_applied[i] = disp.combine(y_NH, res.probs_applied())
 
     records = []
     for i, (c, per_rank, weights, cot, x, idx, probs, keep, experts, ffn, shard, res) in enumerate(batches):
@@ -193,6 +207,9 @@ def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False) -> 
         mine = slice(start, start + c.tokens[rank])
         rec = {
             "out": outs[i].detach(),
+            "out_probs_applied": outs_probs_applied[i],
+            "handle_type": type(res.handle).__name__,
+            "handle_frozen": handle_is_frozen(res.handle),
             "ref_out": ref_out[mine],
             "grad_x": x.grad,
             "ref_grad_x": ref_gx[mine],

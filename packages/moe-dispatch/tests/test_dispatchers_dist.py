@@ -114,3 +114,15 @@ def test_cases_cover_zero_token_ranks_etp_and_in_flight(world2, world4):
 def test_dispatchers_keep_no_per_dispatch_state(request, world):
     for _, run in _runs(request, world):
         assert run["state_unchanged"], run["case"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+def test_handles_are_typed_frozen_and_combine_with_probs_applied(request, world):
+    expected = {"allgather": "AllGatherHandle", "alltoall": "AllToAllHandle"}
+    for rank, run in _runs(request, world):
+        for rec in run["records"]:
+            where = f"{run['case']} / {run['dispatcher']} / rank {rank}"
+            assert rec["handle_type"] == expected[run["dispatcher"]], where
+            assert rec["handle_frozen"], where
+            torch.testing.assert_close(rec["out_probs_applied"], rec["out"], **TOL, msg=lambda m, w=where: f"{w}: {m}")

@@ -3,6 +3,7 @@ stages on a fake single-rank deep_ep), the byte accounting and the all-to-all se
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import types
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from moe_dispatch.accounting import bytes_sent, rows_sent
 from moe_dispatch.alltoall import first_pair_per_rank_TK, send_map
-from moe_dispatch.deepep import FlexDispatcher
+from moe_dispatch.deepep import FlexDispatcher, FlexHandle
 from moe_dispatch.dispatcher import LocalDispatcher
 from moe_dispatch.factory import DISPATCHERS, build_dispatcher
 from moe_dispatch.permutation import permute, unpermute
@@ -146,6 +147,9 @@ def test_flex_stages_on_fake_single_rank_deep_ep_match_local(monkeypatch):
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     assert got[1][4].abs().max() == 0  # the fully dropped token gets nothing back
+    assert isinstance(res.handle, FlexHandle) and res.handle.deep_handle[1] == num_tokens  # the fake's handle
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.handle.deep_handle = None  # type: ignore[misc]
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -1,5 +1,6 @@
 """Selection and combine weights of every score function against a naive per-token Python reference:
-sigmoid, pre_softmax, group-limited top-k, topk_scaling_factor, expert bias, fp64, forced balancing."""
+sigmoid (renormalised or not), pre_softmax, group-limited top-k, topk_scaling_factor, expert bias, fp64, forced
+balancing."""
 
 import math
 
@@ -47,7 +48,7 @@ def naive_route(row, cfg, bias=None):
         gaps.append(sel[ranked_e[topk - 1]] - sel[ranked_e[topk]])
     chosen = ranked_e[:topk]
     if cfg.score_function == "sigmoid":
-        total = sum(sig[e] for e in chosen) if topk > 1 else 1.0
+        total = sum(sig[e] for e in chosen) if topk > 1 and cfg.sigmoid_norm_topk else 1.0
         probs = {e: sig[e] / total for e in chosen}
     elif cfg.pre_softmax:
         probs = {e: full[e] for e in chosen}
@@ -93,12 +94,14 @@ def configs(draw):
     topk = draw(st.integers(low, high))
     score_function = draw(st.sampled_from(["softmax", "sigmoid"]))
     pre_softmax = score_function == "softmax" and draw(st.booleans())
+    sigmoid_norm_topk = score_function == "softmax" or draw(st.booleans())
     scale = draw(st.sampled_from([None, 2.5, 0.5]))
     return RouterConfig(
         num_experts=num_experts,
         topk=topk,
         score_function=score_function,
         pre_softmax=pre_softmax,
+        sigmoid_norm_topk=sigmoid_norm_topk,
         num_groups=num_groups,
         group_topk=group_topk,
         topk_scaling_factor=scale,
@@ -125,6 +128,8 @@ def test_router_matches_naive_reference(cfg, num_tokens, hidden, seed):
     sums = out.probs_TK.sum(-1).double()
     if cfg.pre_softmax:  # values of the full softmax: no renormalisation, sum <= scale
         assert bool((sums <= scale * (1 + 1e-5)).all())
+    elif not cfg.sigmoid_norm_topk:  # raw sigmoid values in (0, 1): sum < topk * scale
+        assert bool((out.probs_TK > 0).all()) and bool((sums <= cfg.topk * scale * (1 + 1e-5)).all())
     elif cfg.score_function == "softmax" or cfg.topk > 1:
         torch.testing.assert_close(sums, torch.full((num_tokens,), scale, dtype=torch.float64), rtol=1e-5, atol=1e-6)
     if cfg.num_groups is not None:  # every token's experts lie in at most group_topk groups
@@ -186,6 +191,32 @@ def test_sigmoid_topk1_not_renormalised_and_scaled():
     out = router(torch.ones(1, 1))
     assert out.expert_idx_TK.tolist() == [[1]]
     torch.testing.assert_close(out.probs_TK, torch.tensor([[2.5 / (1 + math.exp(-1.0))]]))
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_sigmoid_without_norm_topk_is_the_scaled_raw_sigmoid(topk):
+    """sigmoid_norm_topk=False: the chosen experts' sigmoid values times the scaling factor (plain torch), with
+    the same choice as the renormalised default, whose weights are the same values over their sum (topk > 1)."""
+    kwargs = {"num_experts": 6, "topk": topk, "score_function": "sigmoid", "topk_scaling_factor": 2.5}
+    raw, normed = (RouterConfig(**kwargs, sigmoid_norm_topk=norm) for norm in (False, True))
+    router, x = make(raw, 5, 3, 7)
+    x.requires_grad_(True)
+    out = router(x)
+    logits = torch.nn.functional.linear(x.detach(), router.weight.detach())
+    idx = torch.sigmoid(logits).topk(topk, dim=-1).indices
+    assert torch.equal(out.expert_idx_TK, idx)
+    expected = torch.sigmoid(logits).gather(1, idx) * 2.5
+    torch.testing.assert_close(out.probs_TK, expected)
+
+    router_normed = TopKRouter(5, normed)
+    router_normed.load_state_dict(router.state_dict())
+    out_normed = router_normed(x)
+    assert torch.equal(out_normed.expert_idx_TK, idx)
+    # Megatron-Core renormalises only when topk > 1, so with topk 1 the flag changes nothing
+    normalised = expected if topk == 1 else 2.5 * expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(out_normed.probs_TK, normalised)
+    out.probs_TK.sum().backward()  # gradients reach the router through the raw sigmoid too
+    assert router.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize(("num_tokens", "num_experts", "topk"), [(0, 4, 2), (1, 4, 4), (7, 4, 2), (5, 8, 3), (9, 3, 1)])

@@ -64,6 +64,7 @@ def hf_config(case: str):
             topk_group=2,
             routed_scaling_factor=2.5,
             q_lora_rank=None if case.endswith("no_q_lora") else 16,
+            norm_topk_prob=not case.endswith("no_norm_topk"),  # false: raw sigmoid weights, times the scaling
             kv_lora_rank=12,
             qk_nope_head_dim=8,
             qk_rope_head_dim=8,

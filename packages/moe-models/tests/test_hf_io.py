@@ -192,7 +192,9 @@ def test_unknown_architecture_lists_supported(qwen_ckpt):
         ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window"),
         ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act"),
         ("qwen3_moe", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type"),
-        ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+        # transformers renormalises a single weight to 1, Megatron-Core keeps its sigmoid score
+        ("deepseek_v3", {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "norm_topk_prob"),
         ("deepseek_v3", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "topk_group"),
         ("gpt_oss", {"swiglu_limit": 8.0}, "swiglu_limit"),
         ("mixtral", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "mscale_all_dim": 1.0}}, "mscale_all_dim"),
@@ -205,8 +207,15 @@ def test_unsupported_config_fields_are_named(family, change, field):
 
 
 def test_unrepresentable_model_config_is_named():
-    with pytest.raises(HFCheckpointError, match=r"model\.qk_layernorm=False.*qwen3_moe"):
+    with pytest.raises(HFCheckpointError, match=r"^ModelConfig qk_layernorm=False.*qwen3_moe") as err:
         config_to_hf(tiny_config("qwen3_moe", qk_layernorm=False))
+    assert "model." not in str(err.value)  # moe-train alone adds its section prefixes
+
+
+def test_invalid_mapped_config_is_named():
+    hf = config_to_hf(tiny_config("deepseek_v3")) | {"num_experts_per_tok": 20, "n_group": 1}
+    with pytest.raises(HFCheckpointError, match=r"invalid model config: moe_router_topk=20: .*number of experts \(8\)"):
+        config_from_hf(hf)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -218,6 +227,28 @@ def test_config_round_trip(family):
 def test_kimi_k2_model_type_is_deepseek_v3():
     hf = config_to_hf(tiny_config("deepseek_v3")) | {"model_type": "kimi_k2"}
     assert config_from_hf(hf) == tiny_config("deepseek_v3")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_k2"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_norm_topk_prob_round_trips(model_type, norm):
+    """norm_topk_prob <-> moe_router_sigmoid_norm_topk (false: raw sigmoid weights, still scaled)."""
+    config = tiny_config("deepseek_v3", moe_router_sigmoid_norm_topk=norm)
+    hf = config_to_hf(config)
+    assert hf["norm_topk_prob"] is norm and hf["routed_scaling_factor"] == 2.5
+    assert config_from_hf(hf | {"model_type": model_type}) == config
+    absent = {k: v for k, v in hf.items() if k != "norm_topk_prob"}
+    assert config_from_hf(absent).moe_router_sigmoid_norm_topk is True  # transformers' default
+
+
+def test_topk1_exports_what_the_router_computes():
+    """With one expert per token the router's weight is the (scaled) sigmoid score either way (Megatron-Core), which
+    transformers computes only with norm_topk_prob false; read back, the model is the same."""
+    config = tiny_config("deepseek_v3", moe_router_topk=1, moe_router_num_groups=None, moe_router_group_topk=None)
+    hf = config_to_hf(config)
+    assert hf["norm_topk_prob"] is False
+    back = config_from_hf(hf)
+    assert back.router_config().topk == 1 and back.moe_router_sigmoid_norm_topk is False
 
 
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):

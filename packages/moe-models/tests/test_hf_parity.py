@@ -24,6 +24,7 @@ EXERCISED = {
     "mixtral": {"window_size": None},
     "deepseek_v3": {"moe_router_num_groups": None, "moe_router_group_topk": None},
     "deepseek_v3_no_q_lora": {"rotary_interleaved": False},
+    "deepseek_v3_no_norm_topk": {"moe_router_sigmoid_norm_topk": True},
     "gpt_oss": {"window_size": None, "window_attn_skip_freq": None},
     "kimi_k2": {"moe_router_topk_scaling_factor": 2.5},
 }

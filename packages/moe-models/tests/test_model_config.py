@@ -1,14 +1,17 @@
-"""ModelConfig validation: errors name the ``model.*`` field the user set."""
+"""ModelConfig validation: a ModelConfigError carries the ModelConfig field the user set."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import re
 
 import pytest
 import torch
 
 from moe_dispatch import RouterConfig
-from moe_models import FAMILIES, ModelConfig, build_model
+from moe_models import FAMILIES, ModelConfig, ModelConfigError, build_model
+from moe_models.config import ROUTER_FIELDS
 
 
 def test_defaults_are_valid_and_build():
@@ -26,50 +29,92 @@ def test_router_config_carries_the_moe_fields():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "names"),
+    ("kwargs", "field", "words"),
     [
-        ({"num_moe_experts": 8, "moe_router_topk": 9}, ["model.moe_router_topk=9", "model.num_moe_experts=8"]),
-        ({"num_moe_experts": 4, "moe_router_topk": 0}, ["model.moe_router_topk=0", "model.num_moe_experts=4"]),
-        ({"num_moe_experts": 0}, ["model.num_moe_experts=0"]),
-        ({"moe_aux_loss_coeff": -0.1}, ["model.moe_aux_loss_coeff=-0.1"]),
-        ({"moe_router_load_balancing_type": "sinkhorn"}, ["model.moe_router_load_balancing_type='sinkhorn'"]),
-        ({"kv_channels": 15}, ["model.kv_channels=15"]),
-        (
-            {"num_attention_heads": 6, "num_query_groups": 4},
-            ["model.num_attention_heads=6", "model.num_query_groups=4"],
-        ),
-        ({"family": "llama"}, ["model.family='llama'", "qwen3_moe"]),
-        ({"hidden_size": 0}, ["model.hidden_size=0"]),
-        ({"vocab_size": -1}, ["model.vocab_size=-1"]),
-        ({"num_layers": 0}, ["model.num_layers=0"]),
-        ({"num_query_groups": 0}, ["model.num_query_groups=0"]),
-        ({"moe_ffn_hidden_size": 0}, ["model.moe_ffn_hidden_size=0"]),
-        ({"moe_layer_freq": [1, 0, 1]}, ["model.moe_layer_freq=[1, 0, 1]", "model.num_layers=2"]),
-        ({"moe_layer_freq": 0}, ["model.moe_layer_freq=0"]),
-        ({"window_attn_skip_freq": 2}, ["model.window_attn_skip_freq", "model.window_size"]),
-        ({"window_size": 0}, ["model.window_size=0"]),
-        ({"rope_type": "ntk"}, ["model.rope_type='ntk'"]),
-        ({"rope_type": "yarn", "rotary_scaling_factor": 0.5}, ["model.rotary_scaling_factor=0.5"]),
-        ({"softmax_type": "off-by-one"}, ["model.softmax_type='off-by-one'"]),
-        ({"activation_func": "relu"}, ["model.activation_func='relu'", "swiglu"]),
-        ({"multi_latent_attention": True, "qk_pos_emb_head_dim": 7}, ["model.qk_pos_emb_head_dim=7"]),
-        ({"multi_latent_attention": True, "q_lora_rank": 0}, ["model.q_lora_rank=0"]),
-        (
-            {"multi_latent_attention": True, "softmax_type": "learnable"},
-            ["model.multi_latent_attention", "model.softmax_type"],
-        ),
-        ({"mtp_num_layers": 0}, ["model.mtp_num_layers=0"]),
-        ({"moe_shared_expert_intermediate_size": 0}, ["model.moe_shared_expert_intermediate_size=0"]),
+        ({"num_moe_experts": 8, "moe_router_topk": 9}, "moe_router_topk", ["number of experts (8)"]),
+        ({"num_moe_experts": 4, "moe_router_topk": 0}, "moe_router_topk", ["number of experts (4)"]),
+        ({"num_moe_experts": 0}, "num_moe_experts", []),
+        ({"moe_aux_loss_coeff": -0.1}, "moe_aux_loss_coeff", []),
+        ({"moe_router_load_balancing_type": "sinkhorn"}, "moe_router_load_balancing_type", ["'sinkhorn'"]),
+        ({"moe_router_pre_softmax": True, "moe_router_score_function": "sigmoid"}, "moe_router_pre_softmax", []),
+        ({"moe_router_sigmoid_norm_topk": False}, "moe_router_sigmoid_norm_topk", ["sigmoid", "pre-softmax"]),
+        ({"moe_router_num_groups": 2}, "moe_router_num_groups", []),
+        ({"moe_pad_expert_input_to_capacity": True}, "moe_pad_expert_input_to_capacity", ["capacity factor"]),
+        ({"kv_channels": 15}, "kv_channels", []),
+        ({"num_attention_heads": 6, "num_query_groups": 4}, "num_attention_heads", ["num_query_groups (4)"]),
+        ({"family": "llama"}, "family", ["qwen3_moe"]),
+        ({"hidden_size": 0}, "hidden_size", []),
+        ({"vocab_size": -1}, "vocab_size", []),
+        ({"num_layers": 0}, "num_layers", []),
+        ({"num_query_groups": 0}, "num_query_groups", []),
+        ({"moe_ffn_hidden_size": 0}, "moe_ffn_hidden_size", []),
+        ({"moe_layer_freq": [1, 0, 1]}, "moe_layer_freq", ["num_layers=2"]),
+        ({"moe_layer_freq": 0}, "moe_layer_freq", []),
+        ({"window_attn_skip_freq": 2}, "window_attn_skip_freq", ["window_size"]),
+        ({"window_size": 0}, "window_size", []),
+        ({"rope_type": "ntk"}, "rope_type", []),
+        ({"rope_type": "yarn", "rotary_scaling_factor": 0.5}, "rotary_scaling_factor", []),
+        ({"softmax_type": "off-by-one"}, "softmax_type", []),
+        ({"activation_func": "relu"}, "activation_func", ["swiglu"]),
+        ({"moe_expert_backend": "cutlass"}, "moe_expert_backend", ["auto"]),
+        ({"multi_latent_attention": True, "qk_pos_emb_head_dim": 7}, "qk_pos_emb_head_dim", []),
+        ({"multi_latent_attention": True, "q_lora_rank": 0}, "q_lora_rank", []),
+        ({"multi_latent_attention": True, "softmax_type": "learnable"}, "softmax_type", ["multi_latent_attention"]),
+        ({"multi_latent_attention": True, "window_size": 4}, "window_size", ["multi_latent_attention"]),
+        ({"mtp_num_layers": 0}, "mtp_num_layers", []),
+        ({"moe_shared_expert_intermediate_size": 0}, "moe_shared_expert_intermediate_size", []),
     ],
 )
-def test_invalid_config_names_the_model_field(kwargs, names):
-    with pytest.raises(ValueError) as err:
+def test_invalid_config_carries_the_model_field(kwargs, field, words):
+    with pytest.raises(ModelConfigError) as excinfo:
         ModelConfig(**kwargs)
-    msg = str(err.value)
-    for name in names:
-        assert name in msg, msg
-    # router-level names must not leak through ("topk=" only as part of "model.moe_router_topk=")
-    assert not re.search(r"(?<![\w.])(topk|num_experts|aux_loss_coeff|load_balancing_type)=", msg), msg
+    err = excinfo.value
+    assert isinstance(err, ValueError)  # callers catching ValueError keep working
+    assert err.field == field and err.field in {f.name for f in dataclasses.fields(ModelConfig)}
+    assert err.value == _given(kwargs, field)  # the value as ModelConfig stores it
+    assert str(err) == f"{field}={err.value!r}: {err.reason}" and "\n" not in str(err)
+    for word in words:
+        assert word in err.reason, f"{word!r} missing from {err.reason!r}"
+    # library messages carry no moe-train section prefix, and router-level names do not leak through
+    assert "model." not in str(err)
+    assert not re.search(r"(?<![\w.])(topk|num_experts|aux_loss_coeff|load_balancing_type)\b", str(err)), str(err)
+
+
+def _given(kwargs, field):
+    """The value ModelConfig stores for ``field``: Megatron's one-or-list fields become lists."""
+    value = kwargs[field]
+    if field in ("moe_router_load_balancing_type", "moe_aux_loss_coeff") and not isinstance(value, list):
+        return [value]
+    return value
+
+
+def test_every_router_field_error_names_a_model_field():
+    """A RouterConfigError of any RouterConfig field comes back as a ModelConfigError of the mapped field."""
+    router_fields = {f.name for f in dataclasses.fields(RouterConfig)}
+    assert set(ROUTER_FIELDS.values()) == router_fields  # every router field is settable from the model config
+    assert set(ROUTER_FIELDS) <= {f.name for f in dataclasses.fields(ModelConfig)}
+    for ours in ("moe_router_enable_expert_bias", "moe_router_force_load_balancing", "add_bias_linear"):
+        with pytest.raises(ModelConfigError) as excinfo:
+            ModelConfig(**{ours: "yes"})
+        assert (excinfo.value.field, excinfo.value.value) == (ours, "yes")
+
+
+def test_model_config_error_pickles_with_its_fields():
+    err = ModelConfigError("num_layers", 0, "must be at least 1")
+    back = pickle.loads(pickle.dumps(err))
+    assert (type(back), back.field, back.value, back.reason) == (
+        ModelConfigError,
+        "num_layers",
+        0,
+        "must be at least 1",
+    )
+    assert str(back) == "num_layers=0: must be at least 1"
+
+
+def test_sigmoid_norm_topk_reaches_the_router():
+    kwargs = {"moe_router_score_function": "sigmoid", "moe_router_topk_scaling_factor": 2.5}
+    assert ModelConfig(**kwargs).router_config().sigmoid_norm_topk is True  # Megatron-Core's behaviour
+    assert ModelConfig(**kwargs, moe_router_sigmoid_norm_topk=False).router_config().sigmoid_norm_topk is False
 
 
 @pytest.mark.parametrize(("heads", "groups", "head_dim"), [(8, 1, 2), (8, 2, 8), (8, 8, 4), (6, 3, 6)])

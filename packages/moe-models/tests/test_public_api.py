@@ -16,6 +16,7 @@ PUBLIC_NAMES = [
     "MoEBlock",
     "MoETransformer",
     "ModelConfig",
+    "ModelConfigError",
     "ModelOutput",
     "MultiLatentAttention",
     "PRESETS",

@@ -149,7 +149,10 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
             "data.seq_len=33 is not divisible by parallel.tp=2",
         ),
         ({"parallel.ep": "2", "parallel.etp": "2"}, "run.save_checkpoint=true with parallel.etp=2"),
-        ({"parallel.ep": "2", "parallel.etp": "2", "parallel.moe_token_dispatcher_type": "flex"}, "'flex' (DeepEP)"),
+        (
+            {"parallel.ep": "2", "parallel.etp": "2", "parallel.moe_token_dispatcher_type": "flex"},
+            "parallel.moe_token_dispatcher_type='flex': DeepEP does not support etp > 1",
+        ),
         pytest.param(
             {"parallel.ep": "2", "parallel.moe_token_dispatcher_type": "flex", "run.save_checkpoint": "false"},
             "parallel.moe_token_dispatcher_type='flex': FlexDispatcher needs",
@@ -158,7 +161,12 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
             ),
         ),
         ({"parallel.pp": "2"}, "parallel.pp=2: context and pipeline parallelism are not implemented yet"),
-        ({"parallel.tp": "2"}, "model.num_query_groups=1 is not divisible by parallel.tp=2"),
+        ({"parallel.tp": "2"}, "parallel.tp=2: the model's num_query_groups=1 is not divisible by it"),
+        (
+            {"parallel.ep": "4", "model.num_moe_experts": "6"},
+            "parallel.ep=4: the model's 6 experts per MoE layer do not divide over it; ep can be one of [1, 2, 3, 6]",
+        ),
+        ({"run.recompute_modules": "layers.*.mpl"}, "run.recompute_modules: recompute module pattern 'layers.*.mpl'"),
     ],
 )
 def test_layouts_the_model_cannot_take_fail_before_any_process_group(

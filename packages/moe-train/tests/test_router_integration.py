@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_dispatch import TopKRouter
 from moe_train.config import load_config
 from moe_train.trainer import prepare, train
 
@@ -58,3 +59,47 @@ def test_capacity_factor_drops_tokens_and_reports_them(micro_overrides: dict[str
     assert all(r["dropped_fraction"] >= 0.5 - 1e-6 for r in records)
     _, dropless = _run({**micro_overrides, "train.steps": "2", "run.save_checkpoint": "false"})
     assert all(r["dropped_fraction"] == 0 for r in dropless)
+
+
+def test_expert_bias_counts_every_micro_batch_of_the_step(
+    micro_overrides: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Global batch 4 read as 2 micro-batches of 2 updates the expert bias exactly as one micro-batch of 4.
+
+    Without a balancing loss and without a capacity factor a token's routing does not depend on the other tokens
+    of its micro-batch, so the counts summed over the step's micro-batches, and so each bias update, are the same.
+    Counts taken from the last micro-batch only would see half the tokens."""
+    original = TopKRouter.update_expert_bias
+
+    def make_recorder(calls: list[tuple[torch.Tensor, torch.Tensor]]):
+        def recording(self: TopKRouter, counts_E: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            bias_E = original(self, counts_E, *args, **kwargs)
+            calls.append((counts_E.detach().clone(), bias_E.detach().clone()))
+            return bias_E
+
+        return recording
+
+    runs = {}
+    for micro in ("2", "4"):
+        calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        monkeypatch.setattr(TopKRouter, "update_expert_bias", make_recorder(calls))
+        overrides = {**micro_overrides, **BIAS, "model.num_layers": "2", "model.num_moe_experts": "8"}
+        overrides |= {"train.micro_batch_size": micro, "run.output_dir": f"{micro_overrides['run.output_dir']}-{micro}"}
+        model, records = _run(overrides)
+        runs[micro] = (model, records, calls)
+    (accum_model, accum_records, accum_calls), (one_model, one_records, one_calls) = runs["2"], runs["4"]
+
+    assert len(accum_calls) == len(one_calls) == 4 * 2  # one update per router per step
+    topk = load_config("tiny", overrides).model.moe_router_topk
+    pairs = 4 * int(micro_overrides["data.seq_len"]) * topk  # every (token, expert) pair of the global batch
+    for (accum_counts, accum_bias), (counts, bias) in zip(accum_calls, one_calls, strict=True):
+        assert accum_counts.sum().item() == counts.sum().item() == pairs
+        torch.testing.assert_close(accum_counts, counts, rtol=0, atol=0)
+        torch.testing.assert_close(accum_bias, bias, rtol=0, atol=0)
+    for a, b in zip(accum_model.routers(), one_model.routers(), strict=True):
+        torch.testing.assert_close(a.expert_bias, b.expert_bias, rtol=0, atol=0)
+    assert torch.cat([r.expert_bias for r in one_model.routers()]).abs().max() > 0
+    for accum, one in zip(accum_records, one_records, strict=True):
+        assert accum["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert accum["dropped_fraction"] == one["dropped_fraction"] == 0
+        assert accum["expert_load_max_over_mean"] == pytest.approx(one["expert_load_max_over_mean"], rel=1e-6)

@@ -1,12 +1,12 @@
 """moe-dispatch: routers, token permutation and token dispatchers for Mixture-of-Experts training."""
 
 from moe_dispatch.accounting import bytes_sent, rows_sent
-from moe_dispatch.allgather import AllGatherDispatcher
-from moe_dispatch.alltoall import AllToAllDispatcher
+from moe_dispatch.allgather import AllGatherDispatcher, AllGatherHandle
+from moe_dispatch.alltoall import AllToAllDispatcher, AllToAllHandle
 from moe_dispatch.capacity import capacity_keep_mask, get_capacity
 from moe_dispatch.collectives import all_gather_uneven, all_to_all, reduce_scatter_uneven
-from moe_dispatch.config import RouterConfig
-from moe_dispatch.deepep import FlexDispatcher
+from moe_dispatch.config import RouterConfig, RouterConfigError
+from moe_dispatch.deepep import FlexDispatcher, FlexHandle
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight, LocalDispatcher, TokenDispatcher
 from moe_dispatch.ep_base import ExpertParallelDispatcher
 from moe_dispatch.expert_bias import update_expert_bias
@@ -37,16 +37,20 @@ __version__ = "0.1.2"
 __all__ = [
     "DISPATCHERS",
     "AllGatherDispatcher",
+    "AllGatherHandle",
     "AllToAllDispatcher",
+    "AllToAllHandle",
     "AuxLossAutoScaler",
     "DispatchHandle",
     "DispatchResult",
     "ExpertParallelDispatcher",
     "FlexDispatcher",
+    "FlexHandle",
     "InFlight",
     "LocalDispatcher",
     "PermutationMap",
     "RouterConfig",
+    "RouterConfigError",
     "RoutingReplay",
     "RoutingResult",
     "TokenDispatcher",

@@ -15,65 +15,93 @@ chose; see :mod:`moe_dispatch.accounting`.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from moe_dispatch.collectives import all_gather_uneven, gather_sizes, reduce_scatter_uneven
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight
-from moe_dispatch.ep_base import ExpertParallelDispatcher, placeholder_map
+from moe_dispatch.ep_base import ExpertParallelDispatcher
 from moe_dispatch.permutation import permute, unpermute
 from moe_dispatch.router import RoutingResult
 
 
-class AllGatherDispatcher(ExpertParallelDispatcher):
+@dataclass(frozen=True)
+class AllGatherHandle(DispatchHandle):
+    """The local expert-major map of the gathered rows, and the row counts combine scatters back."""
+
+    ep_sizes: tuple[int, ...]  # tokens of each ep rank, in gathered order
+    etp_sizes: tuple[int, ...] | None  # rows of each etp rank after the ep gather; None without etp
+
+
+@dataclass(frozen=True)
+class AllGatherDispatchState:
+    """The rows between the dispatch stages, with their routing: this rank's tokens before token_dispatch,
+    the whole ep group's (times the etp group's) after."""
+
+    tokens_RH: torch.Tensor
+    probs_RK: torch.Tensor
+    expert_idx_RK: torch.Tensor
+    keep_RK: torch.Tensor
+    pad_to: int | None
+    num_tokens: int  # tokens this rank routed
+    ep_sizes: tuple[int, ...] | None = None  # set by token_dispatch
+    etp_sizes: tuple[int, ...] | None = None  # set by token_dispatch with etp
+
+
+class AllGatherDispatcher(ExpertParallelDispatcher[AllGatherDispatchState, AllGatherHandle]):
     """All-gather over the ep group (and the etp group), reduce-scatter back. Differentiable in the tokens,
     the probabilities and (through the experts) the expert weights."""
 
-    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> InFlight:
+    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> AllGatherDispatchState:
         keep_TK = routing.keep_TK
         if keep_TK is None:
             keep_TK = torch.ones_like(routing.expert_idx_TK, dtype=torch.bool)
-        extra = {"expert_idx_TK": routing.expert_idx_TK, "keep_TK": keep_TK, "pad_to": routing.pad_to}
-        handle = DispatchHandle(placeholder_map(x_TH.shape[0], x_TH.device), routing.probs_TK, x_TH.shape[0], extra)
-        return InFlight(x_TH, handle)
+        return AllGatherDispatchState(
+            x_TH, routing.probs_TK, routing.expert_idx_TK, keep_TK, routing.pad_to, num_tokens=x_TH.shape[0]
+        )
 
     def _gather(self, group, x, probs, idx, keep):
-        sizes = gather_sizes(x.shape[0], group, x.device)
+        sizes = tuple(gather_sizes(x.shape[0], group, x.device))
         return sizes, *(all_gather_uneven(t, sizes, group) for t in (x, probs, idx, keep))
 
-    def token_dispatch(self, state: InFlight) -> InFlight:
-        h = state.handle
-        ep_sizes, x, probs, idx, keep = self._gather(
-            self.ep_group, state.tokens, h.probs_TK, h.extra["expert_idx_TK"], h.extra["keep_TK"]
-        )
+    def token_dispatch(self, state: AllGatherDispatchState) -> AllGatherDispatchState:
+        rows = (state.tokens_RH, state.probs_RK, state.expert_idx_RK, state.keep_RK)
+        ep_sizes, *rows = self._gather(self.ep_group, *rows)
         etp_sizes = None
         if self.uses_etp:
-            etp_sizes, x, probs, idx, keep = self._gather(self.etp_group, x, probs, idx, keep)
-        extra = {**h.extra, "expert_idx_TK": idx, "keep_TK": keep, "ep_sizes": ep_sizes, "etp_sizes": etp_sizes}
-        return InFlight(x, dataclasses.replace(h, probs_TK=probs, extra=extra))
+            etp_sizes, *rows = self._gather(self.etp_group, *rows)
+        x, probs, idx, keep = rows
+        return dataclasses.replace(
+            state,
+            tokens_RH=x,
+            probs_RK=probs,
+            expert_idx_RK=idx,
+            keep_RK=keep,
+            ep_sizes=ep_sizes,
+            etp_sizes=etp_sizes,
+        )
 
-    def dispatch_postprocess(self, state: InFlight) -> DispatchResult:
-        h = state.handle
-        idx_TK, keep_TK = h.extra["expert_idx_TK"], h.extra["keep_TK"]
-        local_TK = idx_TK - self.first_local_expert
-        mine_TK = keep_TK & (local_TK >= 0) & (local_TK < self.num_local_experts)
-        pmap = self.local_permutation_map(local_TK, mine_TK, h.extra["pad_to"])
-        extra = {k: h.extra[k] for k in ("ep_sizes", "etp_sizes")}
-        handle = DispatchHandle(pmap, h.probs_TK, h.num_tokens, extra)
-        return DispatchResult(permute(state.tokens, pmap), pmap.tokens_per_expert_E, handle)
+    def dispatch_postprocess(self, state: AllGatherDispatchState) -> DispatchResult[AllGatherHandle]:
+        assert state.ep_sizes is not None, "dispatch_postprocess needs the state token_dispatch returned"
+        local_RK = state.expert_idx_RK - self.first_local_expert
+        mine_RK = state.keep_RK & (local_RK >= 0) & (local_RK < self.num_local_experts)
+        pmap = self.local_permutation_map(local_RK, mine_RK, state.pad_to)
+        handle = AllGatherHandle(pmap, state.probs_RK, state.num_tokens, state.ep_sizes, state.etp_sizes)
+        return DispatchResult(permute(state.tokens_RH, pmap), pmap.tokens_per_expert_E, handle)
 
-    def combine_preprocess(self, y_NH: torch.Tensor, handle: DispatchHandle) -> InFlight:
+    def combine_preprocess(self, y_NH: torch.Tensor, handle: AllGatherHandle) -> InFlight[AllGatherHandle]:
         return InFlight(unpermute(y_NH, handle.pmap, handle.probs_TK), handle)
 
-    def token_combine(self, state: InFlight) -> InFlight:
-        y = state.tokens
-        if self.uses_etp:
-            y = reduce_scatter_uneven(y, state.handle.extra["etp_sizes"], self.etp_group)
-        return InFlight(reduce_scatter_uneven(y, state.handle.extra["ep_sizes"], self.ep_group), state.handle)
+    def token_combine(self, state: InFlight[AllGatherHandle]) -> InFlight[AllGatherHandle]:
+        y, h = state.tokens, state.handle
+        if h.etp_sizes is not None:
+            y = reduce_scatter_uneven(y, h.etp_sizes, self.etp_group)
+        return InFlight(reduce_scatter_uneven(y, h.ep_sizes, self.ep_group), h)
 
-    def combine_postprocess(self, state: InFlight) -> torch.Tensor:
+    def combine_postprocess(self, state: InFlight[AllGatherHandle]) -> torch.Tensor:
         return state.tokens
 
-    def dispatch_bytes(self, handle: DispatchHandle, hidden: int, element_size: int) -> int:
+    def dispatch_bytes(self, handle: AllGatherHandle, hidden: int, element_size: int) -> int:
         """Payload bytes this rank sent to other ep ranks in the dispatch of ``handle`` (ep exchange only)."""
-        return handle.extra["ep_sizes"][self.ep_rank] * (self.ep_size - 1) * hidden * element_size
+        return handle.ep_sizes[self.ep_rank] * (self.ep_size - 1) * hidden * element_size

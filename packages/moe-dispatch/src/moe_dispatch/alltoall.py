@@ -24,6 +24,7 @@ whose kept pairs are each token's first pair per rank, so ``permute`` builds the
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -51,10 +52,36 @@ def send_map(expert_idx_TK: torch.Tensor, keep_TK: torch.Tensor | None, num_expe
     return make_permutation_map(dest_TK, ep_size, first_pair_per_rank_TK(dest_TK, keep_TK)), dest_TK, keep_TK
 
 
-class AllToAllDispatcher(ExpertParallelDispatcher):
+@dataclass(frozen=True)
+class AllToAllHandle(DispatchHandle):
+    """The local expert-major map of the received rows, and what combine needs to send them back."""
+
+    send_map: PermutationMap  # this rank's tokens -> send rows grouped by destination rank (sums them back)
+    send_splits: tuple[int, ...]  # rows sent to each ep rank
+    recv_splits: tuple[int, ...]  # rows received from each ep rank
+    etp_sizes: tuple[int, ...] | None  # rows of each etp rank after the ep exchange; None without etp
+
+
+@dataclass(frozen=True)
+class AllToAllDispatchState:
+    """The rows between the dispatch stages: the send buffer before token_dispatch, the received rows after.
+    A row carries its token's pairs for the row's rank only."""
+
+    tokens_RH: torch.Tensor
+    probs_RK: torch.Tensor  # 0 for pairs of other ranks
+    local_idx_RK: torch.Tensor  # local expert ids on the row's rank, -1 for pairs of other ranks
+    pad_to: int | None
+    num_tokens: int  # tokens this rank routed
+    send_map: PermutationMap
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...] | None = None  # set by token_dispatch
+    etp_sizes: tuple[int, ...] | None = None  # set by token_dispatch with etp
+
+
+class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAllHandle]):
     """Deduplicated all-to-all over the ep group (all-gather / reduce-scatter over etp)."""
 
-    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> InFlight:
+    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> AllToAllDispatchState:
         idx_TK = routing.expert_idx_TK
         smap, dest_TK, keep_TK = send_map(idx_TK, routing.keep_TK, self.num_experts, self.ep_size)
         token_S = smap.token_of_row_N  # no padding rows: every row is a real (token, rank)
@@ -64,57 +91,64 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         local_SK = idx_TK.index_select(0, token_S) - rank_S.unsqueeze(1) * self.num_local_experts
         local_SK = torch.where(for_row_SK, local_SK, torch.full_like(local_SK, -1))
         probs_SK = routing.probs_TK.index_select(0, token_S) * for_row_SK.to(routing.probs_TK.dtype)
-        extra = {
-            "send_map": smap,
-            "send_splits": smap.tokens_per_expert_E.tolist(),
-            "local_idx": local_SK,
-            "pad_to": routing.pad_to,
-        }
-        handle = DispatchHandle(smap, probs_SK, x_TH.shape[0], extra)
-        return InFlight(permute(x_TH, smap), handle)
+        return AllToAllDispatchState(
+            permute(x_TH, smap),
+            probs_SK,
+            local_SK,
+            routing.pad_to,
+            num_tokens=x_TH.shape[0],
+            send_map=smap,
+            send_splits=tuple(smap.tokens_per_expert_E.tolist()),
+        )
 
-    def token_dispatch(self, state: InFlight) -> InFlight:
-        h = state.handle
-        send_splits = h.extra["send_splits"]
-        recv_splits = exchange_splits(send_splits, self.ep_group, state.tokens.device)
+    def token_dispatch(self, state: AllToAllDispatchState) -> AllToAllDispatchState:
+        send_splits = state.send_splits
+        recv_splits = tuple(exchange_splits(send_splits, self.ep_group, state.tokens_RH.device))
         x, probs, local_idx = (
             all_to_all(t, recv_splits, send_splits, self.ep_group)
-            for t in (state.tokens, h.probs_TK, h.extra["local_idx"])
+            for t in (state.tokens_RH, state.probs_RK, state.local_idx_RK)
         )
         etp_sizes = None
         if self.uses_etp:
-            etp_sizes = gather_sizes(x.shape[0], self.etp_group, x.device)
+            etp_sizes = tuple(gather_sizes(x.shape[0], self.etp_group, x.device))
             x, probs, local_idx = (all_gather_uneven(t, etp_sizes, self.etp_group) for t in (x, probs, local_idx))
-        extra = {**h.extra, "recv_splits": recv_splits, "etp_sizes": etp_sizes, "local_idx": local_idx}
-        return InFlight(x, dataclasses.replace(h, probs_TK=probs, extra=extra))
+        return dataclasses.replace(
+            state, tokens_RH=x, probs_RK=probs, local_idx_RK=local_idx, recv_splits=recv_splits, etp_sizes=etp_sizes
+        )
 
-    def dispatch_postprocess(self, state: InFlight) -> DispatchResult:
-        h = state.handle
-        local_RK = h.extra["local_idx"]
-        pmap = self.local_permutation_map(local_RK, local_RK >= 0, h.extra["pad_to"])
-        extra = {k: h.extra[k] for k in ("send_map", "send_splits", "recv_splits", "etp_sizes")}
-        handle = DispatchHandle(pmap, h.probs_TK, h.num_tokens, extra)
-        return DispatchResult(permute(state.tokens, pmap), pmap.tokens_per_expert_E, handle)
+    def dispatch_postprocess(self, state: AllToAllDispatchState) -> DispatchResult[AllToAllHandle]:
+        assert state.recv_splits is not None, "dispatch_postprocess needs the state token_dispatch returned"
+        local_RK = state.local_idx_RK
+        pmap = self.local_permutation_map(local_RK, local_RK >= 0, state.pad_to)
+        handle = AllToAllHandle(
+            pmap,
+            state.probs_RK,
+            state.num_tokens,
+            send_map=state.send_map,
+            send_splits=state.send_splits,
+            recv_splits=state.recv_splits,
+            etp_sizes=state.etp_sizes,
+        )
+        return DispatchResult(permute(state.tokens_RH, pmap), pmap.tokens_per_expert_E, handle)
 
-    def combine_preprocess(self, y_NH: torch.Tensor, handle: DispatchHandle) -> InFlight:
+    def combine_preprocess(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> InFlight[AllToAllHandle]:
         return InFlight(unpermute(y_NH, handle.pmap, handle.probs_TK), handle)
 
-    def token_combine(self, state: InFlight) -> InFlight:
+    def token_combine(self, state: InFlight[AllToAllHandle]) -> InFlight[AllToAllHandle]:
         h, y = state.handle, state.tokens
-        if self.uses_etp:
-            y = reduce_scatter_uneven(y, h.extra["etp_sizes"], self.etp_group)
-        return InFlight(all_to_all(y, h.extra["send_splits"], h.extra["recv_splits"], self.ep_group), h)
+        if h.etp_sizes is not None:
+            y = reduce_scatter_uneven(y, h.etp_sizes, self.etp_group)
+        return InFlight(all_to_all(y, h.send_splits, h.recv_splits, self.ep_group), h)
 
-    def combine_postprocess(self, state: InFlight) -> torch.Tensor:
-        smap: PermutationMap = state.handle.extra["send_map"]
-        return unpermute(state.tokens, smap)
+    def combine_postprocess(self, state: InFlight[AllToAllHandle]) -> torch.Tensor:
+        return unpermute(state.tokens, state.handle.send_map)
 
-    def rows_sent(self, handle: DispatchHandle, remote_only: bool = True) -> int:
+    def rows_sent(self, handle: AllToAllHandle, remote_only: bool = True) -> int:
         """Token rows this rank sent in the dispatch of ``handle`` (the same number come back on combine);
         ``remote_only`` leaves out the rows to itself, which never leave the device."""
-        splits = handle.extra["send_splits"]
+        splits = handle.send_splits
         return sum(splits) - (splits[self.ep_rank] if remote_only else 0)
 
-    def dispatch_bytes(self, handle: DispatchHandle, hidden: int, element_size: int) -> int:
+    def dispatch_bytes(self, handle: AllToAllHandle, hidden: int, element_size: int) -> int:
         """Payload bytes this rank sent to other ep ranks in the dispatch of ``handle`` (ep exchange only)."""
         return self.rows_sent(handle) * hidden * element_size

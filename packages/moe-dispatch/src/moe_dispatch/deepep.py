@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,9 +34,29 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight, TokenDispatcher
-from moe_dispatch.ep_base import placeholder_map
 from moe_dispatch.permutation import make_permutation_map, permute, unpermute
 from moe_dispatch.router import RoutingResult
+
+
+@dataclass(frozen=True)
+class FlexHandle(DispatchHandle):
+    """The local expert-major map of the received rows, and DeepEP's layout for sending them back."""
+
+    deep_handle: object  # DeepEP's communication handle from dispatch, opaque here; combine reuses it
+
+
+@dataclass(frozen=True)
+class FlexDispatchState:
+    """The rows between the dispatch stages: this rank's tokens before token_dispatch, the received rows after."""
+
+    tokens_RH: torch.Tensor
+    probs_RK: torch.Tensor
+    # global expert ids before token_dispatch, local ones after; -1 for masked pairs and pairs of other ranks
+    expert_idx_RK: torch.Tensor
+    pad_to: int | None
+    num_tokens: int  # tokens this rank routed
+    deep_handle: object = None  # set by token_dispatch
+
 
 INSTALL_HINT = (
     "build DeepEP from https://github.com/deepseek-ai/DeepEP (needs NVSHMEM and a CUDA GPU), "
@@ -90,7 +111,7 @@ class _DeepEPCombine(torch.autograd.Function):
         return grad_y, None, None
 
 
-class FlexDispatcher(TokenDispatcher):
+class FlexDispatcher(TokenDispatcher[FlexDispatchState, FlexHandle]):
     """DeepEP-backed dispatcher over ``ep_group`` (CUDA + deep_ep only; see the module docstring)."""
 
     def __init__(
@@ -111,44 +132,39 @@ class FlexDispatcher(TokenDispatcher):
         self.pad_multiple = pad_multiple
         self.buffer = deep_ep.Buffer(self.ep_group, num_nvl_bytes, num_rdma_bytes)
 
-    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> InFlight:
+    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> FlexDispatchState:
         topk_idx = routing.expert_idx_TK
         if routing.keep_TK is not None:  # DeepEP masks pairs with expert id -1
             topk_idx = torch.where(routing.keep_TK, topk_idx, torch.full_like(topk_idx, -1))
-        extra = {"topk_idx": topk_idx, "pad_to": routing.pad_to}
-        handle = DispatchHandle(placeholder_map(x_TH.shape[0], x_TH.device), routing.probs_TK, x_TH.shape[0], extra)
-        return InFlight(x_TH, handle)
+        return FlexDispatchState(x_TH, routing.probs_TK, topk_idx, routing.pad_to, num_tokens=x_TH.shape[0])
 
-    def token_dispatch(self, state: InFlight) -> InFlight:
-        h = state.handle
+    def token_dispatch(self, state: FlexDispatchState) -> FlexDispatchState:
         recv_x, recv_idx, recv_w, deep_handle = _DeepEPDispatch.apply(
-            state.tokens, h.probs_TK.float(), self.buffer, h.extra["topk_idx"], self.num_experts
+            state.tokens_RH, state.probs_RK.float(), self.buffer, state.expert_idx_RK, self.num_experts
         )
-        extra = {**h.extra, "recv_idx": recv_idx, "deep_handle": deep_handle}
-        return InFlight(recv_x, dataclasses.replace(h, probs_TK=recv_w, extra=extra))
+        return dataclasses.replace(
+            state, tokens_RH=recv_x, probs_RK=recv_w, expert_idx_RK=recv_idx, deep_handle=deep_handle
+        )
 
-    def dispatch_postprocess(self, state: InFlight) -> DispatchResult:
-        h = state.handle
-        recv_idx = h.extra["recv_idx"]
+    def dispatch_postprocess(self, state: FlexDispatchState) -> DispatchResult[FlexHandle]:
+        assert state.deep_handle is not None, "dispatch_postprocess needs the state token_dispatch returned"
+        recv_idx = state.expert_idx_RK
         keep = recv_idx >= 0
-        pad_to = h.extra["pad_to"]
         pmap = make_permutation_map(
             torch.where(keep, recv_idx, torch.zeros_like(recv_idx)),
             self.num_local_experts,
             keep,
             self.pad_multiple,
-            None if pad_to is None else pad_to * self.ep_size,
+            None if state.pad_to is None else state.pad_to * self.ep_size,
         )
-        handle = DispatchHandle(pmap, h.probs_TK, h.num_tokens, {"deep_handle": h.extra["deep_handle"]})
-        return DispatchResult(permute(state.tokens, pmap), pmap.tokens_per_expert_E, handle)
+        handle = FlexHandle(pmap, state.probs_RK, state.num_tokens, state.deep_handle)
+        return DispatchResult(permute(state.tokens_RH, pmap), pmap.tokens_per_expert_E, handle)
 
-    def combine_preprocess(self, y_NH: torch.Tensor, handle: DispatchHandle) -> InFlight:
+    def combine_preprocess(self, y_NH: torch.Tensor, handle: FlexHandle) -> InFlight[FlexHandle]:
         return InFlight(unpermute(y_NH, handle.pmap, handle.probs_TK), handle)
 
-    def token_combine(self, state: InFlight) -> InFlight:
-        return InFlight(
-            _DeepEPCombine.apply(state.tokens, self.buffer, state.handle.extra["deep_handle"]), state.handle
-        )
+    def token_combine(self, state: InFlight[FlexHandle]) -> InFlight[FlexHandle]:
+        return InFlight(_DeepEPCombine.apply(state.tokens, self.buffer, state.handle.deep_handle), state.handle)
 
-    def combine_postprocess(self, state: InFlight) -> torch.Tensor:
+    def combine_postprocess(self, state: InFlight[FlexHandle]) -> torch.Tensor:
         return state.tokens

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from moe_dispatch.collectives import group_rank, group_size
-from moe_dispatch.dispatcher import TokenDispatcher
+from moe_dispatch.dispatcher import HandleT, StateT, TokenDispatcher
 from moe_dispatch.permutation import PermutationMap, make_permutation_map
 
 
-class ExpertParallelDispatcher(TokenDispatcher):
+class ExpertParallelDispatcher(TokenDispatcher[StateT, HandleT]):
     """Base of the dispatchers that move tokens between the ranks of an expert-parallel group."""
 
     def __init__(
@@ -65,9 +65,3 @@ class ExpertParallelDispatcher(TokenDispatcher):
             self.pad_multiple,
             padded,
         )
-
-
-def placeholder_map(num_tokens: int, device: torch.device) -> PermutationMap:
-    """The map an in-flight handle carries before the receiving side's map exists: every token to one
-    block, in token order (the identity). Replaced in ``dispatch_postprocess``."""
-    return make_permutation_map(torch.zeros(num_tokens, 1, dtype=torch.int64, device=device), 1)

@@ -4,7 +4,9 @@ Megatron-Core's router features, each behind a :class:`~moe_dispatch.config.Rout
 softmax / sigmoid scores, ``pre_softmax``, group-limited (device/node-limited) top-k, a top-k scaling
 factor, fp32/fp64 router math, combinable balancing losses (``aux_loss``, ``seq_aux_loss``,
 ``global_aux_loss``) and a z-loss attached to the combine weights, aux-loss-free expert bias, expert
-capacity with token dropping and padding, forced balancing for benchmarks, and routing replay.
+capacity with token dropping and padding, forced balancing for benchmarks, and routing replay; beyond
+Megatron-Core, sigmoid top-k weights without renormalisation (``sigmoid_norm_topk=False``, DeepSeek-V3
+checkpoints with ``norm_topk_prob: false``).
 """
 
 from __future__ import annotations

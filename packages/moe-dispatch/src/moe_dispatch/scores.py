@@ -66,11 +66,12 @@ def probs_for_selection(logits_TE: torch.Tensor, expert_idx_TK: torch.Tensor, co
 
     softmax: softmax over the chosen logits (= full softmax renormalised over the top-k); pre_softmax:
     the full-softmax values, not renormalised; sigmoid: sigmoid values renormalised over the top-k when
-    topk > 1. Then multiplied by ``topk_scaling_factor`` when set.
+    topk > 1 (Megatron-Core), or left as they are with ``sigmoid_norm_topk=False``. Then multiplied by
+    ``topk_scaling_factor`` when set.
     """
     if config.score_function == "sigmoid":
         probs_TK = torch.sigmoid(logits_TE).gather(1, expert_idx_TK)
-        if config.topk > 1:
+        if config.sigmoid_norm_topk and config.topk > 1:
             probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
     elif config.pre_softmax:
         probs_TK = torch.softmax(logits_TE, dim=-1).gather(1, expert_idx_TK)

@@ -134,28 +134,45 @@ class GroupedExperts(nn.Module):
             self.activation.layout, self.ffn_hidden_size, self.etp_rank * fl, (self.etp_rank + 1) * fl
         )
 
+    def initial_expert(
+        self, expert: int, base_seed: int, std: float = 0.02, num_layers: int = 1
+    ) -> dict[str, torch.Tensor]:
+        """Global expert ``expert``'s initial values at full FFN width (``etp_size = 1``), one CPU tensor per parameter
+        name without the expert dimension: normal(0, std) first projection, normal(0, std / sqrt(2 * num_layers))
+        down projection (Megatron's scaled output init), zero biases. Drawn from a generator seeded by
+        ``(base_seed, expert)`` alone, so they do not depend on the split of experts over ranks or on the device."""
+        gen = torch.Generator().manual_seed(expert_seed(base_seed, expert))
+        hidden, f = self.hidden_size, self.ffn_hidden_size
+        width = self.activation.width_factor * f
+        values = {
+            "w_gate_up_EH2F": torch.randn(hidden, width, generator=gen).mul_(std),
+            "w_down_EFH": torch.randn(f, hidden, generator=gen).mul_(std / math.sqrt(2.0 * num_layers)),
+        }
+        if self.has_bias:
+            values["b_gate_up_E2F"], values["b_down_EH"] = torch.zeros(width), torch.zeros(hidden)
+        return values
+
+    def local_slice(self, name: str, whole_expert: torch.Tensor) -> torch.Tensor:
+        """This etp rank's part of one expert's full-width value of parameter ``name`` (expert dimension dropped):
+        its gate/up columns of the first projection, its rows of the down projection; the down bias is whole."""
+        if self.etp_size == 1 or name == "b_down_EH":
+            return whole_expert
+        if name == "w_down_EFH":
+            fl = self.local_ffn_hidden_size
+            return whole_expert[self.etp_rank * fl : (self.etp_rank + 1) * fl]
+        cols = self.local_gate_up_columns().to(whole_expert.device)
+        return whole_expert.index_select(whole_expert.ndim - 1, cols)
+
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, num_layers: int = 1) -> None:
-        """Normal(0, std) first projection and normal(0, std / sqrt(2 * num_layers)) down projection (the scaled
-        output init of Megatron's ``output_layer_init_method``), drawn per global expert; biases zero."""
+        """Each local expert from :meth:`initial_expert` (this etp rank's slice), with ``seed`` or, when it is None,
+        a base seed drawn from torch's global generator."""
         if self.w_gate_up_EH2F.is_meta:  # nothing to fill (nn.init is a no-op on meta too)
             return
         base = self.seed if self.seed is not None else int(torch.randint(0, 2**62, (), device="cpu").item())
-        cols = self.local_gate_up_columns()
-        fl, f = self.local_ffn_hidden_size, self.ffn_hidden_size
-        rows = slice(self.etp_rank * fl, (self.etp_rank + 1) * fl)
-        down_std = std / math.sqrt(2.0 * num_layers)
-        hidden, width = self.hidden_size, self.activation.width_factor * f
         for e in range(self.num_experts):
-            gen = torch.Generator().manual_seed(expert_seed(base, self.first_expert + e))
-            # drawn on the CPU, so the values do not depend on the device either
-            w1 = torch.randn(hidden, width, generator=gen, device="cpu").mul_(std)
-            w2 = torch.randn(f, hidden, generator=gen, device="cpu").mul_(down_std)
-            self.w_gate_up_EH2F[e].copy_(w1[:, cols])
-            self.w_down_EFH[e].copy_(w2[rows])
-        if self.b_gate_up_E2F is not None:
-            nn.init.zeros_(self.b_gate_up_E2F)
-            nn.init.zeros_(self.b_down_EH)
+            for name, value in self.initial_expert(self.first_expert + e, base, std, num_layers).items():
+                _local(getattr(self, name))[e].copy_(self.local_slice(name, value))
 
     def forward(
         self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_N: torch.Tensor | None = None

@@ -1,7 +1,7 @@
 """moe-memory: selective recompute, activation offload and memory estimates for MoE training."""
 
-from moe_memory.recompute import apply_activation_checkpointing
+from moe_memory.recompute import apply_activation_checkpointing, select_modules
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
-__all__ = ["__version__", "apply_activation_checkpointing"]
+__all__ = ["__version__", "apply_activation_checkpointing", "select_modules"]

@@ -22,15 +22,12 @@ def _checkpointed(forward):
     return run
 
 
-def apply_activation_checkpointing(model: nn.Module, patterns: Iterable[str]) -> list[str]:
-    """Recompute every submodule whose qualified name matches one of ``patterns`` (fnmatch syntax,
-    e.g. ``"layers.*.mlp"``). Parameter names and the state dict are unchanged.
-
-    Returns the names wrapped; a pattern that matches nothing is an error naming close matches.
-    """
+def select_modules(model: nn.Module, patterns: Iterable[str]) -> list[str]:
+    """The names of ``model``'s submodules matching ``patterns`` (fnmatch syntax, e.g. ``"layers.*.mlp"``); a pattern
+    that matches nothing is an error naming close matches. Works on a meta-built model, to check patterns before
+    anything is allocated."""
     names = [name for name, _ in model.named_modules() if name]
-    modules = dict(model.named_modules())
-    selected: list[str] = []  # every pattern is checked before any module is touched
+    selected: list[str] = []
     for pattern in patterns:
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
@@ -38,8 +35,19 @@ def apply_activation_checkpointing(model: nn.Module, patterns: Iterable[str]) ->
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"recompute module pattern {pattern!r} matches no submodule{hint}")
         selected.extend(matched)
+    return selected
+
+
+def apply_activation_checkpointing(model: nn.Module, patterns: Iterable[str]) -> list[str]:
+    """Recompute every submodule whose qualified name matches one of ``patterns`` (:func:`select_modules`).
+    Parameter names and the state dict are unchanged. Apply it to the modules that will run: after a parallel
+    layout has swapped modules in (expert parallelism replaces the experts), before FSDP.
+
+    Returns the names wrapped; a pattern that matches nothing is an error naming close matches.
+    """
+    modules = dict(model.named_modules())
     wrapped: list[str] = []
-    for name in selected:
+    for name in select_modules(model, patterns):  # every pattern is checked before any module is touched
         module = modules[name]
         if getattr(module.forward, "__moe_recompute__", False):
             continue

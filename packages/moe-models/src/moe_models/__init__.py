@@ -3,7 +3,7 @@
 
 from moe_models import hf
 from moe_models.attention import Attention
-from moe_models.config import FAMILIES, ModelConfig
+from moe_models.config import FAMILIES, ModelConfig, ModelConfigError
 from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.loss import LMLoss, causal_lm_loss
@@ -39,6 +39,7 @@ __all__ = [
     "MoEBlock",
     "MoETransformer",
     "ModelConfig",
+    "ModelConfigError",
     "ModelOutput",
     "MultiLatentAttention",
     "ParameterCount",

@@ -6,10 +6,9 @@ other fields the architecture (a DeepSeek-V3 is a config with ``multi_latent_att
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
-from moe_dispatch import RouterConfig
+from moe_dispatch import RouterConfig, RouterConfigError
 from moe_experts import ACTIVATIONS, BACKENDS
 
 # Kimi-K2 is a deepseek_v3 configuration (its checkpoints use DeepseekV3ForCausalLM)
@@ -21,6 +20,7 @@ ROUTER_FIELDS = {
     "moe_router_topk": "topk",
     "moe_router_score_function": "score_function",
     "moe_router_pre_softmax": "pre_softmax",
+    "moe_router_sigmoid_norm_topk": "sigmoid_norm_topk",
     "moe_router_num_groups": "num_groups",
     "moe_router_group_topk": "group_topk",
     "moe_router_topk_scaling_factor": "topk_scaling_factor",
@@ -34,7 +34,10 @@ ROUTER_FIELDS = {
     "moe_pad_expert_input_to_capacity": "pad_to_capacity",
     "moe_router_force_load_balancing": "force_load_balancing",
     "moe_router_dtype": "router_dtype",
+    "add_bias_linear": "add_bias",  # the router's bias comes with the other linear biases (GPT-OSS)
 }
+# RouterConfig field -> the ModelConfig field a user sets, to name it in errors
+_MODEL_FIELD_OF = {theirs: ours for ours, theirs in ROUTER_FIELDS.items()}
 
 _POSITIVE = (
     "vocab_size",
@@ -49,24 +52,36 @@ _POSITIVE = (
 )
 
 
+class ModelConfigError(ValueError):
+    """An invalid :class:`ModelConfig`: ``field`` is the ModelConfig field to change, ``reason`` what is wrong and
+    the fix (it may name other ModelConfig fields). ``str(err)`` is ``f"{field}={value!r}: {reason}"``."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        super().__init__(f"{field}={value!r}: {reason}")
+        self.field, self.value, self.reason = field, value, reason
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # pickling (multiprocessing, torch.distributed) rebuilds from the constructor's arguments
+        return type(self), (self.field, self.value, self.reason)
+
+
 def _layer_pattern(value: int | list[int], num_layers: int, name: str, every_nth_is: int) -> list[int]:
     """Megatron's int-or-list layer patterns: an int N marks layers ``(i + 1) % N == 0`` (1-based every N-th)
     with ``every_nth_is``, a list gives one 0/1 per layer."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 1:
-            raise ValueError(f"model.{name}={value}: must be at least 1, or a list of 0/1 per layer")
+            raise ModelConfigError(name, value, "must be at least 1, or a list of 0/1 per layer")
         return [every_nth_is if (i + 1) % value == 0 else 1 - every_nth_is for i in range(num_layers)]
     pattern = [int(v) for v in value]
     if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
-        raise ValueError(
-            f"model.{name}={value}: give one 0/1 per layer (model.num_layers={num_layers} values), or an int"
-        )
+        raise ModelConfigError(name, value, f"give one 0/1 per layer (num_layers={num_layers} values), or an int")
     return pattern
 
 
 @dataclass
 class ModelConfig:
-    """Architecture of a decoder-only MoE model, Megatron-Core flag names; validated at construction."""
+    """Architecture of a decoder-only MoE model, Megatron-Core flag names; validated at construction
+    (:class:`ModelConfigError` names the field to change)."""
 
     family: str = "qwen3_moe"  # HuggingFace checkpoint layout: one of FAMILIES
     vocab_size: int = 256
@@ -115,6 +130,9 @@ class ModelConfig:
     moe_ffn_hidden_size: int = 256
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
     moe_router_pre_softmax: bool = False
+    # sigmoid scores: renormalise the top-k weights to sum to 1 (Megatron-Core); False keeps the raw sigmoid
+    # values, still times moe_router_topk_scaling_factor (DeepSeek-V3 configs with norm_topk_prob=false)
+    moe_router_sigmoid_norm_topk: bool = True
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_topk_scaling_factor: float | None = None
@@ -145,64 +163,70 @@ class ModelConfig:
         if isinstance(self.moe_aux_loss_coeff, int | float):
             self.moe_aux_loss_coeff = [float(self.moe_aux_loss_coeff)]
         if self.family not in FAMILIES:
-            raise ValueError(f"model.family={self.family!r}: choose one of {FAMILIES}")
+            raise ModelConfigError("family", self.family, f"choose one of {FAMILIES}")
         for name in _POSITIVE:
             if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}={getattr(self, name)}: must be at least 1")
+                raise ModelConfigError(name, getattr(self, name), "must be at least 1")
         if self.multi_latent_attention:
             self._validate_mla()
         else:
             self._validate_gqa()
         if self.rope_type not in ("rope", "yarn"):
-            raise ValueError(f"model.rope_type={self.rope_type!r}: choose 'rope' or 'yarn'")
+            raise ModelConfigError("rope_type", self.rope_type, "choose 'rope' or 'yarn'")
         if self.rope_type == "yarn" and self.rotary_scaling_factor < 1:
-            raise ValueError(f"model.rotary_scaling_factor={self.rotary_scaling_factor}: yarn needs a factor >= 1")
+            raise ModelConfigError("rotary_scaling_factor", self.rotary_scaling_factor, "yarn needs a factor >= 1")
         if self.softmax_type not in ("vanilla", "learnable"):
-            raise ValueError(f"model.softmax_type={self.softmax_type!r}: choose 'vanilla' or 'learnable'")
+            raise ModelConfigError("softmax_type", self.softmax_type, "choose 'vanilla' or 'learnable'")
         if self.window_size is not None and self.window_size < 1:
-            raise ValueError(f"model.window_size={self.window_size}: must be at least 1, or null for full attention")
+            raise ModelConfigError("window_size", self.window_size, "must be at least 1, or null for full attention")
         if self.window_attn_skip_freq is not None and self.window_size is None:
-            raise ValueError("model.window_attn_skip_freq is set but model.window_size is not: set both or neither")
+            raise ModelConfigError(
+                "window_attn_skip_freq", self.window_attn_skip_freq, "needs window_size: set both or neither"
+            )
         if self.activation_func not in ACTIVATIONS:
-            raise ValueError(f"model.activation_func={self.activation_func!r}: choose one of {tuple(ACTIVATIONS)}")
+            raise ModelConfigError("activation_func", self.activation_func, f"choose one of {tuple(ACTIVATIONS)}")
         if self.moe_expert_backend not in ("auto", *BACKENDS):
-            raise ValueError(
-                f"model.moe_expert_backend={self.moe_expert_backend!r}: choose one of {('auto', *BACKENDS)}"
+            raise ModelConfigError(
+                "moe_expert_backend", self.moe_expert_backend, f"choose one of {('auto', *BACKENDS)}"
             )
         self.moe_layer_pattern()  # validates moe_layer_freq
         self.full_attention_pattern()  # validates window_attn_skip_freq
-        if self.moe_shared_expert_intermediate_size is not None and self.moe_shared_expert_intermediate_size < 1:
-            raise ValueError(
-                f"model.moe_shared_expert_intermediate_size={self.moe_shared_expert_intermediate_size}: "
-                "must be at least 1, or null for no shared expert"
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and shared < 1:
+            raise ModelConfigError(
+                "moe_shared_expert_intermediate_size", shared, "must be at least 1, or null for no shared expert"
             )
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
-            raise ValueError(f"model.mtp_num_layers={self.mtp_num_layers}: must be at least 1, or null for no MTP")
-        self.router_config()  # validates num_moe_experts / moe_router_topk / aux-loss fields
+            raise ModelConfigError("mtp_num_layers", self.mtp_num_layers, "must be at least 1, or null for no MTP")
+        self.router_config()  # validates the fields of ROUTER_FIELDS
 
     def _validate_gqa(self) -> None:
         if self.kv_channels % 2:
-            raise ValueError(f"model.kv_channels={self.kv_channels}: rotary embeddings need an even head dimension")
+            raise ModelConfigError("kv_channels", self.kv_channels, "rotary embeddings need an even head dimension")
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
-                f"model.num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"model.num_query_groups={self.num_query_groups}"
+            raise ModelConfigError(
+                "num_attention_heads",
+                self.num_attention_heads,
+                f"must be a multiple of num_query_groups ({self.num_query_groups})",
             )
 
     def _validate_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
             if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}={getattr(self, name)}: must be at least 1")
+                raise ModelConfigError(name, getattr(self, name), "must be at least 1")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"model.q_lora_rank={self.q_lora_rank}: must be at least 1, or null for a full-rank q")
+            raise ModelConfigError("q_lora_rank", self.q_lora_rank, "must be at least 1, or null for a full-rank q")
         if self.qk_pos_emb_head_dim % 2:
-            raise ValueError(
-                f"model.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim}: rotary embeddings need an even dimension"
+            raise ModelConfigError(
+                "qk_pos_emb_head_dim", self.qk_pos_emb_head_dim, "rotary embeddings need an even dimension"
             )
-        if self.softmax_type != "vanilla" or self.window_size is not None:
-            raise ValueError(
-                "model.multi_latent_attention=true supports neither model.softmax_type='learnable' nor "
-                "model.window_size: unset them"
+        if self.softmax_type != "vanilla":
+            raise ModelConfigError(
+                "softmax_type", self.softmax_type, "multi_latent_attention supports only 'vanilla': unset it"
+            )
+        if self.window_size is not None:
+            raise ModelConfigError(
+                "window_size", self.window_size, "multi_latent_attention has no sliding window: set it to null"
             )
 
     @property
@@ -233,17 +257,15 @@ class ModelConfig:
         return _layer_pattern(self.window_attn_skip_freq, self.num_layers, "window_attn_skip_freq", every_nth_is=1)
 
     def router_config(self) -> RouterConfig:
+        """The RouterConfig of the MoE layers; a RouterConfigError is re-raised naming our field."""
         values = {theirs: getattr(self, ours) for ours, theirs in ROUTER_FIELDS.items()}
         for name in ("load_balancing_type", "aux_loss_coeff"):  # Megatron takes one value or a list
             values[name] = values[name][0] if len(values[name]) == 1 else tuple(values[name])
-        values["add_bias"] = self.add_bias_linear
         try:
             return RouterConfig(**values)
-        except ValueError as err:  # name the model-level fields the user actually set
-            msg = str(err)
-            for ours, theirs in ROUTER_FIELDS.items():
-                msg = re.sub(rf"(?<![\w.]){theirs}\b", f"model.{ours}", msg)
-            raise ValueError(msg) from None
+        except RouterConfigError as err:  # reasons describe other fields in words, so they read right here too
+            ours = _MODEL_FIELD_OF[err.field]
+            raise ModelConfigError(ours, getattr(self, ours), err.reason) from None
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

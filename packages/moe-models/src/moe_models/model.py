@@ -16,22 +16,22 @@ Parameter names (the checkpoint layout; ``moe_models.hf`` maps them to HuggingFa
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moe_dispatch import RoutingResult, TopKRouter
-from moe_experts import GroupedExperts, SharedExperts
 from moe_models.attention import Attention
 from moe_models.config import ModelConfig
+from moe_models.init import InitialWeights
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.mla import MultiLatentAttention
 from moe_models.rope import rotary_cos_sin
 
-# Linear layers whose output adds to the residual stream: initialised with std / sqrt(2 * layers), as Megatron
-_OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
+if TYPE_CHECKING:
+    from moe_parallel.plan import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class MTPLayer(nn.Module):
 class MoETransformer(nn.Module):
     """Decoder-only MoE language model: ``model(input_ids_BS) -> ModelOutput``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, seed: int | None = None) -> None:
         super().__init__()
         self.config = c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -117,7 +117,7 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(c) for _ in range(c.mtp_num_layers or 0))
         self.tie_weights()
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
     def tie_weights(self) -> None:
         """Share the output projection with the embedding when configured (again after ``to_empty``)."""
@@ -125,26 +125,25 @@ class MoETransformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Megatron-style init: normal(std) weights, std / sqrt(2 * layers) for residual-output projections."""
-        std = self.config.init_method_std
-        num_layers = self.config.num_layers
-        out_std = std / math.sqrt(2.0 * num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=out_std if name.endswith(_OUTPUT_PROJECTIONS) else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, GroupedExperts | SharedExperts):
-                module.reset_parameters(std=std, num_layers=num_layers)
-            elif isinstance(module, TopKRouter):
-                module.reset_parameters(std=std)
-            elif isinstance(module, Attention) and module.sinks is not None:
-                nn.init.zeros_(module.sinks)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Megatron-style init from ``seed`` (:mod:`moe_models.init`: each tensor's values depend on the seed and its
+        name alone); None draws the seed from torch's global generator. Nothing to do on the meta device: there
+        ``moe_parallel.materialize`` fills each rank's shard from :meth:`initial_weights`."""
+        if any(p.is_meta for p in self.parameters()):
+            return
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), device="cpu").item())
+        self.initial_weights(seed).fill(self)
+
+    def initial_weights(self, seed: int) -> InitialWeights:
+        """The initial value of every tensor for ``seed``, servable in slices (a ``ParameterSource``)."""
+        return InitialWeights(self, seed)
+
+    def parallel_plan(self) -> ParallelPlan:
+        """How moe_parallel splits this model (:mod:`moe_models.parallel_plan`)."""
+        from moe_models.parallel_plan import parallel_plan
+
+        return parallel_plan(self)
 
     def moe_layers(self) -> list[DecoderLayer]:
         """Decoder layers with a routed MoE, main layers first, then the MTP layers."""
@@ -180,6 +179,7 @@ class MoETransformer(nn.Module):
         return ModelOutput(logits_BSV, aux_loss, loads_LE, tuple(mtp_logits))
 
 
-def build_model(config: ModelConfig) -> MoETransformer:
-    """The model ``config`` describes, on the current default device and dtype."""
-    return MoETransformer(config)
+def build_model(config: ModelConfig, seed: int | None = None) -> MoETransformer:
+    """The model ``config`` describes, on the current default device and dtype, initialised from ``seed``
+    (None: drawn from torch's global generator; nothing is drawn on the meta device)."""
+    return MoETransformer(config, seed)

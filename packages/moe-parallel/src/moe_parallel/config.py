@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_parallel.layout import ParallelLayout
+from moe_parallel.plan import LayoutError
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
 PRECISIONS = ("float32", "bfloat16")
@@ -32,15 +33,16 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
-            raise ValueError(
-                f"parallel.moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: choose one of "
-                f"{', '.join(TOKEN_DISPATCHERS)}"
+            raise LayoutError(
+                "moe_token_dispatcher_type",
+                self.moe_token_dispatcher_type,
+                f"choose one of {', '.join(TOKEN_DISPATCHERS)}",
             )
         if self.backend not in BACKENDS:
-            raise ValueError(f"parallel.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
+            raise LayoutError("backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
         for name in ("mixed_precision_param", "mixed_precision_reduce"):
             if getattr(self, name) not in PRECISIONS:
-                raise ValueError(f"parallel.{name}={getattr(self, name)!r}: choose one of {', '.join(PRECISIONS)}")
+                raise LayoutError(name, getattr(self, name), f"choose one of {', '.join(PRECISIONS)}")
 
     def layout(self, world_size: int) -> ParallelLayout:
         return ParallelLayout(

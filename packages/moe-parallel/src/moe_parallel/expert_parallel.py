@@ -1,11 +1,12 @@
 """Expert parallelism (ep) and expert tensor parallelism (etp) for the MoE blocks of a model, from outside it.
 
-A MoE block is any module with ``router`` (:class:`~moe_dispatch.TopKRouter`), ``dispatcher`` and ``experts``
-(:class:`~moe_experts.GroupedExperts` holding every expert) attributes, as moe_models' ``MoEBlock``. Applying
+The MoE blocks are those the model's :class:`~moe_parallel.plan.ParallelPlan` names, each with a router
+(:class:`~moe_dispatch.TopKRouter`), a token dispatcher and :class:`~moe_experts.GroupedExperts` holding every expert
+(on the meta device or with values). Applying
 ep x etp swaps in the experts this rank owns (``num_experts / ep`` of them, starting at ``ep_rank * E / ep``, each
 the ``etp_rank``-th slice of the FFN width) with their values copied from the whole ones, and a distributed
 dispatcher over the ep (and etp) process groups. Every rank must hold the same whole weights before (same seed or
-the same checkpoint), which is what makes the split model compute what the whole one did.
+the same checkpoint), or none at all (built on meta, materialised afterwards: :mod:`moe_parallel.materialize`).
 
 Without expert tensor parallelism the experts' parameters become DTensors sharded along the experts over the ep
 mesh: checkpoints (DCP) then hold the global tensors, loadable into any other layout, and FSDP2 composes with
@@ -22,26 +23,53 @@ from torch.distributed.tensor import DTensor, Shard
 from moe_dispatch import TopKRouter, build_dispatcher
 from moe_experts import GroupedExperts
 from moe_parallel.mesh import ParallelMeshes
+from moe_parallel.plan import MoEBlockPlan, ParallelPlan, submodule
 
 
-def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """Every module of ``model`` with a router, a dispatcher and grouped experts."""
-    return [
-        m
-        for m in model.modules()
-        if isinstance(getattr(m, "router", None), TopKRouter)
-        and isinstance(getattr(m, "experts", None), GroupedExperts)
-        and hasattr(m, "dispatcher")
-    ]
+class MoEBlockParts:
+    """One planned MoE block's router, dispatcher and experts, read and swapped by the plan's attribute names."""
+
+    def __init__(self, model: nn.Module, plan: MoEBlockPlan) -> None:
+        self.plan, self.module = plan, submodule(model, plan.path)
+        if not isinstance(self.router, TopKRouter) or not isinstance(self.experts, GroupedExperts):
+            raise ValueError(
+                f"the parallel plan's MoE block {plan.path!r} needs a TopKRouter at .{plan.router} and GroupedExperts "
+                f"at .{plan.experts}"
+            )
+
+    @property
+    def router(self) -> TopKRouter:
+        return getattr(self.module, self.plan.router)
+
+    @property
+    def experts(self) -> GroupedExperts:
+        return getattr(self.module, self.plan.experts)
+
+    @experts.setter
+    def experts(self, value: GroupedExperts) -> None:
+        setattr(self.module, self.plan.experts, value)
+
+    @property
+    def dispatcher(self):
+        return getattr(self.module, self.plan.dispatcher)
+
+    @dispatcher.setter
+    def dispatcher(self, value) -> None:
+        setattr(self.module, self.plan.dispatcher, value)
+
+
+def moe_blocks(model: nn.Module, plan: ParallelPlan) -> list[MoEBlockParts]:
+    """The MoE blocks ``plan`` names, as :class:`MoEBlockParts`."""
+    return [MoEBlockParts(model, block) for block in plan.moe_blocks]
 
 
 @torch.no_grad()
 def shard_experts(whole: GroupedExperts, ep_rank: int, ep: int, etp_rank: int, etp: int) -> GroupedExperts:
-    """The experts and FFN slice rank (ep_rank, etp_rank) holds, with ``whole``'s values."""
+    """The experts and FFN slice rank (ep_rank, etp_rank) holds, with ``whole``'s values (none on the meta device).
+
+    ``whole.num_experts`` must divide by ``ep`` (:func:`~moe_parallel.check_plan` says so to users, once)."""
     if whole.first_expert != 0 or whole.etp_size != 1:
         raise ValueError("shard_experts needs the whole experts (first_expert=0, etp_size=1) as input")
-    if whole.num_experts % ep:
-        raise ValueError(f"num_experts={whole.num_experts} is not divisible by parallel.ep={ep}")
     local = whole.num_experts // ep
     first = ep_rank * local
     with torch.device("meta"):
@@ -58,20 +86,17 @@ def shard_experts(whole: GroupedExperts, ep_rank: int, ep: int, etp_rank: int, e
             etp_size=etp,
         )
     part = part.to_empty(device=whole.w_gate_up_EH2F.device).to(whole.w_gate_up_EH2F.dtype)
-    experts = slice(first, first + local)
-    cols = part.local_gate_up_columns().to(whole.w_gate_up_EH2F.device)
-    fl = part.local_ffn_hidden_size
-    rows = slice(etp_rank * fl, (etp_rank + 1) * fl)
-    part.w_gate_up_EH2F.copy_(whole.w_gate_up_EH2F[experts].index_select(2, cols))
-    part.w_down_EFH.copy_(whole.w_down_EFH[experts, rows])
-    if whole.has_bias:
-        part.b_gate_up_E2F.copy_(whole.b_gate_up_E2F[experts].index_select(1, cols))
-        part.b_down_EH.copy_(whole.b_down_EH[experts])
+    if not whole.w_gate_up_EH2F.is_meta:
+        for name, mine in part.named_parameters():
+            for e in range(local):
+                mine[e].copy_(part.local_slice(name, getattr(whole, name)[first + e]))
     return part
 
 
-def apply_expert_parallel(model: nn.Module, meshes: ParallelMeshes, dispatcher: str = "alltoall") -> None:
-    """Split the experts of every MoE block of ``model`` over the ep x etp ranks, in place (module docstring).
+def apply_expert_parallel(
+    model: nn.Module, meshes: ParallelMeshes, plan: ParallelPlan, dispatcher: str = "alltoall"
+) -> None:
+    """Split the experts of every MoE block ``plan`` names over the ep x etp ranks, in place (module docstring).
 
     ``dispatcher``: ``alltoall``, ``allgather`` or ``flex`` (DeepEP; no etp). A no-op when ``ep == etp == 1``.
     """
@@ -82,7 +107,7 @@ def apply_expert_parallel(model: nn.Module, meshes: ParallelMeshes, dispatcher: 
     ep_group = meshes.group("ep")
     etp_group = meshes.group("etp") if layout.etp > 1 else None
     ep_mesh = meshes.expert["ep"]
-    for block in moe_blocks(model):
+    for block in moe_blocks(model, plan):
         block.experts = shard_experts(block.experts, coords["ep"], layout.ep, coords["etp"], layout.etp)
         if layout.etp == 1:
             for name, param in list(block.experts.named_parameters()):

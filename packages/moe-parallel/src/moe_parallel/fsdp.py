@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe_parallel.expert_parallel import moe_blocks
 from moe_parallel.mesh import ParallelMeshes
+from moe_parallel.plan import ParallelPlan, submodule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -32,17 +33,21 @@ def _expert_placement(edp: int):
 
 
 def apply_fsdp(
-    model: nn.Module, meshes: ParallelMeshes, param_dtype: str = "float32", reduce_dtype: str = "float32"
+    model: nn.Module,
+    meshes: ParallelMeshes,
+    plan: ParallelPlan,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
 ) -> None:
-    """Shard ``model`` (a moe_models ``MoETransformer``) in place: each decoder layer (MTP depths' included) and the
-    root are units on the dp mesh (HSDP when dp_replicate > 1), each MoE block's experts a unit on the edp mesh.
+    """Shard ``model`` in place: each of ``plan.fsdp_units`` and the root are units on the dp mesh (HSDP when
+    dp_replicate > 1), each MoE block's experts a unit on the edp mesh. Works on the meta device too.
 
     Gradients are averaged over each unit's mesh; :class:`~moe_parallel.grads.GradientSync` rescales the experts'
     to the data-parallel mean. Nothing is wrapped along a dimension of size 1.
     """
     layout = meshes.layout
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
-    experts = [block.experts for block in moe_blocks(model)]
+    experts = [block.experts for block in moe_blocks(model, plan)]
     ignored = None
     if layout.edp > 1:
         for module in experts:
@@ -50,8 +55,6 @@ def apply_fsdp(
     else:  # each rank's experts are its own: no data-parallel copy to shard over
         ignored = {p for module in experts for p in module.parameters()}
     if layout.dp > 1:
-        # an MTP depth's final norm runs outside its forward (the model applies it before the shared head), so the
-        # depth's decoder layer is the unit and its small input/output parts stay with the root
-        for unit in [*model.layers, *(mtp.layer for mtp in model.mtp)]:
-            fully_shard(unit, mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)
+        for path in plan.fsdp_units:
+            fully_shard(submodule(model, path), mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)
         fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)

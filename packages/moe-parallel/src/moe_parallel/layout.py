@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_parallel.plan import LayoutError
+
 ATTENTION_DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 EXPERT_DIMS = ("etp", "ep", "edp", "pp")
 
@@ -34,24 +36,27 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"world_size={self.world_size}: must be at least 1")
+            raise LayoutError("world_size", self.world_size, "must be at least 1")
         for name in ("tp", "cp", "dp_replicate", "pp", "ep"):
             if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name}={getattr(self, name)}: must be at least 1")
+                raise LayoutError(name, getattr(self, name), "must be at least 1")
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
         elif self.etp < 1:
-            raise ValueError(f"parallel.etp={self.etp}: must be at least 1")
+            raise LayoutError("etp", self.etp, "must be at least 1")
         others = self.tp * self.cp * self.dp_replicate * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
-                raise ValueError(
+                field = max(("tp", "cp", "dp_replicate", "pp"), key=lambda d: getattr(self, d))
+                raise LayoutError(
+                    field,
+                    getattr(self, field),
                     f"tp*cp*dp_replicate*pp = {others} does not divide world_size {self.world_size}; "
-                    f"their product must be one of {_divisors(self.world_size)}"
+                    f"their product must be one of {_divisors(self.world_size)}",
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
         elif self.dp_shard < 1:
-            raise ValueError(f"parallel.dp_shard={self.dp_shard}: must be at least 1, or -1 to fill")
+            raise LayoutError("dp_shard", self.dp_shard, "must be at least 1, or -1 to fill")
         attention = others * self.dp_shard
         if attention != self.world_size:
             hint = (
@@ -59,18 +64,22 @@ class ParallelLayout:
                 if self.world_size % others == 0
                 else f"tp*cp*dp_replicate*pp = {others} must divide {self.world_size}"
             )
-            raise ValueError(
+            raise LayoutError(
+                "dp_shard",
+                self.dp_shard,
                 f"tp({self.tp}) x cp({self.cp}) x dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard})"
-                f" x pp({self.pp}) = {attention} != world_size {self.world_size}; {hint}"
+                f" x pp({self.pp}) = {attention} != world_size {self.world_size}; {hint}",
             )
         expert_model = self.etp * self.ep * self.pp
         if self.world_size % expert_model:
             fits = [
                 d for d in _divisors(self.world_size // self.pp) if (self.world_size // self.pp) % (d * self.etp) == 0
             ]
-            raise ValueError(
+            raise LayoutError(
+                "ep",
+                self.ep,
                 f"etp({self.etp}) x ep({self.ep}) x pp({self.pp}) = {expert_model} does not divide world_size "
-                f"{self.world_size}; with etp={self.etp} and pp={self.pp}, ep can be one of {fits}"
+                f"{self.world_size}; with etp={self.etp} and pp={self.pp}, ep can be one of {fits}",
             )
 
     @property

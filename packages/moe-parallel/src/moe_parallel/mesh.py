@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, ParallelLayout
+from moe_parallel.plan import LayoutError
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class ParallelMeshes:
     def token_group(self) -> dist.ProcessGroup:
         """Every rank holding different tokens of a step (all but the pipeline dimension): expert-load statistics
         are summed over it."""
-        if self.layout.pp > 1:  # each stage would need its own group; check_model refuses pp > 1 before this
-            raise ValueError(f"parallel.pp={self.layout.pp}: pipeline parallelism is not available in this version")
+        if self.layout.pp > 1:  # each stage would need its own group; check_plan refuses pp > 1 before this
+            raise LayoutError("pp", self.layout.pp, "pipeline parallelism is not available in this version")
         return dist.group.WORLD
 
     def dp_index(self) -> int:

@@ -1,14 +1,15 @@
-"""``parallelize``: apply a :class:`~moe_parallel.config.ParallelConfig` to a moe_models model, from outside it.
+"""``parallelize``: apply a :class:`~moe_parallel.config.ParallelConfig` to a model, from outside it, as the model's
+:class:`~moe_parallel.plan.ParallelPlan` says.
 
 Order, as torchtitan's: expert parallelism (swap in this rank's experts and a distributed dispatcher), tensor +
-sequence parallelism (DTensor styles), then FSDP2 (experts on the edp mesh, the rest on the dp mesh). The routers
-are told which ranks share their statistics. What the training step still has to do with the gradients is in the
-returned :class:`ParallelModel` (``finalize_grads``, ``clip_grad_norm_``).
+sequence parallelism (DTensor styles), the caller's activation checkpointing, then FSDP2 (experts on the edp mesh,
+the rest on the dp mesh). The routers are told which ranks share their statistics. What the training step still has
+to do with the gradients is in the returned :class:`ParallelModel` (``finalize_grads``, ``clip_grad_norm_``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,9 @@ from moe_parallel.config import ParallelConfig
 from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks
 from moe_parallel.fsdp import apply_fsdp
 from moe_parallel.grads import GradientSync, replica_count
+from moe_parallel.layout import ParallelLayout
 from moe_parallel.mesh import ParallelMeshes
+from moe_parallel.plan import LayoutError, ParallelPlan
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 
@@ -45,37 +48,50 @@ class ParallelModel:
         return 0 if self.meshes is None else self.meshes.dp_index()
 
 
-def check_model(model_config, config: ParallelConfig, layout) -> None:
-    """Raise ``ValueError`` naming the field when the model cannot be split as ``layout`` asks."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, layout: ParallelLayout) -> None:
+    """Raise :class:`LayoutError` naming the ParallelConfig field when ``model`` (on any device, meta included)
+    cannot be split as ``layout`` asks. The one place these rules are checked; call it before any process group."""
     if layout.cp > 1 or layout.pp > 1:
         dim = "cp" if layout.cp > 1 else "pp"
-        raise ValueError(
-            f"parallel.{dim}={getattr(layout, dim)}: context and pipeline parallelism are not implemented yet"
-        )
-    if model_config.num_moe_experts and model_config.num_moe_experts % layout.ep:
-        raise ValueError(
-            f"model.num_moe_experts={model_config.num_moe_experts} is not divisible by parallel.ep={layout.ep}"
-        )
-    etp_default = " (parallel.etp defaults to parallel.tp)" if config.etp is None and layout.etp > 1 else ""
-    if model_config.moe_ffn_hidden_size and model_config.moe_ffn_hidden_size % layout.etp:
-        raise ValueError(
-            f"model.moe_ffn_hidden_size={model_config.moe_ffn_hidden_size} is not divisible by "
-            f"parallel.etp={layout.etp}{etp_default}"
-        )
+        raise LayoutError(dim, getattr(layout, dim), "context and pipeline parallelism are not implemented yet; use 1")
+    etp_default = " (etp defaults to tp)" if config.etp is None and layout.etp > 1 else ""
+    for block in moe_blocks(model, plan):
+        experts = block.experts
+        if experts.num_experts % layout.ep:
+            raise LayoutError(
+                "ep",
+                layout.ep,
+                f"the model's {experts.num_experts} experts per MoE layer do not divide over it; ep can be one of "
+                f"{_divisors(experts.num_experts)}",
+            )
+        if experts.ffn_hidden_size % layout.etp:
+            raise LayoutError(
+                "etp",
+                layout.etp,
+                f"the experts' FFN width {experts.ffn_hidden_size} is not divisible by it{etp_default}; etp can be one "
+                f"of {_divisors(experts.ffn_hidden_size)}",
+            )
     if config.mixed_precision_param != "float32":
         # FSDP's policy casts the parameters of the modules it wraps, and it wraps nothing along a size-1 dimension
         whole = [
             what for what, size in (("dense parameters (dp)", layout.dp), ("experts (edp)", layout.edp)) if size == 1
         ]
         if whole:
-            raise ValueError(
-                f"parallel.mixed_precision_param={config.mixed_precision_param!r} applies to FSDP-sharded parameters "
-                f"and this layout shards no {' or '.join(whole)}; keep it float32 and set run.dtype=bf16 (autocast)"
+            raise LayoutError(
+                "mixed_precision_param",
+                config.mixed_precision_param,
+                f"applies to FSDP-sharded parameters and this layout shards no {' or '.join(whole)}; keep it float32 "
+                "and compute in bf16 with autocast instead",
             )
     if config.moe_token_dispatcher_type == "flex" and layout.etp > 1:
-        raise ValueError(
-            f"parallel.moe_token_dispatcher_type='flex' (DeepEP) does not support etp > 1{etp_default}: use 'alltoall' "
-            "or parallel.etp=1"
+        raise LayoutError(
+            "moe_token_dispatcher_type",
+            "flex",
+            f"DeepEP does not support etp > 1{etp_default}: use 'alltoall', or etp=1",
         )
     if config.moe_token_dispatcher_type == "flex" and layout.ep > 1:
         from moe_dispatch.deepep import load_deep_ep
@@ -83,33 +99,47 @@ def check_model(model_config, config: ParallelConfig, layout) -> None:
         try:
             load_deep_ep()
         except RuntimeError as err:
-            raise ValueError(f"parallel.moe_token_dispatcher_type='flex': {err}") from None
-    check_tensor_parallel(model_config, layout.tp)
+            raise LayoutError("moe_token_dispatcher_type", "flex", str(err)) from None
+    check_tensor_parallel(plan, layout.tp)
 
 
-def parallelize(model: nn.Module, meshes: ParallelMeshes | None, config: ParallelConfig) -> ParallelModel:
-    """Split ``model`` (a moe_models ``MoETransformer`` built identically on every rank) over ``meshes``, in place.
+def parallelize(
+    model: nn.Module,
+    meshes: ParallelMeshes | None,
+    config: ParallelConfig,
+    plan: ParallelPlan | None = None,
+    *,
+    before_fsdp: Callable[[nn.Module], object] | None = None,
+) -> ParallelModel:
+    """Split ``model`` over ``meshes`` in place, as its ``plan`` (default: ``model.parallel_plan()``) says.
 
-    With ``meshes=None`` (one process) the model is left as it is.
+    The model may hold values (the same on every rank) or be on the meta device, to be filled afterwards with
+    :func:`~moe_parallel.materialize`. ``before_fsdp`` runs after expert and tensor parallelism and before FSDP, on
+    the modules that will run (torchtitan applies activation checkpointing there); with ``meshes=None`` (one
+    process) it is all that happens.
     """
+    plan = model.parallel_plan() if plan is None else plan
     if meshes is None:
+        if before_fsdp is not None:
+            before_fsdp(model)
         return ParallelModel(model, None, GradientSync())
     layout = meshes.layout
-    check_model(model.config, config, layout)
-    apply_expert_parallel(model, meshes, config.moe_token_dispatcher_type)
+    check_plan(model, plan, config, layout)
+    apply_expert_parallel(model, meshes, plan, config.moe_token_dispatcher_type)
     tp_partial: list[str] = []
     if layout.tp > 1:
         by_id = {id(p): n for n, p in model.named_parameters()}
-        tp_partial = [by_id[id(p)] for p in apply_tensor_parallel(model, meshes.tp_mesh)]
-    blocks = moe_blocks(model)  # the same module objects before and after fully_shard
-    for block in blocks:
+        tp_partial = [by_id[id(p)] for p in apply_tensor_parallel(model, meshes.tp_mesh, plan)]
+    for block in moe_blocks(model, plan):
         block.router.stats_group = meshes.token_group
         if layout.tp > 1:
             block.router.sequence_group = meshes.group("tp")
+    if before_fsdp is not None:
+        before_fsdp(model)
     # FSDP replaces parameters by new (DTensor) ones: everything below looks them up afterwards
-    apply_fsdp(model, meshes, config.mixed_precision_param, config.mixed_precision_reduce)
+    apply_fsdp(model, meshes, plan, config.mixed_precision_param, config.mixed_precision_reduce)
     named = dict(model.named_parameters())
-    experts = [b.experts for b in blocks]
+    experts = [b.experts for b in moe_blocks(model, plan)]
     down_biases = {id(e.b_down_EH) for e in experts if e.b_down_EH is not None}
     world = layout.world_size // layout.pp
     replicas = {id(p): replica_count(p, world) for p in named.values()}

@@ -1,21 +1,13 @@
-"""Tensor + sequence parallelism (Megatron-style, with DTensor parallel styles) for moe_models' decoder.
+"""Tensor + sequence parallelism from a model's :class:`~moe_parallel.plan.ParallelPlan`, with DTensor styles.
 
-The residual stream between blocks is split along the sequence over the tp ranks (sequence parallel): norms run
-on the local chunk (:class:`SequenceParallel`), attention and dense MLPs all-gather it, split heads / FFN columns
-(:class:`ColwiseParallel`) and reduce-scatter the output (:class:`RowwiseParallel`). MoE blocks route the local
-chunk: tokens reach their experts through the expert-parallel dispatcher, not through tp. Balancing statistics
-are summed over the tp ranks (the routers' ``sequence_group``), but a capacity factor is applied per chunk, as in
-Megatron-Core: with token dropping, tp changes which tokens are dropped.
+The plan maps module paths to DTensor parallel styles (Megatron-style column/row splits, sequence-parallel norms,
+input preparation); :func:`apply_tensor_parallel` applies them and the two things DTensor styles cannot say:
 
-Parameters that stay plain tensors and see only part of the data get only part of their gradient on each tp rank;
-:func:`apply_tensor_parallel` returns them so the training step sums their gradients over tp
-(:class:`~moe_parallel.grads.GradientSync`): the router and shared experts of MoE blocks (local tokens), Qwen3's
-q/k norms (local heads) and the MTP input projections (local tokens). MLA's ``kv_a_proj`` output feeds both the
-column-parallel ``kv_b_proj`` (whose input gradient DTensor already sums) and the rotary key every local head
-shares: the gradient of that rotary slice is summed over tp in the backward (:class:`_SumGradOverGroup`).
-
-Module names follow moe_models' checkpoint layout (``layers.{i}.attention.q_proj`` ...); the model code itself
-holds no parallelism.
+- parameters left whole on every tp rank that see only that rank's tokens or heads (routers, shared experts, per-head
+  norms) get only part of their gradient on each rank: they are returned, and the training step sums their
+  gradients over tp (:class:`~moe_parallel.grads.GradientSync`);
+- an output slice that every tp rank uses whole, computed by a module whose other columns feed split heads (MLA's
+  rotary key beside the kv latent): the gradient of that slice is summed over tp in the backward.
 """
 
 from __future__ import annotations
@@ -24,14 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
+
+from moe_parallel.plan import LayoutError, ParallelPlan, submodule
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -58,104 +45,38 @@ def _sum_grad_columns_from(start: int, group: dist.ProcessGroup):
     return hook
 
 
-def check_tensor_parallel(config, tp: int) -> None:
-    """Raise ``ValueError`` naming the field when ``config`` (a moe_models ModelConfig) cannot split over ``tp``."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tensor_parallel(plan: ParallelPlan, tp: int) -> None:
+    """Raise :class:`LayoutError` (field ``tp``) when the planned model cannot split over ``tp`` ranks."""
     if tp == 1:
         return
-    checks = [("num_attention_heads", config.num_attention_heads)]
-    if not config.multi_latent_attention:
-        checks.append(("num_query_groups", config.num_query_groups))
-    for name, value in checks:
-        if value % tp:
-            raise ValueError(f"model.{name}={value} is not divisible by parallel.tp={tp}")
-    if config.softmax_type != "vanilla":
-        raise ValueError(f"model.softmax_type={config.softmax_type!r} (attention sinks) does not support tp > 1 yet")
-    if config.share_embeddings_and_output_weights:
-        raise ValueError("model.share_embeddings_and_output_weights=true does not support tp > 1 yet")
-    if 0 in config.moe_layer_pattern() and config.ffn_hidden_size % tp:  # only dense layers split it
-        raise ValueError(f"model.ffn_hidden_size={config.ffn_hidden_size} is not divisible by parallel.tp={tp}")
+    for field, why in plan.tp_unsupported.items():
+        raise LayoutError("tp", tp, f"the model's {field}: {why}; use tp=1")
+    for field, size in plan.tp_divides.items():
+        if size % tp:
+            fits = [d for d in _divisors(size) if all(s % d == 0 for s in plan.tp_divides.values())]
+            raise LayoutError("tp", tp, f"the model's {field}={size} is not divisible by it; tp can be one of {fits}")
 
 
-def _attention_plan(attention: nn.Module) -> dict:
-    plan: dict = {"o_proj": RowwiseParallel(output_layouts=Shard(1))}
-    if hasattr(attention, "kv_a_proj"):  # MLA: the latents are small and stay whole on every rank
-        plan["kv_b_proj"] = ColwiseParallel()
-        plan["q_b_proj" if getattr(attention, "q_latent", False) else "q_proj"] = ColwiseParallel()
-    else:
-        plan.update({name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")})
-    return plan
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan) -> list[nn.Parameter]:
+    """Split ``model`` over ``tp_mesh`` in place as ``plan`` says (tensor + sequence parallel).
 
-
-def _parallelize_decoder_layer(layer: nn.Module, tp_mesh: DeviceMesh, partial: list[nn.Parameter]) -> None:
-    attention, mlp = layer.attention, layer.mlp
-    parallelize_module(
-        layer,
-        tp_mesh,
-        {
-            "input_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
-                use_local_output=True,  # the MLA latents are plain Linears on the whole sequence
-            ),
-            "post_attention_norm": SequenceParallel(),
-        },
-    )
-    parallelize_module(attention, tp_mesh, _attention_plan(attention))
-    if hasattr(attention, "kv_a_proj"):
-        group = tp_mesh.get_group()
-        attention.kv_a_proj.register_forward_hook(_sum_grad_columns_from(attention.kv_lora_rank, group))
-    else:
-        for norm in (attention.q_norm, attention.k_norm):  # per-head norms over this rank's heads
-            partial.extend(norm.parameters())
-    if hasattr(mlp, "router"):  # MoE: route this rank's sequence chunk
-        parallelize_module(
-            mlp,
-            tp_mesh,
-            PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True),
-        )
-        partial.extend(mlp.router.parameters())
-        if mlp.shared_experts is not None:
-            partial.extend(mlp.shared_experts.parameters())
-    else:
-        parallelize_module(
-            mlp,
-            tp_mesh,
-            {
-                "": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-                ),
-                "gate_proj": ColwiseParallel(),
-                "up_proj": ColwiseParallel(),
-                "down_proj": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Split a moe_models ``MoETransformer`` over ``tp_mesh`` in place (tensor + sequence parallel).
-
-    Returns the parameters whose gradients must be summed over the tp ranks after the backward (module
-    docstring). The sequence length must divide by the tp size; routers are not told about the split here
-    (:func:`moe_parallel.parallelize` sets their ``sequence_group``).
+    Returns the parameters whose gradients must be summed over the tp ranks after the backward (module docstring).
+    Routers are not told about the sequence split here (:func:`moe_parallel.parallelize` sets their
+    ``sequence_group``).
     """
-    check_tensor_parallel(model.config, tp_mesh.size())
-    partial: list[nn.Parameter] = []
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    for layer in model.layers:
-        _parallelize_decoder_layer(layer, tp_mesh, partial)
-    for mtp in model.mtp:
-        # the MTP input (norms of the previous hidden state and of the next embeddings, their projection) runs on
-        # the local sequence chunk with whole weights
-        partial.extend([*mtp.enorm.parameters(), *mtp.hnorm.parameters(), *mtp.eh_proj.parameters()])
-        _parallelize_decoder_layer(mtp.layer, tp_mesh, partial)
-        parallelize_module(mtp, tp_mesh, {"final_norm": SequenceParallel()})
+    check_tensor_parallel(plan, tp_mesh.size())
+    named = dict(model.named_parameters())
+    partial = []
+    for name in plan.tp_partial_grads:
+        if name not in named:
+            raise ValueError(f"the parallel plan names parameter {name!r}, which the model does not have")
+        partial.append(named[name])
+    parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
+    group = tp_mesh.get_group()
+    for path, start in plan.tp_sum_grad_columns.items():
+        submodule(model, path).register_forward_hook(_sum_grad_columns_from(start, group))
     return partial

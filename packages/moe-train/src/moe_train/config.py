@@ -25,6 +25,22 @@ class ConfigError(ValueError):
     """A configuration the user wrote cannot be used; the message names the key and the fix."""
 
 
+def _field_error_sections() -> dict[type, str]:
+    from moe_models import ModelConfigError
+    from moe_parallel import LayoutError
+
+    return {ModelConfigError: "model", LayoutError: "parallel"}
+
+
+def config_error(err: Exception) -> ConfigError:
+    """A library's error as a :class:`ConfigError` naming the config key: the one place where the fields the
+    libraries' errors carry (``err.field``) become ``section.key``. Other errors keep their message."""
+    for kind, section in _field_error_sections().items():
+        if isinstance(err, kind):
+            return ConfigError(f"{section}.{err.field}={err.value!r}: {err.reason}")
+    return ConfigError(str(err))
+
+
 @dataclass
 class DataConfig:
     """The ``data`` config section."""
@@ -239,7 +255,7 @@ def load_config(name_or_path: str = "tiny", overrides: dict[str, Any] | None = N
     try:
         built = {name: cls(**sections[name]) for name, cls in SECTIONS.items()}
     except ValueError as err:
-        raise ConfigError(str(err)) from None
+        raise config_error(err) from None
     cfg = ExperimentConfig(**built, model_from_hf=str(source.get("from_hf", "")))
     validate(cfg)
     return cfg

@@ -16,21 +16,24 @@ import torch
 from torch import nn
 
 from moe_experts import BackendUnavailableError
-from moe_memory import apply_activation_checkpointing
+from moe_memory import apply_activation_checkpointing, select_modules
 from moe_models import build_model, causal_lm_loss, training_flops_per_token
+from moe_models.hf import CheckpointSource
 from moe_parallel import (
     DistributedContext,
     ParallelLayout,
     ParallelModel,
+    ParallelPlan,
     all_reduce_mean,
     build_meshes,
-    check_model,
+    check_plan,
     init_distributed,
     local_grad,
+    materialize,
     parallelize,
 )
 from moe_train.checkpoint import save_checkpoint
-from moe_train.config import ConfigError, ExperimentConfig
+from moe_train.config import ConfigError, ExperimentConfig, config_error
 from moe_train.data import TokenStream, stdlib_token_file
 from moe_train.metrics import MetricsLog, peak_tflops
 from moe_train.optim import build_optimizer, lr_at, set_lr
@@ -72,11 +75,11 @@ def _resolve_device(cfg: ExperimentConfig) -> str:
     return cfg.run.device
 
 
-def _check_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
+def _check_layout(cfg: ExperimentConfig, layout: ParallelLayout, model: nn.Module, plan: ParallelPlan) -> None:
     try:
-        check_model(cfg.model, cfg.parallel, layout)
+        check_plan(model, plan, cfg.parallel, layout)
     except ValueError as err:
-        raise ConfigError(str(err)) from None
+        raise config_error(err) from None
     if cfg.data.seq_len % layout.tp:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp} (sequence parallel "
@@ -90,33 +93,38 @@ def _check_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
         )
 
 
-def _load_hf_weights(model: torch.nn.Module, cfg: ExperimentConfig) -> None:
-    """Replace the fresh weights with a HuggingFace checkpoint's (safetensors only)."""
-    from moe_models.hf import read_state_dict
-
+def _checkpoint_source(cfg: ExperimentConfig) -> CheckpointSource:
+    """The HuggingFace checkpoint the weights come from, its names and shapes checked against the model config."""
     try:
-        state = read_state_dict(cfg.model_from_hf, cfg.model)
+        return CheckpointSource(cfg.model_from_hf, cfg.model)
     except (ValueError, OSError) as err:  # HFCheckpointError is a ValueError
         hint = "; model.* overrides must not change the checkpoint's sizes" if "shape" in str(err) else ""
         raise ConfigError(f"model.from_hf={cfg.model_from_hf!r}: {err}{hint}") from None
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # a tied head is the embedding: read_state_dict leaves it out
-    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.model.share_embeddings_and_output_weights)]
-    if missing or unexpected:
-        raise ConfigError(
-            f"model.from_hf={cfg.model_from_hf!r}: the checkpoint does not fit the configured model "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); drop the model.* overrides that change its shape"
-        )
 
 
-def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
-    """Validate the config against this launch, join the process group and build the model."""
+def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = True) -> Setup:
+    """Validate the config against this launch, join the process group and build this rank's part of the model.
+
+    The model is built on the meta device, split over the layout (expert, tensor parallelism, recompute, FSDP), and
+    only then materialised: each rank allocates and fills its own shards, from fresh initial values or from the
+    HuggingFace checkpoint. ``build_on_meta=False`` builds the whole model with values first (as every rank did
+    before; the same values, kept to check that both ways train alike).
+    """
     device_type = _resolve_device(cfg)
     try:
         layout = cfg.parallel.layout(world_size)
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+    except BackendUnavailableError as err:
+        raise ConfigError(f"model.moe_expert_backend={cfg.model.moe_expert_backend!r}: {err}") from None
     except ValueError as err:
-        raise ConfigError(str(err)) from None
-    _check_layout(cfg, layout)
+        raise config_error(err) from None
+    plan = model.parallel_plan()
+    _check_layout(cfg, layout, model, plan)
+    try:
+        select_modules(model, cfg.run.recompute_modules)
+    except ValueError as err:
+        raise ConfigError(f"run.recompute_modules: {err}") from None
     micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // layout.dp
     if micro == 0 or cfg.train.global_batch_size % (micro * layout.dp):
         raise ConfigError(
@@ -126,21 +134,25 @@ def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
     )
+    source = _checkpoint_source(cfg) if cfg.model_from_hf else None
     ctx = init_distributed(cfg.parallel.backend, device_type)
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
-    try:
+    torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
+    if not build_on_meta:
         with torch.device(ctx.device):
-            model = build_model(cfg.model)
-    except BackendUnavailableError as err:
-        raise ConfigError(f"model.moe_expert_backend={cfg.model.moe_expert_backend!r}: {err}") from None
-    if cfg.model_from_hf:
-        _load_hf_weights(model, cfg)
-    try:
-        recomputed = apply_activation_checkpointing(model, cfg.run.recompute_modules)
-    except ValueError as err:
-        raise ConfigError(f"run.recompute_modules: {err}") from None
+            model = build_model(cfg.model, seed=cfg.train.seed)
     meshes = build_meshes(layout, ctx.device.type) if ctx.world_size > 1 else None
-    parallel = parallelize(model, meshes, cfg.parallel)
+    recomputed: list[str] = []
+
+    def recompute(modules: nn.Module) -> None:
+        recomputed.extend(apply_activation_checkpointing(modules, cfg.run.recompute_modules))
+
+    parallel = parallelize(model, meshes, cfg.parallel, plan, before_fsdp=recompute)
+    if build_on_meta or source is not None:
+        try:
+            materialize(model, plan, source or model.initial_weights(cfg.train.seed), ctx.device)
+        finally:
+            if source is not None:
+                source.close()
     data_path = stdlib_token_file(Path(cfg.data.cache_dir) if cfg.data.cache_dir else None)
     grad_accum = cfg.train.global_batch_size // (micro * layout.dp)
     return Setup(cfg, ctx, layout, model, parallel, dtype, micro, grad_accum, data_path, recomputed)

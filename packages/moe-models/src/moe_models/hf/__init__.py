@@ -1,11 +1,14 @@
 """HuggingFace checkpoints (config.json + safetensors) of Qwen3-MoE, DeepSeek-V3 / Kimi-K2, GPT-OSS and Mixtral:
-load into / save from our models, or read only some experts' tensors for an expert-parallel rank."""
+load into / save from our models, read only some experts' tensors for an expert-parallel rank, or serve a
+parallelised model's shards slice by slice (``CheckpointSource``)."""
 
 from moe_models.hf.config_map import config_from_hf, config_to_hf
 from moe_models.hf.errors import HFCheckpointError
 from moe_models.hf.io import load_pretrained, read_state_dict, save_pretrained
+from moe_models.hf.source import CheckpointSource
 
 __all__ = [
+    "CheckpointSource",
     "HFCheckpointError",
     "config_from_hf",
     "config_to_hf",

@@ -157,8 +157,6 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("attention_bias"):
         raise _unsupported("attention_bias", True, "DeepSeek-V3 attention has no biases")
-    if not hf.get("norm_topk_prob", True):
-        raise _unsupported("norm_topk_prob", False, "sigmoid routing always renormalises the top-k; set it to true")
     if hf.get("scoring_func", "sigmoid") != "sigmoid":
         raise _unsupported("scoring_func", hf["scoring_func"], "DeepSeek-V3 routing is 'sigmoid'")
     if hf.get("topk_method", "noaux_tc") != "noaux_tc":
@@ -166,6 +164,13 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("moe_layer_freq", 1) != 1:
         raise _unsupported("moe_layer_freq", hf["moe_layer_freq"], "every layer after first_k_dense_replace is MoE")
     num_layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
+    if topk == 1 and hf.get("norm_topk_prob", True):
+        # transformers renormalises even a single weight (to 1); Megatron-Core keeps the sigmoid score for topk 1
+        raise _unsupported(
+            "norm_topk_prob",
+            True,
+            "with num_experts_per_tok=1 transformers makes every routing weight 1, not expressible",
+        )
     first_dense = hf.get("first_k_dense_replace") or 0
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
     if groups > 1 and topk // group_topk != 2:
@@ -194,6 +199,8 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "moe_layer_freq": _compact([int(i >= first_dense) for i in range(num_layers)]),
         "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"] or None,
         "moe_router_score_function": "sigmoid",
+        # false: the raw sigmoid scores of the top-k are the weights, still times routed_scaling_factor
+        "moe_router_sigmoid_norm_topk": bool(hf.get("norm_topk_prob", True)),
         "moe_router_enable_expert_bias": True,
         "moe_router_num_groups": groups if groups > 1 else None,
         "moe_router_group_topk": group_topk if groups > 1 else None,
@@ -254,7 +261,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def _require(ok: bool, field: str, value: Any, family: str, why: str) -> None:
     if not ok:
-        raise HFCheckpointError(f"model.{field}={value!r} cannot be written as a {family} checkpoint: {why}")
+        raise HFCheckpointError(f"ModelConfig {field}={value!r} cannot be written as a {family} checkpoint: {why}")
 
 
 def _rope_to_hf(c: ModelConfig) -> dict[str, Any]:
@@ -382,7 +389,8 @@ def _deepseek_to_hf(c: ModelConfig) -> dict[str, Any]:
         "n_shared_experts": shared // c.moe_ffn_hidden_size,
         "n_group": groups,
         "topk_group": group_topk,
-        "norm_topk_prob": True,
+        # our topk-1 weight is the sigmoid score, renormalised or not (Megatron-Core); transformers' is then 1
+        "norm_topk_prob": c.moe_router_sigmoid_norm_topk and c.moe_router_topk > 1,
         "routed_scaling_factor": c.moe_router_topk_scaling_factor or 1.0,
         "num_nextn_predict_layers": c.mtp_num_layers or 0,
     }

@@ -71,6 +71,10 @@ class CheckpointReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._file(key).get_slice(key).get_shape())
 
+    def read_box(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """Only ``box`` (one slice per dimension) of tensor ``key``: safetensors reads just those bytes."""
+        return self._file(key).get_slice(key)[box]
+
     def read(self, source: Source) -> torch.Tensor:
         """The tensor, or only its ``source.rows`` along dim 0, read as contiguous runs of rows."""
         f = self._file(source.key)

@@ -22,7 +22,7 @@ from moe_models.hf.state_dict_map import Plan, build_plan, mtp_prefixes
 from moe_models.model import build_model
 
 # router tensors kept in fp32 whatever the load dtype (transformers keeps DeepSeek's in fp32 too)
-_FP32_SUFFIXES = (".router.expert_bias",)
+FP32_SUFFIXES = (".router.expert_bias",)
 
 
 def _check_keys(plan: Plan, full_plan: Plan, available: set[str]) -> None:
@@ -40,7 +40,7 @@ def _check_keys(plan: Plan, full_plan: Plan, available: set[str]) -> None:
         )
 
 
-def _plan_for(reader: CheckpointReader, config: ModelConfig, experts: Sequence[int] | None) -> Plan:
+def plan_for(reader: CheckpointReader, config: ModelConfig, experts: Sequence[int] | None) -> Plan:
     available = reader.names()
     plan = build_plan(config, experts=experts, available=available)
     _check_keys(plan, build_plan(config, available=available), available)
@@ -61,7 +61,7 @@ def _tensors(reader: CheckpointReader, plan: Plan, dtype: torch.dtype) -> Iterat
             tensors.append(reader.read(source))
         tensor = entry.to_ours(tensors)
         if tensor.is_floating_point():
-            tensor = tensor.to(torch.float32 if entry.ours.endswith(_FP32_SUFFIXES) else dtype)
+            tensor = tensor.to(torch.float32 if entry.ours.endswith(FP32_SUFFIXES) else dtype)
         yield entry.ours, tensor.contiguous()
 
 
@@ -80,7 +80,7 @@ def read_state_dict(
         if bad or not experts or len(set(experts)) != len(experts):
             raise ValueError(f"experts={experts}: give one or more distinct ids in [0, {config.num_moe_experts})")
     with CheckpointReader(path) as reader:
-        out = dict(_tensors(reader, _plan_for(reader, config, experts), dtype))
+        out = dict(_tensors(reader, plan_for(reader, config, experts), dtype))
     if config.share_embeddings_and_output_weights:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
@@ -149,7 +149,7 @@ def load_pretrained(
                 stacklevel=2,
             )
             config = dataclasses.replace(config, mtp_num_layers=None)
-        plan = _plan_for(reader, config, None)  # checks the names before any allocation
+        plan = plan_for(reader, config, None)  # checks the names before any allocation
         model = _empty_model(config, dtype, device)
         _load_into(model, reader, plan, dtype)
     return model.eval()

@@ -242,6 +242,11 @@ def build_plan(c: ModelConfig, *, experts: Sequence[int] | None = None, availabl
     return plan
 
 
+def stored_as_is(entry: Entry) -> bool:
+    """Whether our tensor is one HF tensor read whole under another name (so any slice of ours is that slice of it)."""
+    return entry.to_ours is _first and len(entry.sources) == 1 and entry.sources[0].rows is None
+
+
 def is_routed_expert_tensor(ours: str) -> bool:
     """Whether our tensor holds one slice per routed expert (dim 0), i.e. is cut by an expert subset."""
     return ".mlp.experts." in ours

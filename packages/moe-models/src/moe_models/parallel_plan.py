@@ -1,0 +1,121 @@
+"""The parallel plan of :class:`~moe_models.model.MoETransformer`: which module takes which tensor-parallel style,
+the FSDP units, the MoE blocks, and the parameters whose gradients need completing. moe_parallel applies it from
+outside; the model code itself holds no parallelism (as torchtitan keeps each model's ``parallelize`` beside it).
+
+Tensor + sequence parallelism, Megatron-style: the residual stream between blocks is split along the sequence over
+the tp ranks; norms run on the local chunk (:class:`SequenceParallel`), attention and dense MLPs all-gather it,
+split heads / FFN columns (:class:`ColwiseParallel`) and reduce-scatter the output (:class:`RowwiseParallel`). MoE
+blocks route the local chunk: tokens reach their experts through the expert-parallel dispatcher, not through tp.
+
+Parameters that stay whole but see only part of the data get part of their gradient on each tp rank, summed over
+tp after the backward: routers and shared experts of MoE blocks (local tokens), Qwen3's q/k norms (local heads),
+the MTP input projections (local tokens). MLA's ``kv_a_proj`` output feeds both the column-parallel ``kv_b_proj``
+(whose input gradient DTensor already sums) and the rotary key every local head shares: the gradient of that rotary
+slice is summed over tp in the backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from moe_parallel.plan import MoEBlockPlan, ParallelPlan
+
+if TYPE_CHECKING:
+    from moe_models.config import ModelConfig
+    from moe_models.model import DecoderLayer, MoETransformer
+
+
+def _attention_styles(prefix: str, layer: DecoderLayer, mla: bool) -> dict[str, ParallelStyle]:
+    attention = layer.attention
+    styles: dict[str, ParallelStyle] = {f"{prefix}.o_proj": RowwiseParallel(output_layouts=Shard(1))}
+    if mla:  # the latents are small and stay whole on every rank
+        styles[f"{prefix}.kv_b_proj"] = ColwiseParallel()
+        styles[f"{prefix}.{'q_b_proj' if attention.q_latent else 'q_proj'}"] = ColwiseParallel()
+    else:
+        styles.update({f"{prefix}.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")})
+    return styles
+
+
+def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dict) -> None:
+    """Add decoder layer ``prefix``'s entries to ``plan``'s tensor_parallel / partial / grad-column lists."""
+    styles, partial = plan["tensor_parallel"], plan["tp_partial_grads"]
+    styles[f"{prefix}.input_norm"] = SequenceParallel()
+    styles[f"{prefix}.attention"] = PrepareModuleInput(
+        input_layouts=(Shard(1), None, None),
+        desired_input_layouts=(Replicate(), None, None),
+        use_local_output=True,  # the MLA latents are plain Linears on the whole sequence
+    )
+    styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
+    styles.update(_attention_styles(f"{prefix}.attention", layer, config.multi_latent_attention))
+    if config.multi_latent_attention:
+        plan["tp_sum_grad_columns"][f"{prefix}.attention.kv_a_proj"] = config.kv_lora_rank
+    else:  # per-head norms over this rank's heads
+        partial.extend(f"{prefix}.attention.{n}" for n, _ in layer.attention.named_parameters() if "_norm." in n)
+    mlp = f"{prefix}.mlp"
+    if layer.is_moe:  # route this rank's sequence chunk
+        styles[mlp] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        partial.extend(f"{mlp}.{n}" for n, _ in layer.mlp.named_parameters() if n.startswith(("router.", "shared_")))
+    else:
+        styles[mlp] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+        styles.update({f"{mlp}.gate_proj": ColwiseParallel(), f"{mlp}.up_proj": ColwiseParallel()})
+        styles[f"{mlp}.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
+
+
+def parallel_plan(model: MoETransformer) -> ParallelPlan:
+    """The plan moe_parallel applies to ``model`` (module docstring)."""
+    c = model.config
+    plan: dict = {
+        "tensor_parallel": {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+        "tp_partial_grads": [],
+        "tp_sum_grad_columns": {},
+    }
+    layers = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+    depths = [(f"mtp.{k}.layer", mtp.layer) for k, mtp in enumerate(model.mtp)]
+    for prefix, layer in layers + depths:
+        _layer_plan(prefix, layer, c, plan)
+    for k, mtp in enumerate(model.mtp):
+        # the MTP input (norms of the previous hidden state and of the next embeddings, their projection) runs on
+        # the local sequence chunk with whole weights
+        plan["tp_partial_grads"].extend(
+            f"mtp.{k}.{n}" for n, _ in mtp.named_parameters() if n.startswith(("enorm.", "hnorm.", "eh_proj."))
+        )
+        plan["tensor_parallel"][f"mtp.{k}.final_norm"] = SequenceParallel()
+    tp_divides = {"num_attention_heads": c.num_attention_heads}
+    if not c.multi_latent_attention:
+        tp_divides["num_query_groups"] = c.num_query_groups
+    if not all(layer.is_moe for layer in model.layers):  # only dense layers split their FFN width
+        tp_divides["ffn_hidden_size"] = c.ffn_hidden_size
+    tp_unsupported = {}
+    if c.softmax_type != "vanilla":
+        tp_unsupported["softmax_type"] = "attention sinks do not support tensor parallelism yet"
+    if c.share_embeddings_and_output_weights:
+        tp_unsupported["share_embeddings_and_output_weights"] = "tied embeddings do not support tensor parallelism yet"
+    return ParallelPlan(
+        tensor_parallel=plan["tensor_parallel"],
+        tp_partial_grads=tuple(plan["tp_partial_grads"]),
+        tp_sum_grad_columns=plan["tp_sum_grad_columns"],
+        tp_divides=tp_divides,
+        tp_unsupported=tp_unsupported,
+        # an MTP depth's final norm runs outside its forward (the model applies it before the shared head), so the
+        # depth's decoder layer is the unit and its small input/output parts stay with the root
+        fsdp_units=tuple(prefix for prefix, _ in layers + depths),
+        moe_blocks=tuple(MoEBlockPlan(f"{prefix}.mlp") for prefix, layer in layers + depths if layer.is_moe),
+        tied_parameters=(("embed_tokens.weight", "lm_head.weight"),) if c.share_embeddings_and_output_weights else (),
+    )
