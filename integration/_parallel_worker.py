@@ -2,7 +2,9 @@
 
 Reads ``OUT_DIR/cases.json`` (a list of {"name", "preset", "overrides"}) and trains each case with moe-train in
 this one process group, one after the other; rank 0 writes each case's metrics to ``OUT_DIR/<name>/``. A case
-with ``"skip_grad_sync": true`` turns off moe_parallel's gradient completion: a control that must NOT match.
+with ``"skip_grad_sync": true`` turns off moe_parallel's gradient completion: a control that must NOT match; one
+with ``"eager": true`` builds the whole model with values before splitting it (the way every rank built it before
+the meta build path), which must train exactly as the default meta build does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def main(out_dir: Path) -> None:
         if case.get("skip_grad_sync"):
             moe_parallel.grads.GradientSync.finalize = lambda self, params: None
         overrides = {**case["overrides"], "run.output_dir": str(out_dir / case["name"])}
-        train(prepare(load_config(case["preset"], overrides), world))
+        train(prepare(load_config(case["preset"], overrides), world, build_on_meta=not case.get("eager")))
         moe_parallel.grads.GradientSync.finalize = finalize
     rank = torch.distributed.get_rank()
     torch.distributed.barrier()

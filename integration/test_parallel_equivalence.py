@@ -45,6 +45,9 @@ LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
 }
 # gradient completion off: experts are then scaled by edp/dp = 1/2 too little, so the run must diverge
 CONTROL = ("control: ep=2 without gradient sync", 2, {"parallel.ep": "2"})
+# layouts also run with the whole model built with values first (the old build path): equal to the meta build
+EAGER = ("tp=2 x ep=2 (etp=1)", "ep=2 x dp_shard=2 x tp=2")
+EAGER_TOLERANCE = 1e-6
 
 
 def _overrides(data_cache: Path) -> dict[str, str]:
@@ -71,12 +74,15 @@ def _case_dir(preset: str, layout: str) -> str:
 
 @pytest.fixture(scope="module")
 def single_process(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """The reference runs, and (key ``"<preset> eager"``) the same runs with the whole model built with values."""
     out = tmp_path_factory.mktemp("single")
     runs = {}
     for preset in PRESETS:
-        overrides = {**_overrides(data_cache), "run.output_dir": str(out / preset)}
-        train(prepare(load_config(preset, overrides), 1))
-        runs[preset] = _records(out / preset)
+        for eager in (False, True):
+            name = f"{preset} eager" if eager else preset
+            overrides = {**_overrides(data_cache), "run.output_dir": str(out / name)}
+            train(prepare(load_config(preset, overrides), 1, build_on_meta=not eager))
+            runs[name] = _records(out / name)
     return runs
 
 
@@ -89,6 +95,11 @@ def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, la
             for name, (size, extra) in LAYOUTS.items()
             if size == world
             for preset in PRESETS
+        ]
+        cases += [
+            {**case, "name": case["name"] + "--eager", "eager": True}
+            for case in list(cases)
+            if any(case["name"] == _case_dir(preset, layout) for layout in EAGER for preset in PRESETS)
         ]
         if world == CONTROL[1]:
             cases.append(
@@ -126,3 +137,19 @@ def test_layout_equals_single_process(preset: str, layout: str, single_process, 
 def test_control_without_gradient_sync_differs(single_process, parallel_runs: Path) -> None:
     ours = _records(parallel_runs / f"world{CONTROL[1]}" / _case_dir(PRESETS[0], CONTROL[0]))
     assert _max_rel_diff(ours, single_process[PRESETS[0]], "grad_norm") > 1e-2
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("layout", ["one process", *EAGER])
+def test_meta_build_trains_as_the_whole_model_built_first(
+    preset: str, layout: str, single_process, parallel_runs: Path
+) -> None:
+    """Built on meta and materialised shard by shard, or built whole with values and then split: the same run."""
+    if layout == "one process":
+        meta, eager = single_process[preset], single_process[f"{preset} eager"]
+    else:
+        case = parallel_runs / f"world{LAYOUTS[layout][0]}" / _case_dir(preset, layout)
+        meta, eager = _records(case), _records(case.with_name(case.name + "--eager"))
+    diffs = {key: _max_rel_diff(meta, eager, key) for key in ("loss", "grad_norm", "aux_loss")}
+    print(f"{preset} {layout}: meta vs eager build, max relative difference {diffs}")
+    assert all(d < EAGER_TOLERANCE for d in diffs.values()), diffs

@@ -1,23 +1,37 @@
 """One rank of test_parallelize_dist.py (4 gloo ranks): ``python _parallelize_worker.py OUT_DIR``.
 
-Checks that need real process groups: the meshes' groups are the layout's, where each parameter ends up (experts
-never sharded twice), and one training step of a model with fewer experts per rank than expert-data-parallel
-ranks (FSDP then shards experts along their second dim) against the same model in this process alone.
+Checks that need real process groups, each against the same model in this process alone where it computes:
+
+- the meshes' groups are the layout's, and where each parameter ends up (experts never sharded twice);
+- one training step of a model with fewer experts per rank than expert-data-parallel ranks (FSDP then shards the
+  experts along their second dim);
+- the plan protocol: a model that is not moe_models' (``_toy_plan_model.py``), split as its own plan says;
+- building on meta and materialising gives each rank exactly the tensors an eager build split the same way holds;
+- the experts' gradient scale when ep and dp both exceed 1 (edp / dp);
+- activation checkpointing applied through ``before_fsdp`` recomputes the experts that run, in every layout.
+
+Each section stores what it saw; the test module asserts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _toy_plan_model import PLAN, ToyMoE, loss_fn
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel
 
+from moe_experts import GroupedExperts
+from moe_memory import apply_activation_checkpointing
 from moe_models import build_model, causal_lm_loss
 from moe_models.presets import preset
-from moe_parallel import ParallelConfig, build_meshes, init_distributed, parallelize
+from moe_parallel import ParallelConfig, build_meshes, init_distributed, local_box, materialize, parallelize
 
 LAYOUTS = [
     {"tp": 2, "ep": 2, "etp": 1},
@@ -26,6 +40,18 @@ LAYOUTS = [
     {"tp": 2},
     {"etp": 2, "ep": 2},
 ]
+
+# every GroupedExperts forward, counted at class level so a checkpoint wrapper's recompute counts too
+EXPERT_CALLS = [0]
+_experts_forward = GroupedExperts.forward
+
+
+def _counting_forward(self, *args, **kwargs):
+    EXPERT_CALLS[0] += 1
+    return _experts_forward(self, *args, **kwargs)
+
+
+GroupedExperts.forward = _counting_forward
 
 
 def _groups(meshes) -> dict[str, list[int]]:
@@ -51,12 +77,214 @@ def _step(model, config, ids_BS) -> float:
     return loss.item()
 
 
+def _accumulated_reference(model: nn.Module, loss_of, ids_BS: torch.Tensor, dp: int) -> list[float]:
+    """One process doing what ``dp`` data-parallel replicas do, as gradient accumulation: a backward per replica's
+    slice of the global batch, then the gradients divided by ``dp``. Returns each slice's loss."""
+    losses = []
+    for part in ids_BS.chunk(dp):
+        loss = loss_of(model, part)
+        loss.backward()
+        losses.append(loss.item())
+    for p in model.parameters():
+        p.grad /= dp
+    return losses
+
+
+def _grad_pairs(model: nn.Module, reference: nn.Module) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
+    """Each parameter's finalized gradient, gathered to what this rank can compare (the whole tensor, or for plain
+    per-rank experts this rank's experts and etp slice), beside the reference's same part."""
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    out = {}
+    for name, param in model.named_parameters():  # the same order on every rank: full_tensor's collectives line up
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        want = expected[name]
+        path, _, attr = name.rpartition(".")
+        module = model.get_submodule(path)
+        if isinstance(module, GroupedExperts) and grad is not None and grad.shape != want.shape:
+            first = module.first_expert
+            want = torch.stack([module.local_slice(attr, want[first + e]) for e in range(module.num_experts)])
+        out[name] = (None if grad is None else grad.detach().clone(), want.clone())
+    return out
+
+
+def _toy_ids(dp: int) -> torch.Tensor:
+    return torch.randint(0, 32, (2 * dp, 9), generator=torch.Generator().manual_seed(11))
+
+
+def protocol(world: int) -> dict:
+    """The toy model (not moe_models') split as its plan says: one step equals one process's."""
+    out = {}
+    for name, sizes, explicit in [
+        ("ep=2", {"ep": 2}, True),  # the plan passed to parallelize
+        ("tp=2 x ep=2 (etp=1)", {"tp": 2, "ep": 2, "etp": 1}, False),  # model.parallel_plan()
+        ("tp=2 x ep=2 (etp=2)", {"tp": 2, "ep": 2}, False),
+    ]:
+        cfg = ParallelConfig(**sizes)
+        meshes = build_meshes(cfg.layout(world), "cpu")
+        model = ToyMoE(seed=3)
+        parallel = parallelize(model, meshes, cfg, PLAN if explicit else None)
+        dp = meshes.layout.dp
+        ids_BS = _toy_ids(dp)
+        loss = loss_fn(model, ids_BS.chunk(dp)[parallel.dp_index])
+        loss.backward()
+        parallel.finalize_grads()
+        norm = parallel.clip_grad_norm_(float("inf")).item()
+        reference = ToyMoE(seed=3)
+        ref_losses = _accumulated_reference(reference, loss_fn, ids_BS, dp)
+        out[name] = {
+            "loss": loss.item(),
+            "ref_loss": ref_losses[parallel.dp_index],
+            "norm": norm,
+            "ref_norm": nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item(),
+            "grads": _grad_pairs(model, reference),
+            # the plan's attribute names were the ones swapped; nothing was added under the default names
+            "dispatcher": type(model.moe.token_mover).__name__,
+            "local_experts": model.moe.bank.num_experts,
+            "default_names": [n for n in ("router", "dispatcher", "experts") if hasattr(model.moe, n)],
+        }
+    return out
+
+
+def bad_plans(world: int) -> dict:
+    """What parallelize says to plans naming what the toy model does not have, with tp=2 x ep=2 (etp=1)."""
+    cfg = ParallelConfig(tp=2, ep=2, etp=1)
+    meshes = build_meshes(cfg.layout(world), "cpu")
+    out = {}
+    for name, plan in {
+        "tp_partial_grads": dataclasses.replace(PLAN, tp_partial_grads=("moe.gate.wieght",)),
+        "tensor_parallel": dataclasses.replace(
+            PLAN, tensor_parallel={**PLAN.tensor_parallel, "ffn.w1": ColwiseParallel()}
+        ),
+        "fsdp_units": dataclasses.replace(PLAN, fsdp_units=("ffn", "mo")),
+    }.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                parallelize(ToyMoE(seed=3), meshes, cfg, plan)
+                out[name] = ("no error", [str(w.message) for w in caught])
+            except Exception as err:  # the test asserts the type
+                out[name] = (type(err).__name__, str(err))
+    return out
+
+
+META_CASES = {
+    "ep=2": ("tiny-qwen3-moe", {"ep": 2}, {}),
+    "ep=4": ("tiny-qwen3-moe", {"ep": 4}, {}),
+    "tp=2 x ep=2 (etp=1)": ("tiny-deepseek-v3", {"tp": 2, "ep": 2, "etp": 1}, {}),
+    "tp=2 (etp=2)": ("tiny-qwen3-moe", {"tp": 2}, {}),
+    "dp_replicate=2 x ep=2": ("tiny-qwen3-moe", {"dp_replicate": 2, "ep": 2}, {}),
+    "etp=2 x ep=2, GPT-OSS biases": ("tiny-gpt-oss", {"etp": 2, "ep": 2}, {}),
+    "dp_shard=4, tied embeddings": ("tiny-qwen3-moe", {}, {"share_embeddings_and_output_weights": True}),
+}
+
+
+def meta_equals_eager(world: int) -> dict:
+    out = {}
+    for name, (family, sizes, changes) in META_CASES.items():
+        config = dataclasses.replace(preset(family), **changes)
+        cfg = ParallelConfig(**sizes)
+        meshes = build_meshes(cfg.layout(world), "cpu")
+        eager = build_model(config, seed=7)
+        with torch.device("meta"):
+            meta = build_model(config)
+        eager_parallel = parallelize(eager, meshes, cfg)
+        meta_parallel = parallelize(meta, meshes, cfg)
+        materialize(meta, meta.parallel_plan(), meta.initial_weights(7), "cpu")
+        want = {n: local_box(t)[0] for n, t in [*eager.named_parameters(), *eager.named_buffers()]}
+        got = {n: local_box(t)[0] for n, t in [*meta.named_parameters(), *meta.named_buffers()]}
+        case = {
+            "names": (sorted(got), sorted(want)),
+            "differ": [n for n in want if n in got and not torch.equal(got[n], want[n])],
+            "on_meta": [n for n, t in got.items() if t.is_meta],
+            "tied": (
+                eager.lm_head.weight is eager.embed_tokens.weight,
+                meta.lm_head.weight is meta.embed_tokens.weight,
+            ),
+        }
+        # and the materialised model trains as the eager one: the gradient bookkeeping follows the new parameters
+        ids_BS = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
+        norms = []
+        for model, parallel in ((eager, eager_parallel), (meta, meta_parallel)):
+            _step(model, config, ids_BS)
+            parallel.finalize_grads()
+            norms.append(parallel.clip_grad_norm_(float("inf")).item())
+        grads = [{n: local_box(p.grad)[0] for n, p in m.named_parameters()} for m in (eager, meta)]
+        case["norms"] = tuple(norms)
+        case["grads_differ"] = [n for n in grads[0] if not torch.equal(grads[0][n], grads[1][n])]
+        out[name] = case
+    return out
+
+
+def expert_gradient_scale(world: int) -> dict:
+    """ep=2 x dp_shard=4 (edp=2): one step of tiny-qwen3-moe, each replica on its slice, against one process."""
+    config = preset("tiny-qwen3-moe")
+    cfg = ParallelConfig(ep=2)
+    meshes = build_meshes(cfg.layout(world), "cpu")
+    model = build_model(config, seed=5)
+    parallel = parallelize(model, meshes, cfg)
+    dp = meshes.layout.dp
+    ids_BS = torch.randint(0, config.vocab_size, (dp, 17), generator=torch.Generator().manual_seed(9))
+
+    def lm_loss(m, part):
+        return causal_lm_loss(m(part[:, :-1]), part[:, 1:], config.mtp_loss_scaling_factor).total
+
+    loss = lm_loss(model, ids_BS.chunk(dp)[parallel.dp_index])
+    loss.backward()
+    parallel.finalize_grads()
+    norm = parallel.clip_grad_norm_(float("inf")).item()
+    reference = build_model(config, seed=5)
+    ref_losses = _accumulated_reference(reference, lm_loss, ids_BS, dp)
+    grads = _grad_pairs(model, reference)
+    return {
+        "sizes": (meshes.layout.ep, meshes.layout.dp, meshes.layout.edp),
+        "loss": loss.item(),
+        "ref_loss": ref_losses[parallel.dp_index],
+        "norm": norm,
+        "ref_norm": nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item(),
+        "expert_grads": {n: g for n, g in grads.items() if ".experts." in n},
+    }
+
+
+def recompute(world: int) -> dict:
+    """The experts of every MoE layer recomputed in the backward, through before_fsdp, as the trainer applies it."""
+    config = preset("tiny-qwen3-moe")
+    ids_BS = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for name, sizes in {"ep=2": {"ep": 2}, "tp=2 x ep=2 (etp=1)": {"tp": 2, "ep": 2, "etp": 1}}.items():
+        cfg = ParallelConfig(**sizes)
+        meshes = build_meshes(cfg.layout(world), "cpu")
+        runs = {}
+        for checkpointed in (False, True):
+            model = build_model(config, seed=2)
+            wrapped: list[str] = []
+
+            def before_fsdp(m, wrapped=wrapped):
+                wrapped.extend(apply_activation_checkpointing(m, ["layers.*.mlp.experts"]))
+
+            parallel = parallelize(model, meshes, cfg, before_fsdp=before_fsdp if checkpointed else None)
+            EXPERT_CALLS[0] = 0
+            _step(model, config, ids_BS)  # every replica reads the same batch: both runs see the same tokens
+            calls = EXPERT_CALLS[0]
+            parallel.finalize_grads()
+            grads = {n: local_box(p.grad)[0].clone() for n, p in model.named_parameters()}
+            runs[checkpointed] = (calls, wrapped, grads)
+        plain, ckpt = runs[False], runs[True]
+        out[name] = {
+            "moe_layers": sum(1 for layer in model.layers if layer.is_moe),
+            "calls": (plain[0], ckpt[0]),
+            "wrapped": ckpt[1],
+            "differ": [n for n in plain[2] if not torch.equal(plain[2][n], ckpt[2][n])],
+        }
+    return out
+
+
 def main(out_dir: Path) -> None:
     ctx = init_distributed("gloo", "cpu")
+    world = ctx.world_size
     result: dict = {"groups": [], "placements": {}}
     for sizes in LAYOUTS:
         cfg = ParallelConfig(**sizes)
-        layout = cfg.layout(ctx.world_size)
+        layout = cfg.layout(world)
         result["groups"].append((sizes, _groups(build_meshes(layout, "cpu"))))
 
     config = preset("tiny-qwen3-moe")
@@ -65,27 +293,31 @@ def main(out_dir: Path) -> None:
         "ep=4 (edp=1)": {"ep": 4},
         "tp=2 x ep=2": {"tp": 2, "ep": 2, "etp": 1},
     }.items():
-        torch.manual_seed(0)
-        model = build_model(config)
+        with torch.device("meta"):  # placements only: nothing to allocate
+            model = build_model(config)
         cfg = ParallelConfig(**sizes)
-        parallelize(model, build_meshes(cfg.layout(ctx.world_size), "cpu"), cfg)
+        parallelize(model, build_meshes(cfg.layout(world), "cpu"), cfg)
         result["placements"][name] = _placements(model)
 
     # 2 experts over 4 data-parallel ranks: FSDP shards them along dim 1; one step equals one process
     few = dataclasses.replace(config, num_moe_experts=2, moe_router_topk=1)
     ids_BS = torch.randint(0, few.vocab_size, (2, 17), generator=torch.Generator().manual_seed(5))
-    torch.manual_seed(1)
-    reference = build_model(few)
-    torch.manual_seed(1)
-    model = build_model(few)
+    reference = build_model(few, seed=1)
+    model = build_model(few, seed=1)
     cfg = ParallelConfig()
-    parallel = parallelize(model, build_meshes(cfg.layout(ctx.world_size), "cpu"), cfg)
+    parallel = parallelize(model, build_meshes(cfg.layout(world), "cpu"), cfg)
     result["few_experts_placement"] = _placements(model)["layers.0.mlp.experts.w_down_EFH"]
     result["loss"] = _step(model, few, ids_BS)  # every rank reads the same batch: the mean is that batch's
     parallel.finalize_grads()
     result["norm"] = parallel.clip_grad_norm_(float("inf")).item()
     result["ref_loss"] = _step(reference, few, ids_BS)
     result["ref_norm"] = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item()
+
+    result["protocol"] = protocol(world)
+    result["bad_plans"] = bad_plans(world)
+    result["meta"] = meta_equals_eager(world)
+    result["expert_scale"] = expert_gradient_scale(world)
+    result["recompute"] = recompute(world)
     dist.barrier()
     dist.destroy_process_group()
     torch.save(result, out_dir / f"rank{ctx.rank}.pt")

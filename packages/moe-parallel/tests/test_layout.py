@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from moe_parallel import ATTENTION_DIMS, EXPERT_DIMS, ParallelConfig, ParallelLayout
+from moe_parallel import ATTENTION_DIMS, EXPERT_DIMS, LayoutError, ParallelConfig, ParallelLayout
 
 SIDES = ("attention", "expert")
 
@@ -69,7 +69,7 @@ def test_folding_world4_ep_over_dp_shard():
 
 def test_world4_tp2_ep4_needs_etp1():
     # etp defaults to tp=2, and 2 x 4 does not fit 4 ranks; with etp=1 it folds fine
-    with pytest.raises(ValueError, match=r"etp\(2\) x ep\(4\) x pp\(1\) = 8"):
+    with pytest.raises(LayoutError, match=r"^ep=4: etp\(2\) x ep\(4\) x pp\(1\) = 8"):
         ParallelLayout(4, tp=2, ep=4)
     layout = ParallelLayout(4, tp=2, ep=4, etp=1)
     assert (layout.dp_shard, layout.edp) == (2, 1)
@@ -85,32 +85,36 @@ def test_pipeline_parallel_with_folding():
 
 
 def test_attention_product_mismatch_suggests_dp_shard():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(LayoutError) as err:
         ParallelLayout(8, tp=2, dp_shard=2)
     msg = str(err.value)
+    assert err.value.field == "dp_shard" and msg.startswith("dp_shard=2: ")
     assert "tp(2)" in msg and "dp_shard(2)" in msg and "= 4 != world_size 8" in msg
     assert "dp_shard=4" in msg
     ParallelLayout(8, tp=2, dp_shard=4)  # the suggestion works
 
 
 def test_attention_product_not_dividing_world_names_product():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(LayoutError) as err:
         ParallelLayout(8, tp=3, dp_shard=1)
+    assert err.value.field == "dp_shard"
     assert "= 3" in str(err.value) and "must divide 8" in str(err.value)
 
 
 def test_fill_impossible_lists_divisors():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(LayoutError) as err:
         ParallelLayout(8, tp=3)
     msg = str(err.value)
+    assert err.value.field == "tp" and msg.startswith("tp=3: tp*cp*dp_replicate*pp = 3 does not divide world_size 8")
     assert "3" in msg and "world_size 8" in msg
     assert "[1, 2, 4, 8]" in msg
 
 
 def test_expert_side_error_suggests_exactly_the_eps_that_fit():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(LayoutError) as err:
         ParallelLayout(8, tp=2, pp=2, ep=4)
     msg = str(err.value)
+    assert err.value.field == "ep" and msg.startswith("ep=4: ")
     assert "etp(2) x ep(4) x pp(2) = 16" in msg and "world_size 8" in msg
     suggested = [int(x) for x in re.search(r"ep can be one of \[([\d, ]*)\]", msg).group(1).split(",")]
     assert suggested == [1, 2]
@@ -121,24 +125,29 @@ def test_expert_side_error_suggests_exactly_the_eps_that_fit():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"tp": 0}, "parallel.tp=0"),
-        ({"cp": 0}, "parallel.cp=0"),
-        ({"dp_replicate": -1}, "parallel.dp_replicate=-1"),
-        ({"pp": 0}, "parallel.pp=0"),
-        ({"ep": 0}, "parallel.ep=0"),
-        ({"etp": 0}, "parallel.etp=0"),
-        ({"dp_shard": 0}, "parallel.dp_shard=0"),
-        ({"dp_shard": -2}, "parallel.dp_shard=-2"),
+        ({"tp": 0}, "tp"),
+        ({"cp": 0}, "cp"),
+        ({"dp_replicate": -1}, "dp_replicate"),
+        ({"pp": 0}, "pp"),
+        ({"ep": 0}, "ep"),
+        ({"etp": 0}, "etp"),
+        ({"dp_shard": 0}, "dp_shard"),
+        ({"dp_shard": -2}, "dp_shard"),
     ],
 )
 def test_nonpositive_sizes_rejected_by_name(kwargs, field):
-    with pytest.raises(ValueError, match=re.escape(field)):
+    with pytest.raises(LayoutError) as err:
         ParallelLayout(8, **kwargs)
+    value = kwargs[field]
+    assert (err.value.field, err.value.value) == (field, value)
+    expected = "must be at least 1, or -1 to fill" if field == "dp_shard" else "must be at least 1"
+    assert str(err.value) == f"{field}={value}: {expected}"
 
 
 def test_world_size_zero_rejected():
-    with pytest.raises(ValueError, match="world_size=0"):
+    with pytest.raises(LayoutError, match="^world_size=0: must be at least 1$") as err:
         ParallelLayout(0)
+    assert err.value.field == "world_size"
 
 
 # ----------------------------------------------------------------------------- coordinates
@@ -206,7 +215,7 @@ def test_parallel_config_builds_the_same_layout():
     assert cfg.layout(8) == ParallelLayout(8, tp=2, dp_shard=4, ep=8, etp=1)
     assert ParallelConfig().layout(4) == ParallelLayout(4, dp_shard=4)
     assert ParallelConfig(tp=2).layout(4).etp == 2
-    with pytest.raises(ValueError, match=r"ep\(3\)"):
+    with pytest.raises(LayoutError, match=r"^ep=3: etp\(1\) x ep\(3\)"):
         ParallelConfig(ep=3).layout(4)
 
 
@@ -293,8 +302,9 @@ def test_expert_error_suggestions_are_exactly_the_eps_that_fit(case, ep):
     if fits:
         assert ParallelLayout(world, ep=ep, **kwargs).edp == world // (base.etp * ep * base.pp)
         return
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(LayoutError) as err:
         ParallelLayout(world, ep=ep, **kwargs)
+    assert err.value.field == "ep"
     listed = re.search(r"ep can be one of \[([\d, ]*)\]", str(err.value)).group(1)
     suggested = [int(x) for x in listed.split(",")] if listed else []
     assert suggested == [e for e in range(1, world + 1) if world % (base.etp * e * base.pp) == 0]

@@ -1,21 +1,34 @@
 """One-process checks of moe_parallel's pieces: expert sharding against the whole experts, gradient-norm and
-clipping against torch's, replica counting, FSDP placement of experts, and the errors a user can cause."""
+clipping against torch's, replica counting, FSDP placement of experts, and the errors a user (or a model's parallel
+plan) can cause."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
+from _toy_plan_model import EXPERTS, PLAN, ToyMoE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import Shard
 
 from moe_experts import GroupedExperts
-from moe_models import ModelConfig
+from moe_models import ModelConfig, build_model
 from moe_models.presets import preset
-from moe_parallel import GradientSync, ParallelConfig, check_model, replica_count, shard_experts
+from moe_parallel import (
+    GradientSync,
+    LayoutError,
+    MoEBlockPlan,
+    ParallelConfig,
+    check_plan,
+    materialize,
+    moe_blocks,
+    replica_count,
+    shard_experts,
+)
 from moe_parallel.fsdp import _expert_placement
 
 
@@ -58,8 +71,6 @@ def test_shard_experts_copies_values_and_refuses_a_shard() -> None:
     torch.testing.assert_close(part.w_down_EFH, whole.w_down_EFH[2:])
     with pytest.raises(ValueError, match="whole experts"):
         shard_experts(part, 0, 1, 0, 1)
-    with pytest.raises(ValueError, match="not divisible by parallel.ep=3"):
-        shard_experts(whole, 0, 3, 0, 1)
 
 
 def test_single_process_clip_matches_torch() -> None:
@@ -97,49 +108,141 @@ def test_experts_shard_along_a_dim_that_divides(shape, edp: int, dim: int) -> No
     assert _expert_placement(edp)(nn.Parameter(torch.empty(shape))) == Shard(dim)
 
 
+def _meta_model(config: ModelConfig):
+    with torch.device("meta"):
+        return build_model(config)
+
+
+def _check(config: ModelConfig, **parallel) -> None:
+    model, cfg = _meta_model(config), ParallelConfig(**parallel)
+    check_plan(model, model.parallel_plan(), cfg, cfg.layout(48))  # 48 ranks fit every layout here
+
+
 @pytest.mark.parametrize(
-    ("changes", "parallel", "message"),
+    ("changes", "parallel", "field", "message"),
     [
-        ({}, {"ep": 3}, "model.num_moe_experts=8 is not divisible by parallel.ep=3"),
-        ({}, {"tp": 2, "etp": 3}, "model.moe_ffn_hidden_size=128 is not divisible by parallel.etp=3"),
-        ({}, {"tp": 8}, "model.num_attention_heads=4 is not divisible by parallel.tp=8"),
-        ({}, {"tp": 4}, "model.num_query_groups=2 is not divisible by parallel.tp=4"),
-        ({"softmax_type": "learnable"}, {"tp": 2}, "attention sinks"),
-        ({}, {"cp": 2}, "parallel.cp=2: context and pipeline parallelism are not implemented yet"),
-        ({}, {"tp": 2, "moe_token_dispatcher_type": "flex"}, "\\(parallel.etp defaults to parallel.tp\\)"),
-        ({}, {"ep": 2, "etp": 2, "moe_token_dispatcher_type": "flex"}, "'flex' \\(DeepEP\\) does not support etp"),
+        (
+            {},
+            {"ep": 3},
+            "ep",
+            "ep=3: the model's 8 experts per MoE layer do not divide over it; ep can be one of [1, 2, 4, 8]",
+        ),
+        (
+            {},
+            {"tp": 2, "etp": 3},
+            "etp",
+            "etp=3: the experts' FFN width 128 is not divisible by it; etp can be one of [1, 2, 4, 8, 16, 32, 64, 128]",
+        ),
+        (
+            {},
+            {"tp": 8},
+            "tp",
+            "tp=8: the model's num_attention_heads=4 is not divisible by it; tp can be one of [1, 2]",
+        ),
+        ({}, {"tp": 4}, "tp", "tp=4: the model's num_query_groups=2 is not divisible by it; tp can be one of [1, 2]"),
+        ({"softmax_type": "learnable"}, {"tp": 2}, "tp", "tp=2: the model's softmax_type: attention sinks"),
+        (
+            {"share_embeddings_and_output_weights": True},
+            {"tp": 2},
+            "tp",
+            "tp=2: the model's share_embeddings_and_output_weights: tied embeddings",
+        ),
+        ({}, {"cp": 2}, "cp", "cp=2: context and pipeline parallelism are not implemented yet; use 1"),
+        (
+            {},
+            {"tp": 2, "moe_token_dispatcher_type": "flex"},
+            "moe_token_dispatcher_type",
+            "moe_token_dispatcher_type='flex': DeepEP does not support etp > 1 (etp defaults to tp)",
+        ),
+        (
+            {},
+            {"ep": 2, "etp": 2, "moe_token_dispatcher_type": "flex"},
+            "moe_token_dispatcher_type",
+            "moe_token_dispatcher_type='flex': DeepEP does not support etp > 1: use 'alltoall', or etp=1",
+        ),
     ],
 )
-def test_layouts_a_model_cannot_take_name_the_field(changes: dict, parallel: dict, message: str) -> None:
+def test_layouts_a_model_cannot_take_name_the_field(changes: dict, parallel: dict, field: str, message: str) -> None:
     config: ModelConfig = dataclasses.replace(preset("tiny-qwen3-moe"), **changes)
-    cfg = ParallelConfig(**parallel)
-    with pytest.raises(ValueError, match=message):
-        check_model(config, cfg, cfg.layout(48))  # 48 ranks fit every layout here
+    with pytest.raises(LayoutError) as err:
+        _check(config, **parallel)
+    assert str(err.value).startswith(message), str(err.value)
+    assert err.value.field == field
 
 
 @pytest.mark.parametrize(
-    ("sizes", "unsharded"), [({"ep": 2}, "experts \\(edp\\)"), ({"tp": 2, "etp": 1}, "dense parameters \\(dp\\)")]
+    ("sizes", "unsharded"), [({"ep": 2}, "experts (edp)"), ({"tp": 2, "etp": 1}, "dense parameters (dp)")]
 )
 def test_fsdp_mixed_precision_needs_fsdp_on_both_sides(sizes: dict, unsharded: str) -> None:
-    cfg = ParallelConfig(**sizes, mixed_precision_param="bfloat16")
-    with pytest.raises(ValueError, match=f"this layout shards no {unsharded}; keep it float32 and set run.dtype=bf16"):
-        check_model(preset("tiny-qwen3-moe"), cfg, cfg.layout(2))
+    model, cfg = _meta_model(preset("tiny-qwen3-moe")), ParallelConfig(**sizes, mixed_precision_param="bfloat16")
+    with pytest.raises(LayoutError) as err:
+        check_plan(model, model.parallel_plan(), cfg, cfg.layout(2))
+    assert err.value.field == "mixed_precision_param"
+    assert str(err.value) == (
+        f"mixed_precision_param='bfloat16': applies to FSDP-sharded parameters and this layout shards no {unsharded}; "
+        "keep it float32 and compute in bf16 with autocast instead"
+    )
     fp32 = ParallelConfig(**sizes)
-    check_model(preset("tiny-qwen3-moe"), fp32, fp32.layout(2))
+    check_plan(model, model.parallel_plan(), fp32, fp32.layout(2))
 
 
 def test_tensor_parallel_checks_the_dense_width_only_with_dense_layers() -> None:
     moe_only = dataclasses.replace(preset("tiny-qwen3-moe"), ffn_hidden_size=255)  # every layer is MoE
-    check_model(moe_only, ParallelConfig(tp=2), ParallelConfig(tp=2).layout(2))
+    _check(moe_only, tp=2)
     with_dense = dataclasses.replace(moe_only, moe_layer_freq=[0, 1])
-    with pytest.raises(ValueError, match="model.ffn_hidden_size=255 is not divisible by parallel.tp=2"):
-        check_model(with_dense, ParallelConfig(tp=2), ParallelConfig(tp=2).layout(2))
+    with pytest.raises(LayoutError, match=re.escape("tp=2: the model's ffn_hidden_size=255 is not divisible by it")):
+        _check(with_dense, tp=2)
 
 
 def test_parallel_config_names_bad_choices() -> None:
-    with pytest.raises(ValueError, match="parallel.moe_token_dispatcher_type='deepep'"):
-        ParallelConfig(moe_token_dispatcher_type="deepep")
-    with pytest.raises(ValueError, match="parallel.backend='glo': choose one of auto, gloo, nccl"):
-        ParallelConfig(backend="glo")
-    with pytest.raises(ValueError, match="parallel.mixed_precision_param='fp16'"):
-        ParallelConfig(mixed_precision_param="fp16")
+    for kwargs, field, message in [
+        ({"moe_token_dispatcher_type": "deepep"}, "moe_token_dispatcher_type", "'deepep': choose one of alltoall"),
+        ({"backend": "glo"}, "backend", "'glo': choose one of auto, gloo, nccl"),
+        ({"mixed_precision_param": "fp16"}, "mixed_precision_param", "'fp16': choose one of float32, bfloat16"),
+        ({"mixed_precision_reduce": "fp8"}, "mixed_precision_reduce", "'fp8': choose one of float32, bfloat16"),
+    ]:
+        with pytest.raises(LayoutError) as err:
+            ParallelConfig(**kwargs)
+        assert err.value.field == field and str(err.value).startswith(f"{field}={message}"), str(err.value)
+
+
+# ----------------------------------------------------------------------------- a model's own parallel plan
+
+
+def test_check_plan_reads_the_sizes_where_the_plan_says() -> None:
+    model = ToyMoE()
+    cfg = ParallelConfig(ep=2)
+    check_plan(model, PLAN, cfg, cfg.layout(4))
+    (block,) = moe_blocks(model, PLAN)
+    assert block.router is model.moe.gate and block.experts is model.moe.bank
+    assert block.dispatcher is model.moe.token_mover
+    # the toy's 4 experts (under .bank) and dense FFN width 32 (declared in tp_divides) set the limits
+    with pytest.raises(LayoutError, match=re.escape(f"ep=3: the model's {EXPERTS} experts per MoE layer")):
+        check_plan(model, PLAN, ParallelConfig(ep=3), ParallelConfig(ep=3).layout(6))
+    with pytest.raises(LayoutError, match=re.escape("tp=3: the model's FFN=32 is not divisible by it")):
+        check_plan(model, PLAN, ParallelConfig(tp=3, etp=1), ParallelConfig(tp=3, etp=1).layout(3))
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        (MoEBlockPlan("mo", router="gate", dispatcher="token_mover", experts="bank"), "names module 'mo'"),
+        # the defaults (router, experts) are not the toy's names
+        (MoEBlockPlan("moe"), "MoE block 'moe' needs a TopKRouter at .router and GroupedExperts at .experts"),
+        (MoEBlockPlan("moe", router="gate", experts="ffn"), "needs a TopKRouter at .gate and GroupedExperts at .ffn"),
+        (MoEBlockPlan("moe", router="bank", experts="gate"), "needs a TopKRouter at .bank and GroupedExperts at .gate"),
+    ],
+)
+def test_a_plan_naming_what_the_model_lacks_is_a_clear_error(block: MoEBlockPlan, message: str) -> None:
+    plan = dataclasses.replace(PLAN, moe_blocks=(block,))
+    cfg = ParallelConfig(ep=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_plan(ToyMoE(), plan, cfg, cfg.layout(2))
+
+
+def test_materialize_refuses_a_tie_to_a_missing_module() -> None:
+    with torch.device("meta"):
+        model = ToyMoE()
+    plan = dataclasses.replace(PLAN, tied_parameters=(("tok.weight", "head.weight"),))
+    with pytest.raises(ValueError, match=re.escape("the parallel plan names module 'head'")):
+        materialize(model, plan, None, "cpu")

@@ -1,10 +1,14 @@
-"""Meshes, parameter placement and a few-experts FSDP step on 4 gloo ranks (one process group for the module)."""
+"""On 4 gloo ranks (one process group for the module): meshes, parameter placement, and one training step under
+several layouts against the same model in one process: a few-experts FSDP step, a model declaring its own parallel
+plan, the experts' gradient scale with ep and dp > 1, and recompute applied before FSDP. Also: a meta build
+materialised equals an eager build, tensor for tensor."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_parallel import ParallelConfig
 
@@ -51,3 +55,83 @@ def test_fewer_experts_than_shards_train_as_one_process(ranks) -> None:
     for result in ranks:
         assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6)
         assert result["norm"] == pytest.approx(result["ref_norm"], rel=1e-5)
+
+
+def _assert_grads_match(grads: dict, where: str) -> None:
+    for name, (got, want) in grads.items():
+        assert got is not None, f"{where}: {name} has no gradient"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{where}: {n}: {m}")
+
+
+PROTOCOL_LAYOUTS = ("ep=2", "tp=2 x ep=2 (etp=1)", "tp=2 x ep=2 (etp=2)")
+
+
+@pytest.mark.parametrize("layout", PROTOCOL_LAYOUTS)
+def test_a_model_with_its_own_plan_trains_as_one_process(ranks, layout: str) -> None:
+    """_toy_plan_model.py: not moe_models', its MoE parts under other names than the plan's defaults."""
+    for rank, result in enumerate(ranks):
+        case = result["protocol"][layout]
+        # the plan's attribute names are the ones parallelize swapped; nothing appeared under the default names
+        assert case["dispatcher"] == "AllToAllDispatcher" and case["local_experts"] == 2
+        assert case["default_names"] == []
+        assert case["loss"] == pytest.approx(case["ref_loss"], rel=1e-6), (layout, rank)
+        assert case["norm"] == pytest.approx(case["ref_norm"], rel=1e-5), (layout, rank)
+        _assert_grads_match(case["grads"], f"{layout}, rank {rank}")
+    # each data-parallel replica read its own slice of the batch (rank 1 is dp 1 under ep=2, dp 0 under tp=2)
+    losses = [r["protocol"][layout]["loss"] for r in ranks]
+    assert (losses[0] != losses[1]) == (layout == "ep=2") and losses[0] != losses[2]
+
+
+def test_a_plan_naming_a_missing_parameter_or_unit_is_a_clear_error(ranks) -> None:
+    bad = ranks[0]["bad_plans"]
+    assert bad["tp_partial_grads"] == (
+        "ValueError",
+        "the parallel plan names parameter 'moe.gate.wieght', which the model does not have",
+    )
+    assert bad["fsdp_units"] == ("ValueError", "the parallel plan names module 'mo', which the model does not have")
+
+
+def test_a_plan_naming_a_missing_tensor_parallel_module_is_a_clear_error(ranks) -> None:
+    # torch's parallelize_module alone would only warn and leave the module unsplit: check_plan refuses it first
+    kind, message = ranks[0]["bad_plans"]["tensor_parallel"]
+    assert (kind, message) == ("ValueError", "the parallel plan names module 'ffn.w1', which the model does not have")
+
+
+def test_meta_build_materialised_equals_the_eager_build(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        for layout, case in result["meta"].items():
+            got, want = case["names"]
+            assert got == want, (layout, rank)
+            assert case["differ"] == [], (layout, rank)
+            assert case["on_meta"] == [], (layout, rank)
+            assert case["tied"] == (("tied" in layout),) * 2, (layout, rank)
+            # one step of each: the same gradients, and the same global norm of them
+            assert case["grads_differ"] == [], (layout, rank)
+            assert case["norms"][1] == case["norms"][0] > 0, (layout, rank)
+
+
+def test_expert_gradients_are_scaled_by_edp_over_dp(ranks) -> None:
+    """ep=2 x dp_shard=4: each expert has edp=2 copies, reached by the tokens of all 4 replicas."""
+    for rank, result in enumerate(ranks):
+        case = result["expert_scale"]
+        assert case["sizes"] == (2, 4, 2)  # (ep, dp, edp): expert_scale = 1/2, not 1
+        assert case["loss"] == pytest.approx(case["ref_loss"], rel=1e-6)
+        assert case["norm"] == pytest.approx(case["ref_norm"], rel=1e-5), rank
+        assert len(case["expert_grads"]) == 4  # 2 MoE layers x 2 weights
+        for name, (got, want) in case["expert_grads"].items():
+            assert got.shape[0] == 8  # the global experts, gathered from ep and edp
+            for expert in range(8):
+                torch.testing.assert_close(
+                    got[expert], want[expert], rtol=1e-5, atol=1e-7, msg=lambda m, n=name, e=expert: f"{n}[{e}]: {m}"
+                )
+    assert len({r["expert_scale"]["loss"] for r in ranks}) == 4  # the 4 replicas read different slices
+
+
+@pytest.mark.parametrize("layout", ["ep=2", "tp=2 x ep=2 (etp=1)"])
+def test_recompute_applied_before_fsdp_reruns_the_experts_that_run(ranks, layout: str) -> None:
+    for result in ranks:
+        case = result["recompute"][layout]
+        assert case["wrapped"] == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+        # once per MoE layer in the forward, and once more in the backward when recomputed
+        assert case["calls"] == (case["moe_layers"], 2 * case["moe_layers"]) == (2, 4)
+        assert case["differ"] == []

@@ -10,10 +10,15 @@ PUBLIC_NAMES = [
     "DistributedContext",
     "EXPERT_DIMS",
     "GradientSync",
+    "LayoutError",
+    "MoEBlockParts",
+    "MoEBlockPlan",
     "ParallelConfig",
     "ParallelLayout",
     "ParallelMeshes",
     "ParallelModel",
+    "ParallelPlan",
+    "ParameterSource",
     "__version__",
     "all_reduce_mean",
     "apply_data_parallel",
@@ -21,10 +26,12 @@ PUBLIC_NAMES = [
     "apply_fsdp",
     "apply_tensor_parallel",
     "build_meshes",
-    "check_model",
+    "check_plan",
     "check_tensor_parallel",
     "init_distributed",
+    "local_box",
     "local_grad",
+    "materialize",
     "moe_blocks",
     "parallelize",
     "replica_count",
@@ -33,8 +40,8 @@ PUBLIC_NAMES = [
 ]
 
 
-def test_version_is_semver_0_2() -> None:
-    assert moe_parallel.__version__ == "0.2.0"
+def test_version_is_semver_0_3() -> None:
+    assert moe_parallel.__version__ == "0.3.0"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

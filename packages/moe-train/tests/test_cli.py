@@ -132,13 +132,14 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
     lines = capsys.readouterr().out.splitlines()
     # smallest world for tp=2 on the attention side and ep=4 (etp = tp = 2) on the expert side: 8 ranks
     assert lines[0] == "8 ranks, 8 experts per MoE layer (qwen3_moe)"
-    assert len(lines) == 2 + 8
-    assert lines[2].endswith("holds experts 0..1") and lines[-1].endswith("holds experts 6..7")
+    assert len(lines) == 2 + 8 + 4  # the rank map, then the shard sizes: title, header, one rank kind, the check
+    assert lines[2].endswith("holds experts 0..1") and lines[9].endswith("holds experts 6..7")
+    assert lines[12].startswith("0-7 ") and "; matches moe_models.count_parameters" in lines[13]
     assert not out_dir.exists()
     assert cli.main(["plan", "--world-size", "4", "--parallel.ep", "3"]) == cli.EXIT_USAGE
     assert cli.main(["plan", "--parallel.ep", "3"]) == cli.EXIT_USAGE  # 8 experts over 3 ranks
     err = capsys.readouterr().err
-    assert "model.num_moe_experts=8 is not divisible by parallel.ep=3" in err and "Traceback" not in err
+    assert "parallel.ep=3: the model's 8 experts per MoE layer do not divide over it" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

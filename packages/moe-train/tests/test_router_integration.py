@@ -67,39 +67,38 @@ def test_expert_bias_counts_every_micro_batch_of_the_step(
     """Global batch 4 read as 2 micro-batches of 2 updates the expert bias exactly as one micro-batch of 4.
 
     Without a balancing loss and without a capacity factor a token's routing does not depend on the other tokens
-    of its micro-batch, so the counts summed over the step's micro-batches, and so each bias update, are the same.
-    Counts taken from the last micro-batch only would see half the tokens."""
+    of its micro-batch, so the counts summed over the step's micro-batches, and so every bias update, are the
+    same. Counts taken from the last micro-batch only would see half the tokens."""
+    overrides = {**micro_overrides, **BIAS, "model.num_layers": "2", "model.num_moe_experts": "8"}
+    updates: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"2": [], "4": []}
+    models, records = {}, {}
     original = TopKRouter.update_expert_bias
+    for micro, calls in updates.items():
 
-    def make_recorder(calls: list[tuple[torch.Tensor, torch.Tensor]]):
-        def recording(self: TopKRouter, counts_E: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            bias_E = original(self, counts_E, *args, **kwargs)
-            calls.append((counts_E.detach().clone(), bias_E.detach().clone()))
+        def recording(router: TopKRouter, counts_E: torch.Tensor, *args, calls=calls, **kwargs) -> torch.Tensor:
+            bias_E = original(router, counts_E, *args, **kwargs)
+            calls.append((counts_E.detach().clone(), bias_E.detach().clone()))  # the counts, the bias after
             return bias_E
 
-        return recording
+        monkeypatch.setattr(TopKRouter, "update_expert_bias", recording)
+        output_dir = f"{micro_overrides['run.output_dir']}-micro{micro}"
+        models[micro], records[micro] = _run(
+            {**overrides, "train.micro_batch_size": micro, "run.output_dir": output_dir}
+        )
 
-    runs = {}
-    for micro in ("2", "4"):
-        calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-        monkeypatch.setattr(TopKRouter, "update_expert_bias", make_recorder(calls))
-        overrides = {**micro_overrides, **BIAS, "model.num_layers": "2", "model.num_moe_experts": "8"}
-        overrides |= {"train.micro_batch_size": micro, "run.output_dir": f"{micro_overrides['run.output_dir']}-{micro}"}
-        model, records = _run(overrides)
-        runs[micro] = (model, records, calls)
-    (accum_model, accum_records, accum_calls), (one_model, one_records, one_calls) = runs["2"], runs["4"]
-
-    assert len(accum_calls) == len(one_calls) == 4 * 2  # one update per router per step
+    assert len(updates["2"]) == len(updates["4"]) == 4 * 2  # each step updates each of the 2 routers once
     topk = load_config("tiny", overrides).model.moe_router_topk
     pairs = 4 * int(micro_overrides["data.seq_len"]) * topk  # every (token, expert) pair of the global batch
-    for (accum_counts, accum_bias), (counts, bias) in zip(accum_calls, one_calls, strict=True):
+    for (accum_counts, accum_bias), (counts, bias) in zip(updates["2"], updates["4"], strict=True):
         assert accum_counts.sum().item() == counts.sum().item() == pairs
         torch.testing.assert_close(accum_counts, counts, rtol=0, atol=0)
         torch.testing.assert_close(accum_bias, bias, rtol=0, atol=0)
-    for a, b in zip(accum_model.routers(), one_model.routers(), strict=True):
-        torch.testing.assert_close(a.expert_bias, b.expert_bias, rtol=0, atol=0)
-    assert torch.cat([r.expert_bias for r in one_model.routers()]).abs().max() > 0
-    for accum, one in zip(accum_records, one_records, strict=True):
-        assert accum["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    final = [r.expert_bias for r in models["4"].routers()]
+    for a, b in zip([r.expert_bias for r in models["2"].routers()], final, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.cat(final).abs().max() > 0
+    assert len(records["2"]) == len(records["4"]) == 4
+    for accum, one in zip(records["2"], records["4"], strict=True):
+        assert accum["loss"] == pytest.approx(one["loss"], rel=1e-6)
         assert accum["dropped_fraction"] == one["dropped_fraction"] == 0
         assert accum["expert_load_max_over_mean"] == pytest.approx(one["expert_load_max_over_mean"], rel=1e-6)

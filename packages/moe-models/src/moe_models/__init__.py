@@ -19,7 +19,7 @@ from moe_models.presets import (
 )
 from moe_models.rope import apply_rotary, rotary_cos_sin
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "CONVENTIONS",

@@ -31,7 +31,9 @@ class MoEBlockParts:
 
     def __init__(self, model: nn.Module, plan: MoEBlockPlan) -> None:
         self.plan, self.module = plan, submodule(model, plan.path)
-        if not isinstance(self.router, TopKRouter) or not isinstance(self.experts, GroupedExperts):
+        if not isinstance(getattr(self.module, plan.router, None), TopKRouter) or not isinstance(
+            getattr(self.module, plan.experts, None), GroupedExperts
+        ):
             raise ValueError(
                 f"the parallel plan's MoE block {plan.path!r} needs a TopKRouter at .{plan.router} and GroupedExperts "
                 f"at .{plan.experts}"

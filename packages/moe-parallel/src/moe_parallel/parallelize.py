@@ -10,7 +10,6 @@ to do with the gradients is in the returned :class:`ParallelModel` (``finalize_g
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,17 +21,38 @@ from moe_parallel.fsdp import apply_fsdp
 from moe_parallel.grads import GradientSync, replica_count
 from moe_parallel.layout import ParallelLayout
 from moe_parallel.mesh import ParallelMeshes
-from moe_parallel.plan import LayoutError, ParallelPlan
+from moe_parallel.plan import LayoutError, ParallelPlan, submodule
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 
-@dataclass
 class ParallelModel:
-    """A model after :func:`parallelize` (the same module, changed in place) and what its training step needs."""
+    """A model after :func:`parallelize` (the same module, changed in place) and what its training step needs.
 
-    model: nn.Module
-    meshes: ParallelMeshes | None  # None: one process
-    sync: GradientSync
+    The gradient bookkeeping (:attr:`sync`) refers to parameters by name and is bound to the parameter objects the
+    model holds when a step first needs it: :func:`~moe_parallel.materialize` replaces the meta parameters by new
+    ones after parallelize has run.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        meshes: ParallelMeshes | None = None,
+        plan: ParallelPlan | None = None,
+        config: ParallelConfig | None = None,
+        tp_partial: tuple[str, ...] = (),
+    ) -> None:
+        self.model, self.meshes, self.plan, self.config, self.tp_partial = model, meshes, plan, config, tp_partial
+        self._sync: GradientSync | None = None
+        self._bound_to: tuple[int, ...] = ()
+
+    @property
+    def sync(self) -> GradientSync:
+        """The :class:`~moe_parallel.grads.GradientSync` of the model's current parameters."""
+        current = tuple(id(p) for p in self.model.parameters())
+        if self._sync is None or current != self._bound_to:
+            self._sync = GradientSync() if self.meshes is None else _gradient_sync(self)
+            self._bound_to = current
+        return self._sync
 
     def finalize_grads(self) -> None:
         """Complete the gradients after the last micro-batch's backward (:class:`~moe_parallel.grads.GradientSync`)."""
@@ -52,9 +72,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _check_plan_names(model: nn.Module, plan: ParallelPlan) -> None:
+    """Every module and parameter ``plan`` names exists (torch's parallelize_module would skip a wrong path with a
+    warning and leave that module unsplit)."""
+    paths = [*(p for p in plan.tensor_parallel if "*" not in p), *plan.fsdp_units, *plan.tp_sum_grad_columns]
+    for path in paths:
+        if path:
+            submodule(model, path)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for name in [*plan.tp_partial_grads, *(n for pair in plan.tied_parameters for n in pair)]:
+        if name not in params:
+            raise ValueError(f"the parallel plan names parameter {name!r}, which the model does not have")
+
+
 def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, layout: ParallelLayout) -> None:
     """Raise :class:`LayoutError` naming the ParallelConfig field when ``model`` (on any device, meta included)
-    cannot be split as ``layout`` asks. The one place these rules are checked; call it before any process group."""
+    cannot be split as ``layout`` asks, and ``ValueError`` when the plan names what the model does not have. The one
+    place these rules are checked; call it before any process group."""
+    _check_plan_names(model, plan)
     if layout.cp > 1 or layout.pp > 1:
         dim = "cp" if layout.cp > 1 else "pp"
         raise LayoutError(dim, getattr(layout, dim), "context and pipeline parallelism are not implemented yet; use 1")
@@ -122,7 +157,7 @@ def parallelize(
     if meshes is None:
         if before_fsdp is not None:
             before_fsdp(model)
-        return ParallelModel(model, None, GradientSync())
+        return ParallelModel(model, None, plan, config)
     layout = meshes.layout
     check_plan(model, plan, config, layout)
     apply_expert_parallel(model, meshes, plan, config.moe_token_dispatcher_type)
@@ -136,8 +171,15 @@ def parallelize(
             block.router.sequence_group = meshes.group("tp")
     if before_fsdp is not None:
         before_fsdp(model)
-    # FSDP replaces parameters by new (DTensor) ones: everything below looks them up afterwards
+    # FSDP replaces parameters by new (DTensor) ones, and materialize by allocated ones: ParallelModel.sync looks
+    # them up by name when a step needs them
     apply_fsdp(model, meshes, plan, config.mixed_precision_param, config.mixed_precision_reduce)
+    return ParallelModel(model, meshes, plan, config, tuple(tp_partial))
+
+
+def _gradient_sync(parallel: ParallelModel) -> GradientSync:
+    model, meshes, plan = parallel.model, parallel.meshes, parallel.plan
+    layout = meshes.layout
     named = dict(model.named_parameters())
     experts = [b.experts for b in moe_blocks(model, plan)]
     down_biases = {id(e.b_down_EH) for e in experts if e.b_down_EH is not None}
@@ -149,8 +191,8 @@ def parallelize(
         # plain per-rank experts (etp > 1): distinct on every ep x etp rank, the down bias on every ep rank
         shards = layout.ep * (1 if id(param) in down_biases else layout.etp)
         replicas[id(param)] = replica_count(param, world, shards)
-    sync = GradientSync(
-        tp_partial=[named[n] for n in tp_partial],
+    return GradientSync(
+        tp_partial=[named[n] for n in parallel.tp_partial],
         tp_group=meshes.group("tp") if layout.tp > 1 else None,
         etp_partial=[e.b_down_EH for e in experts if e.b_down_EH is not None] if layout.etp > 1 else [],
         etp_group=meshes.group("etp") if layout.etp > 1 else None,
@@ -158,4 +200,3 @@ def parallelize(
         expert_scale=layout.edp / layout.dp,
         replicas=replicas,
     )
-    return ParallelModel(model, meshes, sync)

@@ -2,7 +2,7 @@
 
 moe-train                          # = moe-train train --config tiny
 moe-train train --config NAME_OR_PATH [--section.key value ...]
-moe-train plan [--world-size N] [--config ...] [--parallel.ep 4 ...]   # the rank map, no run
+moe-train plan [--world-size N] [--config ...] [--parallel.ep 4 ...]   # shard sizes per rank, no run
 moe-train env                      # capability table
 """
 
@@ -55,8 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default="tiny", help=f"preset ({', '.join(preset_names())}) or YAML file")
     plan = commands.add_parser(
         "plan",
-        help="print which rank holds which attention shard and which experts, without starting a run",
-        description="Takes the same --config and --section.key overrides as train.",
+        help="print each rank's parameter shard sizes (and, for small worlds, which rank holds what), without a run",
+        description="Builds the model on the meta device and splits it as training would, over a simulated world "
+        "of --world-size ranks; takes the same --config and --section.key overrides as train, e.g. "
+        "--model.preset deepseek-v3-671b --world-size 1024 --parallel.ep 64.",
     )
     plan.add_argument("--config", default="tiny", help=f"preset ({', '.join(preset_names())}) or YAML file")
     plan.add_argument(
@@ -79,6 +81,8 @@ def _train(config: str, override_tokens: list[str]) -> int:
 
 
 def _plan(config: str, world_size: int, override_tokens: list[str]) -> int:
+    from moe_train.plan_report import RANK_MAP_MAX_WORLD, format_report, plan_report
+
     cfg = load_config(config, _parse_overrides(override_tokens))
     p = cfg.parallel
     if world_size <= 0:
@@ -86,17 +90,11 @@ def _plan(config: str, world_size: int, override_tokens: list[str]) -> int:
     if world_size <= 0:  # the smallest world both the attention and the expert side fold into
         attention = p.tp * p.cp * p.pp * p.dp_replicate * max(p.dp_shard, 1)
         world_size = math.lcm(attention, (p.etp or p.tp) * p.ep * p.pp)
-    try:
-        layout = p.layout(world_size)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if cfg.model.num_moe_experts % p.ep:
-        raise ConfigError(
-            f"model.num_moe_experts={cfg.model.num_moe_experts} is not divisible by parallel.ep={p.ep}: "
-            "each expert-parallel rank holds the same number of experts"
-        )
+    report = plan_report(cfg.model, p, world_size)  # validates the layout against the model first
     print(f"{world_size} ranks, {cfg.model.num_moe_experts} experts per MoE layer ({cfg.model.family})")
-    print(layout.rank_map(cfg.model.num_moe_experts))
+    if world_size <= RANK_MAP_MAX_WORLD:  # one line per rank
+        print(report.layout.rank_map(cfg.model.num_moe_experts))
+    print(format_report(report))
     return 0
 
 

@@ -1,0 +1,158 @@
+"""Bytes each rank allocates to build its share of a model: built on meta then materialised, against building
+the whole model first (what every rank did before; the baseline).
+
+Setting (default): a Qwen3-MoE-shaped model with 64 experts per layer (4 layers, hidden 256, expert FFN 256,
+vocab 4096), fp32, 4 gloo ranks on CPU, layouts ep=4 (dp_shard=4, edp=1) and tp=2 x ep=2 (dp_shard=2, edp=2, so
+FSDP also shards the experts). Each rank counts, with :class:`moe_memory.LiveTensorBytes`, the peak of tensor bytes
+alive at once while it builds, parallelises and fills its model (transient copies included), for both ways, and
+compares it with what it finally holds:
+
+- ``shard``: this rank's parameters and buffers after parallelisation (experts and non-experts as sharded);
+- ``bound``: this rank's routed-expert shard plus the model's whole non-expert parameters (issue 11's yardstick:
+  a rank may hold one whole non-expert tensor while filling it, never the other ranks' experts).
+
+    uv run python benchmarks/materialized_bytes.py [--quick] [--out benchmarks/results/materialized_bytes.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+WORLD = 4
+LAYOUTS = {"ep=4": {"ep": 4}, "tp=2 x ep=2": {"tp": 2, "ep": 2, "etp": 1}}
+
+
+def _model_config(quick: bool):
+    from moe_models.presets import preset
+
+    sizes = dict(num_moe_experts=64, num_layers=4, hidden_size=256, moe_ffn_hidden_size=256, vocab_size=4096)
+    if quick:
+        sizes.update(num_layers=2, hidden_size=128, moe_ffn_hidden_size=128, vocab_size=1024)
+    return dataclasses.replace(preset("tiny-qwen3-moe"), **sizes)
+
+
+def _bytes(tensors) -> int:
+    from moe_parallel import local_box
+
+    return sum(local_box(t)[0].untyped_storage().nbytes() for t in tensors)
+
+
+def _rank(quick: bool, out: Path) -> None:
+    """One rank: both ways of building, every layout."""
+    from moe_memory import LiveTensorBytes
+    from moe_models import build_model
+    from moe_parallel import ParallelConfig, build_meshes, init_distributed, materialize, parallelize
+
+    ctx = init_distributed("gloo", "cpu")
+    config = _model_config(quick)
+    results = {}
+    for name, sizes in LAYOUTS.items():
+        parallel = ParallelConfig(**sizes)
+        meshes = build_meshes(parallel.layout(WORLD), "cpu")
+        with LiveTensorBytes() as meta_way:
+            with torch.device("meta"):
+                model = build_model(config)
+            plan = model.parallel_plan()
+            parallelize(model, meshes, parallel, plan)
+            materialize(model, plan, model.initial_weights(0), "cpu")
+        expert_names = tuple(f"{p}." for p in plan.experts_paths())
+        named = [*model.named_parameters(), *model.named_buffers()]
+        experts = _bytes(t for n, t in named if n.startswith(expert_names))
+        shard = _bytes(t for _, t in named)
+        del model
+        with torch.device("meta"):
+            whole_non_expert = sum(
+                t.numel() * t.element_size()
+                for n, t in [*build_model(config).named_parameters(), *build_model(config).named_buffers()]
+                if not n.startswith(expert_names)
+            )
+        with LiveTensorBytes() as eager_way:
+            model = build_model(config, seed=0)
+            parallelize(model, meshes, parallel, plan)
+        del model
+        bound = experts + whole_non_expert
+        results[name] = {
+            "peak_meta_bytes": meta_way.peak,
+            "peak_whole_model_first_bytes": eager_way.peak,
+            "shard_bytes": shard,
+            "expert_shard_bytes": experts,
+            "whole_non_expert_bytes": whole_non_expert,
+            "bound_bytes": bound,
+            "peak_meta_over_bound": meta_way.peak / bound,
+            "peak_meta_over_shard": meta_way.peak / shard,
+            "peak_whole_model_first_over_bound": eager_way.peak / bound,
+        }
+    (out / f"rank{ctx.rank}.json").write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+def _launch(quick: bool, tmp: Path) -> list[dict]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        cmd = [sys.executable, __file__, "--rank-dir", str(tmp), *(["--quick"] if quick else [])]
+        procs.append(subprocess.Popen(cmd, env=env))
+    if any(p.wait(timeout=600) for p in procs):
+        raise SystemExit("a rank failed")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "materialized_bytes.json")
+    parser.add_argument("--quick", action="store_true", help="a smaller model (the nox benchmarks session)")
+    parser.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)  # set when launched as one rank
+    args = parser.parse_args()
+    if args.rank_dir is not None:
+        _rank(args.quick, args.rank_dir)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = _launch(args.quick, Path(tmp))
+    config = _model_config(args.quick)
+    summary = {
+        name: {
+            "max_peak_meta_over_bound": max(r[name]["peak_meta_over_bound"] for r in ranks),
+            "max_peak_meta_over_shard": max(r[name]["peak_meta_over_shard"] for r in ranks),
+            "max_peak_whole_model_first_over_bound": max(r[name]["peak_whole_model_first_over_bound"] for r in ranks),
+        }
+        for name in LAYOUTS
+    }
+    result = {
+        "benchmark": "materialized_bytes",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "device": "cpu",
+        "world_size": WORLD,
+        "model": {k: getattr(config, k) for k in ("num_moe_experts", "num_layers", "hidden_size", "vocab_size")},
+        "quick": args.quick,
+        "summary": summary,
+        "ranks": ranks,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    for name, row in summary.items():
+        print(
+            f"{name}: peak/bound {row['max_peak_meta_over_bound']:.3f} (whole model first: "
+            f"{row['max_peak_whole_model_first_over_bound']:.2f}), peak/shard {row['max_peak_meta_over_shard']:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

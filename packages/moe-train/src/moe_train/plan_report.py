@@ -1,0 +1,260 @@
+"""What ``moe-train plan`` reports: each rank's parameter shard sizes under a layout, at the model's real size.
+
+The model is built on the meta device and split by the same :func:`~moe_parallel.parallelize` training uses, in one
+process joined to a fake process group of ``world_size`` ranks (torch's ``fake`` backend, as torchtitan's dry
+run): no memory, no communication. That process is rank 0, so its model holds rank 0's view; every other rank's
+sizes follow from each tensor's placements and that rank's mesh coordinates, without rebuilding the model:
+
+- a DTensor's local shape comes from torch's own helper given the rank's coordinates (uneven FSDP shards, where
+  the last ranks along a dimension hold fewer rows or none, included);
+- routed experts with ``etp > 1`` are plain per-rank tensors (or DTensors over ``edp`` only) whose sizes are the
+  same on every ep x etp rank, so rank 0's sizes are everyone's;
+- anything else (plain tensors, buffers) is whole on every rank.
+
+Ranks whose sizes are all equal form one *rank kind*, printed once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from moe_experts import BackendUnavailableError
+from moe_models import ModelConfig, build_model, count_parameters
+from moe_parallel import ParallelConfig, ParallelLayout, build_meshes, check_plan, parallelize
+from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS
+from moe_train.config import ConfigError, config_error
+
+NON_EXPERT = "non-expert"  # attention, norms, dense MLPs, routers, shared experts, embedding, head
+ROUTED_EXPERTS = "routed experts"
+PARTS = (NON_EXPERT, ROUTED_EXPERTS)
+RANK_MAP_MAX_WORLD = 32  # larger worlds get the shard sizes only, not the rank map's line per rank
+
+
+@dataclass(frozen=True)
+class RankKind:
+    """Ranks holding shards of the same sizes, and those sizes (elements, by part and dtype, per rank)."""
+
+    ranks: tuple[int, ...]
+    params: dict[tuple[str, torch.dtype], int]  # (part, dtype) -> elements on each of these ranks
+    buffers: dict[torch.dtype, int]
+
+    def param_count(self, part: str | None = None) -> int:
+        return sum(n for (p, _), n in self.params.items() if part in (None, p))
+
+    def param_bytes(self, part: str | None = None) -> int:
+        return sum(n * dtype.itemsize for (p, dtype), n in self.params.items() if part in (None, p))
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    layout: ParallelLayout
+    family: str
+    num_experts: int
+    kinds: list[RankKind]  # by first rank
+    distinct_params: dict[str, int]  # part -> elements summed over ranks with replicated copies divided out
+    expected_params: int  # moe_models.count_parameters: total + MTP layers
+
+
+def _fake_world(world_size: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise ConfigError("moe-train plan simulates every rank in one process: run it without torchrun")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def _coordinates_by_dim(layout: ParallelLayout) -> dict[str, torch.Tensor]:
+    """Mesh dimension name -> each rank's coordinate along it (pp is 1 here: check_plan refuses more)."""
+    by_dim: dict[str, list[int]] = defaultdict(list)
+    for rank in range(layout.world_size):
+        for side, dims in (("attention", ATTENTION_DIMS), ("expert", EXPERT_DIMS)):
+            coords = layout.coords(rank, side)
+            for dim in dims:
+                if dim != "pp" or side == "attention":
+                    by_dim[dim].append(coords[dim])
+    return {dim: torch.tensor(values) for dim, values in by_dim.items()}
+
+
+@functools.cache
+def _split_once(shape: tuple[int, ...], mesh_size: int, coordinate: int, placement: Placement) -> tuple[int, ...]:
+    """The local shape after one mesh dimension's placement, by torch's own helper (which walks the mesh
+    dimensions one at a time the same way, each step depending only on the shape the earlier ones left)."""
+    return _compute_local_shape_and_global_offset(shape, (mesh_size,), [coordinate], [placement], skip_offset=True)[0]
+
+
+def _local_numel_table(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple) -> torch.Tensor:
+    """Local element count at every coordinate of the mesh, row-major. Step by step rather than one helper call per
+    coordinate: strided (FSDP over tp) shards cost torch an index list each, and few steps are distinct."""
+    shapes = [shape]
+    for mesh_size, placement in zip(mesh_shape, placements, strict=True):
+        shapes = [_split_once(s, mesh_size, c, placement) for s in shapes for c in range(mesh_size)]
+    return torch.tensor([math.prod(s) for s in shapes], dtype=torch.int64)
+
+
+def _local_numels(layout: ParallelLayout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function: tensor on rank 0 -> its local element count on every rank (a tensor of ``world_size``)."""
+    coordinates = _coordinates_by_dim(layout)
+    tables: dict[tuple, torch.Tensor] = {}  # by (global shape, mesh shape, placements): layers repeat
+
+    def local_numels(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, DTensor):
+            return torch.full((layout.world_size,), tensor.numel(), dtype=torch.int64)
+        mesh = tensor.device_mesh
+        key = (tuple(tensor.shape), tuple(mesh.shape), tuple(tensor.placements))
+        if key not in tables:
+            tables[key] = _local_numel_table(*key)
+        flat = torch.zeros(layout.world_size, dtype=torch.int64)  # each rank's row-major index into the mesh
+        for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True):
+            flat = flat * size + coordinates[name]
+        return tables[key][flat]
+
+    return local_numels
+
+
+def _rank_kinds(
+    world_size: int,
+    params: dict[tuple[str, torch.dtype], torch.Tensor],
+    buffers: dict[torch.dtype, torch.Tensor],
+) -> list[RankKind]:
+    columns = [*params, *buffers]
+    if not columns:
+        return [RankKind(tuple(range(world_size)), {}, {})]
+    table = torch.stack([*params.values(), *buffers.values()], dim=1)  # rank x (part, dtype)
+    rows, kind_of_rank = torch.unique(table, dim=0, return_inverse=True)
+    kinds = []
+    for index, row in enumerate(rows.tolist()):
+        ranks = tuple((kind_of_rank == index).nonzero().flatten().tolist())
+        sizes = dict(zip(columns, row, strict=True))
+        kinds.append(RankKind(ranks, {k: sizes[k] for k in params}, {k: sizes[k] for k in buffers}))
+    return sorted(kinds, key=lambda kind: kind.ranks[0])
+
+
+def _split_on_meta(model_config: ModelConfig, parallel_config: ParallelConfig, layout: ParallelLayout) -> nn.Module:
+    """The model built on meta and checked against the layout, as the trainer's ``prepare`` does (not yet split)."""
+    try:
+        with torch.device("meta"):
+            model = build_model(model_config)
+        check_plan(model, model.parallel_plan(), parallel_config, layout)
+    except BackendUnavailableError as err:
+        raise ConfigError(f"model.moe_expert_backend={model_config.moe_expert_backend!r}: {err}") from None
+    except ValueError as err:  # ModelConfigError, LayoutError
+        raise config_error(err) from None
+    return model
+
+
+def plan_report(model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int) -> PlanReport:
+    """Every rank's parameter and buffer shard sizes when ``parallel_config`` splits the model over ``world_size``
+    ranks (module docstring). Raises :class:`ConfigError` for layouts that do not fit."""
+    try:
+        layout = parallel_config.layout(world_size)
+    except ValueError as err:
+        raise config_error(err) from None
+    model = _split_on_meta(model_config, parallel_config, layout)
+    plan = model.parallel_plan()
+    _fake_world(world_size)
+    try:
+        split = parallelize(model, build_meshes(layout, "cpu"), parallel_config, plan)
+        local_numels = _local_numels(layout)
+        replicas = split.sync.replicas  # parameter id -> ranks holding each distinct piece of it
+        expert_prefixes = tuple(f"{path}." for path in plan.experts_paths())
+        params: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        distinct = dict.fromkeys(PARTS, 0)
+        for name, param in model.named_parameters():
+            part = ROUTED_EXPERTS if name.startswith(expert_prefixes) else NON_EXPERT
+            per_rank = local_numels(param)
+            key = (part, param.dtype)
+            params[key] = params[key] + per_rank if key in params else per_rank
+            # each distinct piece is held by replicas[...] ranks (the count the gradient norm divides by)
+            distinct[part] += int(per_rank.sum()) // replicas[id(param)]
+        buffers: dict[torch.dtype, torch.Tensor] = {}
+        for buffer in model.buffers():
+            per_rank = local_numels(buffer)
+            buffers[buffer.dtype] = buffers[buffer.dtype] + per_rank if buffer.dtype in buffers else per_rank
+    finally:
+        dist.destroy_process_group()
+    counted = count_parameters(model_config)
+    return PlanReport(
+        layout=layout,
+        family=model_config.family,
+        num_experts=model_config.num_moe_experts,
+        kinds=_rank_kinds(world_size, params, buffers),
+        distinct_params=distinct,
+        expected_params=counted.total + counted.mtp,
+    )
+
+
+def rank_ranges(ranks: tuple[int, ...], most: int = 6) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2, 5"``; past ``most`` runs, the rest as a count."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:most])
+    return text + (f", ... ({len(runs) - most} more runs)" if len(runs) > most else "")
+
+
+def _size(n_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n_bytes < 1024 or unit == "GiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.2f} {unit}"
+        n_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cell(n: int, dtype: torch.dtype | None = None, n_bytes: int | None = None) -> str:
+    return f"{n:,} = {_size(n * dtype.itemsize if n_bytes is None else n_bytes)}"
+
+
+def format_report(report: PlanReport) -> str:
+    """The shard-size table ``moe-train plan`` prints: one row per rank kind, elements and bytes per rank in each
+    (part, dtype) column, then the check against the parameter count."""
+    layout = report.layout
+    param_keys = sorted({k for kind in report.kinds for k in kind.params}, key=lambda k: (PARTS.index(k[0]), str(k)))
+    buffer_keys = sorted({k for kind in report.kinds for k in kind.buffers}, key=str)
+    header = ["ranks", "count"]
+    header += [f"{part} {_dtype_name(dtype)}" for part, dtype in param_keys]
+    header += ["parameters"] + [f"buffers {_dtype_name(dtype)}" for dtype in buffer_keys]
+    rows = [header]
+    for kind in report.kinds:
+        row = [rank_ranges(kind.ranks), str(len(kind.ranks))]
+        row += [_cell(kind.params.get(key, 0), key[1]) for key in param_keys]
+        row += [_cell(kind.param_count(), n_bytes=kind.param_bytes())]
+        row += [_cell(kind.buffers.get(dtype, 0), dtype) for dtype in buffer_keys]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    per_ep_rank = report.num_experts // layout.ep
+    lines = [
+        f"parameter shards per rank, split as training splits them (dp={layout.dp} tp={layout.tp} | ep={layout.ep} "
+        f"etp={layout.etp} edp={layout.edp}; {per_ep_rank} expert{'s' if per_ep_rank > 1 else ''} per ep rank), "
+        "elements = bytes:"
+    ]
+    for row in rows:  # rank ranges left-aligned, numbers right-aligned
+        lines.append(
+            "  ".join(
+                [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+            ).rstrip()
+        )
+    total = sum(report.distinct_params.values())
+    verdict = "matches" if total == report.expected_params else "DOES NOT MATCH"
+    lines.append(
+        f"over all ranks, each replicated copy once: {total:,} parameters ("
+        + ", ".join(f"{part} {n:,}" for part, n in report.distinct_params.items())
+        + f"); {verdict} moe_models.count_parameters {report.expected_params:,} (MTP layers included)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""``moe-train plan`` at published sizes: per-rank shard sizes on the meta device over a fake process group, checked
+against figures computed by hand from the architectures and against moe_models.count_parameters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_models import PUBLISHED_PRESETS, count_parameters
+from moe_models.presets import preset
+from moe_parallel import ParallelConfig
+from moe_train import cli
+from moe_train.plan_report import NON_EXPERT, ROUTED_EXPERTS, PlanReport, RankKind, plan_report, rank_ranges
+
+F32 = torch.float32
+
+
+def kind_of(report: PlanReport, rank: int) -> RankKind:
+    return next(kind for kind in report.kinds if rank in kind.ranks)
+
+
+def rows_on(rank: int, rows: int, ranks: int) -> int:
+    """Rows of a tensor FSDP2 (torch.chunk) gives ``rank`` out of ``ranks``: ceil-sized chunks, the last ones
+    shorter or empty."""
+    chunk = math.ceil(rows / ranks)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def deepseek_v3_non_expert_on(rank: int, world: int) -> int:
+    """DeepSeek-V3's non-expert parameters on ``rank`` when FSDP shards each along dim 0 over all ``world`` ranks:
+    (rows, row length) of each tensor, from the published architecture (H 7168, MLA q/kv ranks 1536/512, 128 heads
+    of 128 + 64 rotary dims, 3 dense layers of FFN 18432, 58 MoE layers with 256 experts and a 2048-wide shared
+    expert, one MTP depth, vocab 129280)."""
+    h, vocab = 7168, 129280
+    attention = [(h, 1), (h, 1), (1536, h), (1536, 1), (128 * 192, 1536), (512 + 64, h), (512, 1)]
+    attention += [(128 * 256, 512), (h, 128 * 128)]  # kv_b_proj (k_nope + v per head), o_proj
+    dense_mlp = [(18432, h), (18432, h), (h, 18432)]
+    moe_mlp = [(256, h), (h, 2 * 2048), (2048, h)]  # router, shared expert gate_up and down
+    mtp_input = [(h, 1), (h, 1), (h, 2 * h), (h, 1)]  # enorm, hnorm, eh_proj, final_norm
+    root = [(vocab, h), (h, 1), (vocab, h)]  # embedding, final norm, head
+
+    def on_rank(tensors: list[tuple[int, int]]) -> int:
+        return sum(rows_on(rank, rows, world) * row for rows, row in tensors)
+
+    layers = 3 * on_rank(attention + dense_mlp) + (58 + 1) * on_rank(attention + moe_mlp)
+    return layers + on_rank(mtp_input + root)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_ep64() -> PlanReport:
+    return plan_report(preset("deepseek-v3-671b"), ParallelConfig(ep=64), 1024)
+
+
+def test_deepseek_v3_at_1024_ranks_ep64(deepseek_v3_ep64: PlanReport) -> None:
+    report = deepseek_v3_ep64
+    assert not dist.is_initialized()  # the fake world is gone
+    assert (report.layout.dp, report.layout.ep, report.layout.edp) == (1024, 64, 16)
+    # every rank: 4 experts (256 / ep 64) of 7168 x 4096 gate_up + 2048 x 7168 down, FSDP-split over edp 16, in each
+    # of 58 MoE layers and the MTP depth's
+    experts = 59 * 4 * (7168 * 4096 + 2048 * 7168) // 16
+    assert experts == 649_592_832
+    for rank in (0, 255, 256, 767, 768, 1016, 1017, 1018, 1023):
+        kind = kind_of(report, rank)
+        assert kind.params == {(NON_EXPERT, F32): deepseek_v3_non_expert_on(rank, 1024), (ROUTED_EXPERTS, F32): experts}
+        assert kind.buffers == {F32: 59 * 256}  # each MoE router's expert bias, whole everywhere
+    assert kind_of(report, 0).params[NON_EXPERT, F32] == 17_788_986
+    assert kind_of(report, 1023).params[NON_EXPERT, F32] == 14_211_968  # past the embedding's and head's last rows
+    assert sorted(r for kind in report.kinds for r in kind.ranks) == list(range(1024))
+    counted = count_parameters(preset("deepseek-v3-671b"))
+    assert sum(report.distinct_params.values()) == counted.total + counted.mtp == report.expected_params
+
+
+def test_qwen3_30b_at_8_ranks_ep8_tp2(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model.preset", "qwen3-30b-a3b", "--world-size", "8", "--parallel.ep", "8"]
+    assert cli.main([*args, "--parallel.tp", "2", "--parallel.etp", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "8 ranks, 128 experts per MoE layer (qwen3_moe)"
+    assert len(out) == 2 + 8 + 4  # the rank map (a small world), then title, header, one rank kind, the check
+    # H 2048, 32 query heads and 4 key/value heads of 128, 48 MoE layers; tp 2 splits the projections, embedding and
+    # head, FSDP the rest over dp 4: all evenly, so every rank holds the same
+    h, vocab = 2048, 151936
+    projections = (32 * 128 * h + 2 * 4 * 128 * h + h * 32 * 128) // (2 * 4)  # q, k, v, o
+    replicated_over_tp = (2 * h + 2 * 128 + 128 * h) // 4  # layer norms, q/k norms, router
+    non_expert = 48 * (projections + replicated_over_tp) + 2 * vocab * h // (2 * 4) + h // 4
+    experts = 48 * 128 // 8 * (h * 2 * 768 + 768 * h)  # 16 whole experts per rank (etp 1, edp 1)
+    assert (non_expert, experts) == (194_235_904, 3_623_878_656)
+    title, header, row = out[-4:-1]
+    assert title.startswith("parameter shards per rank") and "dp=4 tp=2 | ep=8 etp=1 edp=1; 16 experts" in title
+    assert header.split() == ["ranks", "count", "non-expert", "float32", "routed", "experts", "float32", "parameters"]
+    assert row.split()[:2] == ["0-7", "8"]
+    assert f"{non_expert:,} = 740.95 MiB" in row and f"{experts:,} = 13.50 GiB" in row
+    assert f"{non_expert + experts:,} = 14.22 GiB" in row
+    counted = count_parameters(preset("qwen3-30b-a3b"))
+    assert out[-1].startswith(f"over all ranks, each replicated copy once: {counted.total + counted.mtp:,} parameters")
+    assert "; matches moe_models.count_parameters" in out[-1]
+
+
+# every other published preset, in a layout that shards unevenly somewhere and uses tp where the model allows it
+OTHER_PRESET_LAYOUTS = {
+    "kimi-k2": (256, ParallelConfig(ep=32, tp=8, etp=1)),
+    "qwen3-235b-a22b": (512, ParallelConfig(ep=32, tp=4)),
+    "gpt-oss-20b": (96, ParallelConfig(ep=16)),  # attention sinks: no tp yet
+    "gpt-oss-120b": (64, ParallelConfig(ep=64)),
+    "mixtral-8x7b": (64, ParallelConfig(ep=8, tp=8)),  # etp = tp = 8: experts as plain per-rank tensors
+}
+
+
+def test_every_published_preset_is_covered() -> None:
+    covered = {"deepseek-v3-671b", "qwen3-30b-a3b", *OTHER_PRESET_LAYOUTS}
+    assert covered == set(PUBLISHED_PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_PRESET_LAYOUTS))
+def test_shards_summed_over_ranks_give_the_parameter_count(name: str) -> None:
+    world, parallel = OTHER_PRESET_LAYOUTS[name]
+    report = plan_report(preset(name), parallel, world)
+    counted = count_parameters(preset(name))
+    assert sum(report.distinct_params.values()) == counted.total + counted.mtp
+    assert sorted(r for kind in report.kinds for r in kind.ranks) == list(range(world))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (  # the layout itself: 48 does not divide 1024
+            ["--world-size", "1024", "--parallel.ep", "48"],
+            "moe-train: error: parallel.ep=48: etp(1) x ep(48) x pp(1) = 48 does not divide world_size 1024",
+        ),
+        (  # the layout against the model: 256 experts over 3 ranks
+            ["--world-size", "96", "--parallel.ep", "3"],
+            "moe-train: error: parallel.ep=3: the model's 256 experts per MoE layer do not divide over it",
+        ),
+    ],
+)
+def test_layouts_that_do_not_fit_are_one_line_errors(
+    overrides: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["plan", "--model.preset", "deepseek-v3-671b", *overrides]) == cli.EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(message) and captured.err.count("\n") == 1
+    assert not dist.is_initialized()
+
+
+def test_rank_ranges_are_compact() -> None:
+    assert rank_ranges((0, 1, 2, 5, 7, 8)) == "0-2, 5, 7-8"
+    assert rank_ranges(tuple(range(0, 20, 2)), most=3) == "0, 2, 4, ... (7 more runs)"
