@@ -61,6 +61,11 @@ def _overrides(data_cache: Path) -> dict[str, str]:
         "run.log_interval": "100",
         "run.save_checkpoint": "false",
         "run.dtype": "fp32",
+        # layouts add partial results in other orders (~1e-7 relative): a token whose k-th and (k+1)-th router
+        # scores are closer than that may pick another expert, and the runs then part by ~1e-4. With this seed's
+        # initial weights the smallest top-k probability margin in the reference runs is 7e-6 (with 1234, one Qwen3
+        # token at step 4 had a margin of 2e-7 and flipped under etp=2)
+        "train.seed": "7",
     }
 
 
@@ -136,7 +141,9 @@ def test_layout_equals_single_process(preset: str, layout: str, single_process, 
 
 def test_control_without_gradient_sync_differs(single_process, parallel_runs: Path) -> None:
     ours = _records(parallel_runs / f"world{CONTROL[1]}" / _case_dir(PRESETS[0], CONTROL[0]))
-    assert _max_rel_diff(ours, single_process[PRESETS[0]], "grad_norm") > 1e-2
+    # the experts hold ~1% of the squared gradient norm here, so doubling their gradients moves the norm by about
+    # 1%: ten times the tolerance the layouts are held to
+    assert _max_rel_diff(ours, single_process[PRESETS[0]], "grad_norm") > 10 * TOLERANCE
 
 
 @pytest.mark.parametrize("preset", PRESETS)
