@@ -278,6 +278,37 @@ def recompute(world: int) -> dict:
     return out
 
 
+def materialised_bytes(world: int) -> dict:
+    """Peak tensor bytes while building a 64-expert model's share on meta and materialising it, against this rank's
+    expert shard plus the whole non-expert parameters (issue 11's bound), and the whole-model-first way."""
+    from moe_memory import LiveTensorBytes
+
+    config = dataclasses.replace(preset("tiny-qwen3-moe"), num_moe_experts=64, num_layers=2)
+    out = {}
+    for name, sizes in {"ep=4": {"ep": 4}, "tp=2 x ep=2": {"tp": 2, "ep": 2, "etp": 1}}.items():
+        cfg = ParallelConfig(**sizes)
+        meshes = build_meshes(cfg.layout(world), "cpu")
+        with LiveTensorBytes() as meta_way:
+            with torch.device("meta"):
+                model = build_model(config)
+            plan = model.parallel_plan()
+            parallelize(model, meshes, cfg, plan)
+            materialize(model, plan, model.initial_weights(3), "cpu")
+        in_experts = tuple(f"{p}." for p in plan.experts_paths())
+        experts = sum(
+            local_box(p)[0].untyped_storage().nbytes() for n, p in model.named_parameters() if n.startswith(in_experts)
+        )
+        with torch.device("meta"):
+            whole = build_model(config)
+        non_expert = sum(
+            t.nbytes for n, t in [*whole.named_parameters(), *whole.named_buffers()] if not n.startswith(in_experts)
+        )
+        with LiveTensorBytes() as eager_way:
+            parallelize(build_model(config, seed=3), meshes, cfg, plan)
+        out[name] = (meta_way.peak, eager_way.peak, experts + non_expert)
+    return out
+
+
 def main(out_dir: Path) -> None:
     ctx = init_distributed("gloo", "cpu")
     world = ctx.world_size
@@ -318,6 +349,7 @@ def main(out_dir: Path) -> None:
     result["meta"] = meta_equals_eager(world)
     result["expert_scale"] = expert_gradient_scale(world)
     result["recompute"] = recompute(world)
+    result["bytes"] = materialised_bytes(world)
     dist.barrier()
     dist.destroy_process_group()
     torch.save(result, out_dir / f"rank{ctx.rank}.pt")

@@ -135,3 +135,12 @@ def test_recompute_applied_before_fsdp_reruns_the_experts_that_run(ranks, layout
         # once per MoE layer in the forward, and once more in the backward when recomputed
         assert case["calls"] == (case["moe_layers"], 2 * case["moe_layers"]) == (2, 4)
         assert case["differ"] == []
+
+
+def test_each_rank_materialises_only_its_shard(ranks) -> None:
+    """64 experts at ep=4 and tp=2 x ep=2 (4 ranks): a rank never holds more than 1.1x its expert shard plus the
+    whole non-expert parameters at any moment; building the whole model first (the old way) does, by far."""
+    for rank, result in enumerate(ranks):
+        for layout, (meta_peak, whole_first_peak, bound) in result["bytes"].items():
+            assert meta_peak <= 1.1 * bound, (layout, rank, meta_peak / bound)
+            assert whole_first_peak > 2 * bound, (layout, rank, whole_first_peak / bound)  # the counter sees it all
