@@ -309,6 +309,52 @@ def materialised_bytes(world: int) -> dict:
     return out
 
 
+def from_checkpoint(world: int, out_dir: Path) -> dict:
+    """tp=2 x ep=2 on 4 ranks materialised from a HuggingFace checkpoint: the same local shards as loading the whole
+    checkpoint and splitting it, while each rank reads only its experts, and its box of tensors stored as they are."""
+    from moe_models.hf import CheckpointSource, load_pretrained, save_pretrained
+
+    config = preset("tiny-qwen3-moe")
+    path = out_dir / "hf"
+    if dist.get_rank() == 0:
+        save_pretrained(build_model(config, seed=5), path)
+    dist.barrier()
+    cfg = ParallelConfig(tp=2, ep=2, etp=1)
+    meshes = build_meshes(cfg.layout(world), "cpu")
+    reference = load_pretrained(path)
+    parallelize(reference, meshes, cfg)
+    with torch.device("meta"):
+        model = build_model(config)
+    plan = model.parallel_plan()
+    parallelize(model, meshes, cfg, plan)
+    boxes_read, whole_read = {}, []
+    with CheckpointSource(path, config) as source:
+        read, read_box = source.reader.read, source.reader.read_box
+
+        def spy_read(entry):
+            whole_read.append(entry.key)
+            return read(entry)
+
+        def spy_read_box(key, box):
+            boxes_read[key] = tuple((s.start, s.stop) for s in box)
+            return read_box(key, box)
+
+        source.reader.read, source.reader.read_box = spy_read, spy_read_box
+        materialize(model, plan, source, "cpu")
+    mine, want = dict(model.named_parameters()), dict(reference.named_parameters())
+    local = lambda t: local_box(t)[0]  # noqa: E731
+    return {
+        "differ": [n for n in want if not torch.equal(local(mine[n]), local(want[n]))],
+        # Qwen3 checkpoints store one tensor per expert: model.layers.{l}.mlp.experts.{e}.{proj}.weight
+        "experts_read": sorted({int(k.split(".experts.")[1].split(".")[0]) for k in whole_read if ".experts." in k}),
+        "first_expert": reference.layers[0].mlp.experts.first_expert,
+        "local_experts": reference.layers[0].mlp.experts.num_experts,
+        "q_proj_box": boxes_read.get("model.layers.0.self_attn.q_proj.weight"),
+        "q_proj_whole_read": "model.layers.0.self_attn.q_proj.weight" in whole_read,
+        "q_proj_shape": tuple(want["layers.0.attention.q_proj.weight"].shape),
+    }
+
+
 def main(out_dir: Path) -> None:
     ctx = init_distributed("gloo", "cpu")
     world = ctx.world_size
@@ -350,6 +396,7 @@ def main(out_dir: Path) -> None:
     result["expert_scale"] = expert_gradient_scale(world)
     result["recompute"] = recompute(world)
     result["bytes"] = materialised_bytes(world)
+    result["checkpoint"] = from_checkpoint(world, out_dir)
     dist.barrier()
     dist.destroy_process_group()
     torch.save(result, out_dir / f"rank{ctx.rank}.pt")

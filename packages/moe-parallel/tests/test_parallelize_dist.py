@@ -144,3 +144,21 @@ def test_each_rank_materialises_only_its_shard(ranks) -> None:
         for layout, (meta_peak, whole_first_peak, bound) in result["bytes"].items():
             assert meta_peak <= 1.1 * bound, (layout, rank, meta_peak / bound)
             assert whole_first_peak > 2 * bound, (layout, rank, whole_first_peak / bound)  # the counter sees it all
+
+
+def test_ranks_read_only_their_experts_and_slices_of_a_checkpoint(ranks) -> None:
+    """tp=2 x ep=2 over 4 ranks from a HuggingFace checkpoint: every local shard equals the whole checkpoint loaded
+    and split; a rank reads only the experts of its FSDP shard of its expert-parallel share, and q_proj (stored as it
+    is) only as its box of rows."""
+    for rank, result in enumerate(ranks):
+        case = result["checkpoint"]
+        assert case["differ"] == [], rank
+        first, count = case["first_expert"], case["local_experts"]
+        # ep=2 gives each rank 4 of the 8 experts; FSDP over edp=2 keeps 2 of those on each rank: the ones read
+        assert set(case["experts_read"]) <= set(range(first, first + count)), rank
+        assert len(case["experts_read"]) == count // 2, (rank, case["experts_read"])
+        assert not case["q_proj_whole_read"], rank
+        (row_start, row_stop), (col_start, col_stop) = case["q_proj_box"]
+        rows, cols = case["q_proj_shape"]
+        # tensor parallel halves the rows, FSDP over dp_shard=2 halves them again; columns stay whole
+        assert (row_stop - row_start, col_start, col_stop) == (rows // 4, 0, cols), (rank, case["q_proj_box"])
