@@ -36,7 +36,7 @@ PUBLIC_NAMES = [
 
 
 def test_version_is_semver_0_1() -> None:
-    assert moe_experts.__version__ == "0.1.1"
+    assert moe_experts.__version__ == "0.1.2"
     assert importlib.metadata.version("moe-experts") == moe_experts.__version__
 
 

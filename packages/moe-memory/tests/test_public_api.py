@@ -6,13 +6,15 @@ import importlib.metadata
 import moe_memory
 
 PUBLIC_NAMES = [
+    "LiveTensorBytes",
     "__version__",
     "apply_activation_checkpointing",
+    "select_modules",
 ]
 
 
 def test_version_is_semver_0_1() -> None:
-    assert moe_memory.__version__ == "0.1.0"
+    assert moe_memory.__version__ == "0.1.1"
     assert importlib.metadata.version("moe-memory") == moe_memory.__version__
 
 

@@ -11,6 +11,7 @@ PUBLIC_NAMES = [
     "DecoderLayer",
     "DenseMLP",
     "FAMILIES",
+    "InitialWeights",
     "LMLoss",
     "MTPLayer",
     "MoEBlock",
@@ -32,6 +33,7 @@ PUBLIC_NAMES = [
     "causal_lm_loss",
     "count_parameters",
     "hf",
+    "parallel_plan",
     "preset",
     "rotary_cos_sin",
     "training_flops_per_token",
@@ -39,7 +41,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_models.__version__ == "0.2.0"
+    assert moe_models.__version__ == "0.3.0"
     assert importlib.metadata.version("moe-models") == moe_models.__version__
 
 
@@ -53,6 +55,7 @@ def test_every_public_name_resolves() -> None:
 
 
 HF_NAMES = [
+    "CheckpointSource",
     "HFCheckpointError",
     "config_from_hf",
     "config_to_hf",

@@ -3,17 +3,28 @@ against figures computed by hand from the architectures and against moe_models.c
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from moe_models import PUBLISHED_PRESETS, count_parameters
 from moe_models.presets import preset
 from moe_parallel import ParallelConfig
 from moe_train import cli
-from moe_train.plan_report import NON_EXPERT, ROUTED_EXPERTS, PlanReport, RankKind, plan_report, rank_ranges
+from moe_train.plan_report import (
+    NON_EXPERT,
+    ROUTED_EXPERTS,
+    PlanReport,
+    RankKind,
+    _strided_shard_length,
+    plan_report,
+    rank_ranges,
+)
 
 F32 = torch.float32
 
@@ -149,3 +160,13 @@ def test_layouts_that_do_not_fit_are_one_line_errors(
 def test_rank_ranges_are_compact() -> None:
     assert rank_ranges((0, 1, 2, 5, 7, 8)) == "0-2, 5, 7-8"
     assert rank_ranges(tuple(range(0, 20, 2)), most=3) == "0, 2, 4, ... (7 more runs)"
+
+
+def test_strided_shard_sizes_agree_with_torchs_helper() -> None:
+    for length, mesh_size, split_factor in itertools.product(range(41), range(1, 7), range(1, 5)):
+        placement = _StridedShard(0, split_factor=split_factor)
+        for coordinate in range(mesh_size):
+            (torch_rows,), _ = _compute_local_shape_and_global_offset(
+                (length,), (mesh_size,), [coordinate], [placement], skip_offset=True
+            )
+            assert _strided_shard_length(length, mesh_size, coordinate, split_factor) == torch_rows

@@ -5,10 +5,12 @@ from moe_models import hf
 from moe_models.attention import Attention
 from moe_models.config import FAMILIES, ModelConfig, ModelConfigError
 from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
+from moe_models.init import InitialWeights
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.loss import LMLoss, causal_lm_loss
 from moe_models.mla import MultiLatentAttention
 from moe_models.model import DecoderLayer, ModelOutput, MoETransformer, MTPLayer, build_model
+from moe_models.parallel_plan import parallel_plan
 from moe_models.presets import (
     PRESETS,
     PUBLISHED_PRESETS,
@@ -30,10 +32,12 @@ __all__ = [
     "PublishedSize",
     "TINY_PRESETS",
     "hf",
+    "parallel_plan",
     "preset",
     "Attention",
     "DecoderLayer",
     "DenseMLP",
+    "InitialWeights",
     "LMLoss",
     "MTPLayer",
     "MoEBlock",
