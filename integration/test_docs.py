@@ -65,3 +65,67 @@ def test_readme_example_of_the_model_families_runs() -> None:
     ids = namespace["ids"]
     torch.testing.assert_close(namespace["again"](ids).logits, namespace["model"](ids).logits)
     assert namespace["experts_0_to_3"]["layers.1.mlp.experts.w_down_EFH"].shape[0] == 4
+
+
+def _package_table(page: Path) -> dict[str, str]:
+    """dist name -> its "may import" cell (the last), from ``page``'s table with one row per package."""
+    rows = {}
+    for line in page.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and re.fullmatch(r"`moe[-_][a-z]+`", cells[0]):
+            rows[cells[0].strip("`").replace("_", "-")] = cells[-1].replace("`", "").removesuffix(" only")
+    return rows
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/architecture.md"])
+def test_package_tables_match_the_declared_dependencies(page: str) -> None:
+    rows = _package_table(ROOT / page)
+    assert sorted(rows) == PACKAGES
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    ignored = [rule for c in contracts for rule in c.get("ignore_imports", [])]
+    for dist, may_import in rows.items():
+        project = tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())["project"]
+        ours = (r for r in project["dependencies"] if r.startswith("moe-"))
+        declared = {re.match(r"moe-[a-z]+", r).group().replace("-", "_") for r in ours}
+        named = set() if may_import == "nothing of ours" else {m.strip() for m in may_import.split(",")}
+        assert {m.split(".")[0] for m in named} == declared, (dist, may_import)
+        for submodule in (m for m in named if "." in m):  # "moe_parallel.plan": the contract lets only that in
+            assert f"{dist.replace('-', '_')}.** -> {submodule}" in ignored, submodule
+
+
+def test_readme_status_versions_are_the_packages_versions() -> None:
+    readme = (ROOT / "README.md").read_text()
+    status = dict(re.findall(r"\*\*(moe-[a-z]+) ([0-9]+\.[0-9]+\.[0-9]+)\*\*", readme))
+    assert sorted(status) == PACKAGES
+    for dist, version in status.items():
+        assert importlib.import_module(dist.replace("-", "_")).__version__ == version, dist
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_architecture_page_names_real_files_and_functions() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "(docs/architecture.md)" in (ROOT / "README.md").read_text()
+    spans = re.findall(r"`([^`\n]+)`", text)
+    files = {s for s in spans if re.fullmatch(r"[\w./*-]+\.(py|toml|json|md)", s) and "*" not in s}
+    sources = [*(ROOT / "packages").glob("*/src")]
+    for name in sorted(files):
+        found = (ROOT / name).exists() or any((src / name).exists() for src in sources)
+        assert found, f"docs/architecture.md names {name}, which does not exist"
+    names = {s for s in spans if re.fullmatch(r"moe_[a-z]+(\.[A-Za-z_]\w*)+", s)}
+    assert len(files) > 10 and len(names) > 10
+    missing = sorted(n for n in names if not _resolves(n))
+    assert not missing, f"docs/architecture.md names {missing}, which the packages do not have"

@@ -6,7 +6,8 @@ run): no memory, no communication. That process is rank 0, so its model holds ra
 sizes follow from each tensor's placements and that rank's mesh coordinates, without rebuilding the model:
 
 - a DTensor's local shape comes from torch's own helper given the rank's coordinates (uneven FSDP shards, where
-  the last ranks along a dimension hold fewer rows or none, included);
+  the last ranks along a dimension hold fewer rows or none, included), or for FSDP's strided shards over tp from
+  torch's size formula, which scales to thousands of ranks;
 - routed experts with ``etp > 1`` are plain per-rank tensors (or DTensors over ``edp`` only) whose sizes are the
   same on every ep x etp rank, so rank 0's sizes are everyone's;
 - anything else (plain tensors, buffers) is whole on every rank.
@@ -160,7 +161,9 @@ def _rank_kinds(
     return sorted(kinds, key=lambda kind: kind.ranks[0])
 
 
-def _split_on_meta(model_config: ModelConfig, parallel_config: ParallelConfig, layout: ParallelLayout) -> nn.Module:
+def _checked_model_on_meta(
+    model_config: ModelConfig, parallel_config: ParallelConfig, layout: ParallelLayout
+) -> nn.Module:
     """The model built on meta and checked against the layout, as the trainer's ``prepare`` does (not yet split)."""
     try:
         with torch.device("meta"):
@@ -180,7 +183,7 @@ def plan_report(model_config: ModelConfig, parallel_config: ParallelConfig, worl
         layout = parallel_config.layout(world_size)
     except ValueError as err:
         raise config_error(err) from None
-    model = _split_on_meta(model_config, parallel_config, layout)
+    model = _checked_model_on_meta(model_config, parallel_config, layout)
     plan = model.parallel_plan()
     _fake_world(world_size)
     try:
