@@ -17,7 +17,8 @@ ATTENTION_DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 EXPERT_DIMS = ("etp", "ep", "edp", "pp")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The sizes a dimension of ``n`` things can be split into evenly (what error messages offer as fits)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -52,7 +53,7 @@ class ParallelLayout:
                     field,
                     getattr(self, field),
                     f"tp*cp*dp_replicate*pp = {others} does not divide world_size {self.world_size}; "
-                    f"their product must be one of {_divisors(self.world_size)}",
+                    f"their product must be one of {divisors(self.world_size)}",
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
         elif self.dp_shard < 1:
@@ -73,7 +74,7 @@ class ParallelLayout:
         expert_model = self.etp * self.ep * self.pp
         if self.world_size % expert_model:
             fits = [
-                d for d in _divisors(self.world_size // self.pp) if (self.world_size // self.pp) % (d * self.etp) == 0
+                d for d in divisors(self.world_size // self.pp) if (self.world_size // self.pp) % (d * self.etp) == 0
             ]
             raise LayoutError(
                 "ep",

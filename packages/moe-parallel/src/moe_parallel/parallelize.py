@@ -19,7 +19,7 @@ from moe_parallel.config import ParallelConfig
 from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks
 from moe_parallel.fsdp import apply_fsdp
 from moe_parallel.grads import GradientSync, replica_count
-from moe_parallel.layout import ParallelLayout
+from moe_parallel.layout import ParallelLayout, divisors
 from moe_parallel.mesh import ParallelMeshes
 from moe_parallel.plan import LayoutError, ParallelPlan, submodule
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -68,10 +68,6 @@ class ParallelModel:
         return 0 if self.meshes is None else self.meshes.dp_index()
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _check_plan_names(model: nn.Module, plan: ParallelPlan) -> None:
     """Every module and parameter ``plan`` names exists (torch's parallelize_module would skip a wrong path with a
     warning and leave that module unsplit)."""
@@ -101,14 +97,14 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
                 "ep",
                 layout.ep,
                 f"the model's {experts.num_experts} experts per MoE layer do not divide over it; ep can be one of "
-                f"{_divisors(experts.num_experts)}",
+                f"{divisors(experts.num_experts)}",
             )
         if experts.ffn_hidden_size % layout.etp:
             raise LayoutError(
                 "etp",
                 layout.etp,
                 f"the experts' FFN width {experts.ffn_hidden_size} is not divisible by it{etp_default}; etp can be one "
-                f"of {_divisors(experts.ffn_hidden_size)}",
+                f"of {divisors(experts.ffn_hidden_size)}",
             )
     if config.mixed_precision_param != "float32":
         # FSDP's policy casts the parameters of the modules it wraps, and it wraps nothing along a size-1 dimension

@@ -26,6 +26,10 @@ class LayoutError(ValueError):
         super().__init__(f"{field}={value!r}: {reason}")
         self.field, self.value, self.reason = field, value, reason
 
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # pickling (multiprocessing, torch.distributed) rebuilds from the constructor's arguments
+        return type(self), (self.field, self.value, self.reason)
+
 
 @dataclass(frozen=True)
 class MoEBlockPlan:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from moe_parallel.layout import divisors
 from moe_parallel.plan import LayoutError, ParallelPlan, submodule
 
 
@@ -45,10 +46,6 @@ def _sum_grad_columns_from(start: int, group: dist.ProcessGroup):
     return hook
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_tensor_parallel(plan: ParallelPlan, tp: int) -> None:
     """Raise :class:`LayoutError` (field ``tp``) when the planned model cannot split over ``tp`` ranks."""
     if tp == 1:
@@ -57,7 +54,7 @@ def check_tensor_parallel(plan: ParallelPlan, tp: int) -> None:
         raise LayoutError("tp", tp, f"the model's {field}: {why}; use tp=1")
     for field, size in plan.tp_divides.items():
         if size % tp:
-            fits = [d for d in _divisors(size) if all(s % d == 0 for s in plan.tp_divides.values())]
+            fits = [d for d in divisors(size) if all(s % d == 0 for s in plan.tp_divides.values())]
             raise LayoutError("tp", tp, f"the model's {field}={size} is not divisible by it; tp can be one of {fits}")
 
 

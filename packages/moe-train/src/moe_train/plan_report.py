@@ -25,16 +25,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from moe_experts import BackendUnavailableError
-from moe_models import ModelConfig, build_model, count_parameters
-from moe_parallel import ParallelConfig, ParallelLayout, build_meshes, check_plan, parallelize
+from moe_models import ModelConfig, count_parameters
+from moe_parallel import ParallelConfig, ParallelLayout, build_meshes, parallelize
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS
-from moe_train.config import ConfigError, config_error
+from moe_train.config import ConfigError
+from moe_train.trainer import checked_meta_model
 
 NON_EXPERT = "non-expert"  # attention, norms, dense MLPs, routers, shared experts, embedding, head
 ROUTED_EXPERTS = "routed experts"
@@ -161,30 +160,10 @@ def _rank_kinds(
     return sorted(kinds, key=lambda kind: kind.ranks[0])
 
 
-def _checked_model_on_meta(
-    model_config: ModelConfig, parallel_config: ParallelConfig, layout: ParallelLayout
-) -> nn.Module:
-    """The model built on meta and checked against the layout, as the trainer's ``prepare`` does (not yet split)."""
-    try:
-        with torch.device("meta"):
-            model = build_model(model_config)
-        check_plan(model, model.parallel_plan(), parallel_config, layout)
-    except BackendUnavailableError as err:
-        raise ConfigError(f"model.moe_expert_backend={model_config.moe_expert_backend!r}: {err}") from None
-    except ValueError as err:  # ModelConfigError, LayoutError
-        raise config_error(err) from None
-    return model
-
-
 def plan_report(model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int) -> PlanReport:
     """Every rank's parameter and buffer shard sizes when ``parallel_config`` splits the model over ``world_size``
     ranks (module docstring). Raises :class:`ConfigError` for layouts that do not fit."""
-    try:
-        layout = parallel_config.layout(world_size)
-    except ValueError as err:
-        raise config_error(err) from None
-    model = _checked_model_on_meta(model_config, parallel_config, layout)
-    plan = model.parallel_plan()
+    layout, model, plan = checked_meta_model(model_config, parallel_config, world_size)
     _fake_world(world_size)
     try:
         split = parallelize(model, build_meshes(layout, "cpu"), parallel_config, plan)

@@ -17,10 +17,11 @@ from torch import nn
 
 from moe_experts import BackendUnavailableError
 from moe_memory import apply_activation_checkpointing, select_modules
-from moe_models import build_model, causal_lm_loss, training_flops_per_token
+from moe_models import ModelConfig, build_model, causal_lm_loss, training_flops_per_token
 from moe_models.hf import CheckpointSource
 from moe_parallel import (
     DistributedContext,
+    ParallelConfig,
     ParallelLayout,
     ParallelModel,
     ParallelPlan,
@@ -75,11 +76,26 @@ def _resolve_device(cfg: ExperimentConfig) -> str:
     return cfg.run.device
 
 
-def _check_layout(cfg: ExperimentConfig, layout: ParallelLayout, model: nn.Module, plan: ParallelPlan) -> None:
+def checked_meta_model(
+    model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int
+) -> tuple[ParallelLayout, nn.Module, ParallelPlan]:
+    """The layout, the model built on the meta device and its plan, checked against each other (``check_plan``)
+    before anything is allocated; errors become :class:`ConfigError`. Shared by ``train`` and ``plan``."""
     try:
-        check_plan(model, plan, cfg.parallel, layout)
-    except ValueError as err:
+        layout = parallel_config.layout(world_size)
+        with torch.device("meta"):
+            model = build_model(model_config)
+        plan = model.parallel_plan()
+        check_plan(model, plan, parallel_config, layout)
+    except BackendUnavailableError as err:
+        raise ConfigError(f"model.moe_expert_backend={model_config.moe_expert_backend!r}: {err}") from None
+    except ValueError as err:  # ModelConfigError, LayoutError
         raise config_error(err) from None
+    return layout, model, plan
+
+
+def _check_trainer_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
+    """What the trainer needs of a layout beyond the model fitting it."""
     if cfg.data.seq_len % layout.tp:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp} (sequence parallel "
@@ -111,16 +127,8 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     before; the same values, kept to check that both ways train alike).
     """
     device_type = _resolve_device(cfg)
-    try:
-        layout = cfg.parallel.layout(world_size)
-        with torch.device("meta"):
-            model = build_model(cfg.model)
-    except BackendUnavailableError as err:
-        raise ConfigError(f"model.moe_expert_backend={cfg.model.moe_expert_backend!r}: {err}") from None
-    except ValueError as err:
-        raise config_error(err) from None
-    plan = model.parallel_plan()
-    _check_layout(cfg, layout, model, plan)
+    layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size)
+    _check_trainer_layout(cfg, layout)
     try:
         select_modules(model, cfg.run.recompute_modules)
     except ValueError as err:
