@@ -147,5 +147,5 @@ def test_layer_patterns_follow_megatron(freq, num_layers, pattern):
     assert cfg.full_attention_pattern() == pattern
     model = build_model(cfg)
     assert [int(layer.is_moe) for layer in model.layers] == pattern
-    assert [int(layer.attention.window is None) for layer in model.layers] == pattern
+    assert [int(layer.attention.core_attention.window is None) for layer in model.layers] == pattern
     assert len(model.routers()) == sum(pattern)

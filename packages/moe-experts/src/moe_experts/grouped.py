@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moe_experts.activations import gate_up_columns, get_activation
+from moe_experts.activations import Activation, gate_up_columns, get_activation
 from moe_experts.backends import GroupedMM, loop_grouped_mm, resolve_backend
 from moe_experts.fused import weighted_activation
 
@@ -60,6 +60,29 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     """This rank's experts: expert parallelism may hold the parameters as DTensors sharded over the experts (so that
     checkpoints see the global tensors); the computation is on the local shard, whose gradient flows back sharded."""
     return param.to_local() if isinstance(param, DTensor) else param
+
+
+class ExpertLinear(nn.Module):
+    """One grouped projection of the experts, ``[N, K] @ w_EKM`` per expert's rows. It holds no parameters (the
+    weights stay on :class:`GroupedExperts`, under their checkpoint names): it is a module so that memory policies
+    can address it (Megatron's ``expert_fc1`` offload)."""
+
+    def forward(
+        self, x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor, gmm: GroupedMM
+    ) -> torch.Tensor:
+        return gmm(x_NK, w_EKM, tokens_per_expert_E)
+
+
+class ExpertActivation(nn.Module):
+    """The experts' activation, weighted by the router probabilities (:func:`~moe_experts.fused.weighted_activation`);
+    a module so that memory policies can address it (Megatron's ``moe_act`` recompute and offload)."""
+
+    def __init__(self, activation: Activation) -> None:
+        super().__init__()
+        self.activation = activation
+
+    def forward(self, h_NW: torch.Tensor, probs_N: torch.Tensor | None) -> torch.Tensor:
+        return weighted_activation(h_NW, probs_N, self.activation)
 
 
 class GroupedExperts(nn.Module):
@@ -110,6 +133,8 @@ class GroupedExperts(nn.Module):
         self.etp_rank, self.etp_size = etp_rank, etp_size
         self.activation_name = activation
         self.activation = get_activation(activation)
+        # parameter-free stages, modules only so that recompute / offload can name them
+        self.fc1, self.act, self.fc2 = ExpertLinear(), ExpertActivation(self.activation), ExpertLinear()
         self.requested_backend = backend
         self.backend = resolve_backend(backend)
         width = self.activation.width_factor * self.local_ffn_hidden_size
@@ -188,7 +213,7 @@ class GroupedExperts(nn.Module):
         gmm = self._grouped_mm(x_NH.element_size())
         dtype = x_NH.dtype
         w_gate_up, w_down = _local(self.w_gate_up_EH2F).to(dtype), _local(self.w_down_EFH).to(dtype)
-        h_NW = gmm(x_NH, w_gate_up, tokens_per_expert_E)
+        h_NW = self.fc1(x_NH, w_gate_up, tokens_per_expert_E, gmm)
         expert_N = None
         if self.b_gate_up_E2F is not None:
             expert_N = torch.repeat_interleave(
@@ -197,8 +222,8 @@ class GroupedExperts(nn.Module):
                 output_size=x_NH.shape[0],
             )
             h_NW = h_NW + _local(self.b_gate_up_E2F).to(dtype)[expert_N]
-        a_NF = weighted_activation(h_NW, probs_N, self.activation)
-        y_NH = gmm(a_NF, w_down, tokens_per_expert_E)
+        a_NF = self.act(h_NW, probs_N)
+        y_NH = self.fc2(a_NF, w_down, tokens_per_expert_E, gmm)
         if self.b_down_EH is not None:
             b_down = _local(self.b_down_EH).to(dtype)
             if self.etp_rank != 0:

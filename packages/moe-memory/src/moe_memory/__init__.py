@@ -1,9 +1,26 @@
-"""moe-memory: selective activation recompute for MoE training, and a counter of the tensor memory code allocates
-(offload and memory estimates: issue 12)."""
+"""moe-memory: recompute and activation offloading by module kind (Megatron-Core's names), per-rank memory
+estimates, and counters of the tensor memory code allocates."""
 
+from moe_memory.kinds import OFFLOAD_KINDS, OUTPUT_DISCARDING_KINDS, RECOMPUTE_KINDS, MemoryConfigError
+from moe_memory.policy import MemoryPolicy, apply_memory_policy, check_memory_options
 from moe_memory.recompute import apply_activation_checkpointing, select_modules
+from moe_memory.saved_tensors import SavedTensorPolicy, SavedTensorStats
 from moe_memory.tracking import LiveTensorBytes
 
 __version__ = "0.1.1"
 
-__all__ = ["LiveTensorBytes", "__version__", "apply_activation_checkpointing", "select_modules"]
+__all__ = [
+    "OFFLOAD_KINDS",
+    "OUTPUT_DISCARDING_KINDS",
+    "RECOMPUTE_KINDS",
+    "LiveTensorBytes",
+    "MemoryConfigError",
+    "MemoryPolicy",
+    "SavedTensorPolicy",
+    "SavedTensorStats",
+    "__version__",
+    "apply_activation_checkpointing",
+    "apply_memory_policy",
+    "check_memory_options",
+    "select_modules",
+]

@@ -7,18 +7,31 @@ import difflib
 import fnmatch
 import functools
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def _checkpointed(forward):
-    @functools.wraps(forward)
+def wrap_forward(module: nn.Module, tag: str, make: Callable[[Callable], Callable]) -> bool:
+    """Replace ``module.forward`` by ``make(forward)`` unless a wrapper tagged ``tag`` is already there (wrapping
+    twice is a no-op). Parameter names and the state dict are unchanged. Returns whether it wrapped."""
+    forward = module.forward
+    if tag in getattr(forward, "__moe_memory__", ()):
+        return False
+    bound = isinstance(forward, types.MethodType) and forward.__self__ is module
+    inner = forward.__func__ if bound else forward
+    wrapped = functools.wraps(inner)(make(inner))
+    wrapped.__moe_memory__ = (*getattr(inner, "__moe_memory__", ()), tag)
+    # a method bound to the module, so that copy.deepcopy rebinds it to the copy instead of the original
+    module.forward = types.MethodType(wrapped, module) if bound else wrapped
+    return True
+
+
+def _checkpointed(forward: Callable) -> Callable:
     def run(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    run.__moe_recompute__ = True  # marks an already-wrapped forward so wrapping twice is a no-op
     return run
 
 
@@ -38,6 +51,12 @@ def select_modules(model: nn.Module, patterns: Iterable[str]) -> list[str]:
     return selected
 
 
+def checkpoint_modules(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Recompute the submodules called ``names`` (non-reentrant checkpoint); returns those newly wrapped."""
+    modules = dict(model.named_modules())
+    return [name for name in names if wrap_forward(modules[name], "recompute", _checkpointed)]
+
+
 def apply_activation_checkpointing(model: nn.Module, patterns: Iterable[str]) -> list[str]:
     """Recompute every submodule whose qualified name matches one of ``patterns`` (:func:`select_modules`).
     Parameter names and the state dict are unchanged. Apply it to the modules that will run: after a parallel
@@ -45,17 +64,4 @@ def apply_activation_checkpointing(model: nn.Module, patterns: Iterable[str]) ->
 
     Returns the names wrapped; a pattern that matches nothing is an error naming close matches.
     """
-    modules = dict(model.named_modules())
-    wrapped: list[str] = []
-    for name in select_modules(model, patterns):  # every pattern is checked before any module is touched
-        module = modules[name]
-        if getattr(module.forward, "__moe_recompute__", False):
-            continue
-        forward = module.forward
-        if isinstance(forward, types.MethodType) and forward.__self__ is module:
-            # bound to the module, so copy.deepcopy rebinds it to the copy instead of the original
-            module.forward = types.MethodType(_checkpointed(forward.__func__), module)
-        else:
-            module.forward = _checkpointed(forward)
-        wrapped.append(name)
-    return wrapped
+    return checkpoint_modules(model, select_modules(model, patterns))  # every pattern checked before any wrapping

@@ -38,6 +38,31 @@ def attention_with_sinks(
     return probs.to(v_BNSD.dtype) @ v_BNSD
 
 
+class CoreAttention(nn.Module):
+    """softmax(q k^T * scale + causal mask) v for one layer's heads (``[B, N, S, D]`` each, k/v with the query
+    heads or fewer); with ``sinks_N`` the learned sink logits join the softmax. It holds no parameters (the sinks
+    stay on :class:`Attention`): a module so that memory policies can address it (Megatron's ``core_attn``)."""
+
+    def __init__(self, scale: float | None, window: int | None = None) -> None:
+        super().__init__()
+        self.scale, self.window = scale, window
+
+    def forward(
+        self, q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, sinks_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        s, n, n_kv = q_BNSD.shape[2], q_BNSD.shape[1], k_BNSD.shape[1]
+        if sinks_N is not None:
+            k, v = k_BNSD.repeat_interleave(n // n_kv, dim=1), v_BNSD.repeat_interleave(n // n_kv, dim=1)
+            return attention_with_sinks(q_BNSD, k, v, causal_mask(s, self.window, q_BNSD.device), sinks_N, self.scale)
+        gqa = n_kv != n
+        if self.window is None or self.window >= s:  # is_causal lets SDPA pick its fused kernels
+            return F.scaled_dot_product_attention(
+                q_BNSD, k_BNSD, v_BNSD, is_causal=True, scale=self.scale, enable_gqa=gqa
+            )
+        mask = causal_mask(s, self.window, q_BNSD.device)
+        return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     """Grouped-query attention of one layer; ``full_attention=False`` applies ``config.window_size``."""
 
@@ -45,8 +70,7 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_query_groups, c.kv_channels
-        self.window = None if full_attention else c.window_size
-        self.scale = c.softmax_scale
+        self.core_attention = CoreAttention(c.softmax_scale, None if full_attention else c.window_size)
         self.interleaved = c.rotary_interleaved
         h, q_width, kv_width = c.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, q_width, bias=c.add_qkv_bias)
@@ -64,15 +88,5 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSH).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_SF, sin_SF, self.interleaved), apply_rotary(k, cos_SF, sin_SF, self.interleaved)
-        if self.sinks is not None:
-            repeat = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-            out_BNSD = attention_with_sinks(q, k, v, causal_mask(s, self.window, x_BSH.device), self.sinks, self.scale)
-        else:
-            gqa = self.num_kv_heads != self.num_heads
-            if self.window is None or self.window >= s:  # is_causal lets SDPA pick its fused kernels
-                out_BNSD = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
-            else:
-                mask = causal_mask(s, self.window, x_BSH.device)
-                out_BNSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        out_BNSD = self.core_attention(q, k, v, self.sinks)
         return self.o_proj(out_BNSD.transpose(1, 2).reshape(b, s, -1))

@@ -4,12 +4,47 @@ each q/k head gets rotary embeddings, with one rotary key shared by all heads.""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moe_models.attention import CoreAttention
 from moe_models.config import ModelConfig
 from moe_models.layers import RMSNorm
 from moe_models.rope import apply_rotary
+
+
+class MLAUpProjection(nn.Module):
+    """From the latents to the attention inputs: the up projections of queries and keys/values, split into heads,
+    rotary embeddings on their rope parts and the shared rotary key. Parameter-free (the projections are passed in
+    and stay on :class:`MultiLatentAttention` under their checkpoint names): a module so that memory policies can
+    address it (Megatron's ``mla_up_proj`` recompute)."""
+
+    def __init__(self, nope_dim: int, rope_dim: int, v_dim: int, interleaved: bool) -> None:
+        super().__init__()
+        self.nope_dim, self.rope_dim, self.v_dim, self.interleaved = nope_dim, rope_dim, v_dim, interleaved
+
+    def forward(
+        self,
+        q_up: nn.Module,
+        kv_up: nn.Module,
+        q_in_BSQ: torch.Tensor,
+        kv_latent_BSC: torch.Tensor,
+        k_rope_BSR: torch.Tensor,
+        cos_SF: torch.Tensor,
+        sin_SF: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k ``[B, N, S, nope + rope]`` and v ``[B, N, S, v_dim]``."""
+        b, s, _ = q_in_BSQ.shape
+        # heads counted from the projection widths, so a tensor-parallel rank computes its share of them
+        q_BNSD = q_up(q_in_BSQ).view(b, s, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
+        n = q_BNSD.shape[1]
+        q_nope, q_rope = q_BNSD.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_BNSD = kv_up(kv_latent_BSC).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v_BNSV = kv_BNSD.split([self.nope_dim, self.v_dim], dim=-1)
+        q_rope = apply_rotary(q_rope, cos_SF, sin_SF, self.interleaved)
+        k_rope_B1SR = apply_rotary(k_rope_BSR.unsqueeze(1), cos_SF, sin_SF, self.interleaved)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope_B1SR.expand(b, n, s, self.rope_dim)], dim=-1)
+        return q, k, v_BNSV
 
 
 class MultiLatentAttention(nn.Module):
@@ -21,8 +56,6 @@ class MultiLatentAttention(nn.Module):
         c = config
         self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim
-        self.scale = c.softmax_scale
-        self.interleaved = c.rotary_interleaved
         qk_dim, h = self.nope_dim + self.rope_dim, c.hidden_size
         self.q_latent = c.q_lora_rank is not None
         if not self.q_latent:
@@ -35,24 +68,16 @@ class MultiLatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.kv_lora_rank, c.norm_epsilon)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
-
-    def _queries(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        if not self.q_latent:
-            return self.q_proj(x_BSH)
-        return self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSH)))
+        self.up_proj = MLAUpProjection(self.nope_dim, self.rope_dim, self.v_dim, c.rotary_interleaved)
+        self.core_attention = CoreAttention(c.softmax_scale)
 
     def forward(self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSH.shape
-        # heads counted from the projection widths, so a tensor-parallel rank computes its share of them
-        q_BNSD = self._queries(x_BSH).view(b, s, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
-        n = q_BNSD.shape[1]
-        q_nope, q_rope = q_BNSD.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_in_BSQ = self.q_a_norm(self.q_a_proj(x_BSH)) if self.q_latent else x_BSH
         latent_BSC, k_rope_BSR = self.kv_a_proj(x_BSH).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_BNSD = self.kv_b_proj(self.kv_a_norm(latent_BSC)).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
-        k_nope, v_BNSV = kv_BNSD.split([self.nope_dim, self.v_dim], dim=-1)
-        q_rope = apply_rotary(q_rope, cos_SF, sin_SF, self.interleaved)
-        k_rope_B1SR = apply_rotary(k_rope_BSR.unsqueeze(1), cos_SF, sin_SF, self.interleaved)
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        k = torch.cat([k_nope, k_rope_B1SR.expand(b, n, s, self.rope_dim)], dim=-1)
-        out_BNSV = F.scaled_dot_product_attention(q, k, v_BNSV, is_causal=True, scale=self.scale)
+        q_up = self.q_b_proj if self.q_latent else self.q_proj
+        q, k, v_BNSV = self.up_proj(
+            q_up, self.kv_b_proj, q_in_BSQ, self.kv_a_norm(latent_BSC), k_rope_BSR, cos_SF, sin_SF
+        )
+        out_BNSV = self.core_attention(q, k, v_BNSV)
         return self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, -1))

@@ -145,6 +145,13 @@ class MoETransformer(nn.Module):
 
         return parallel_plan(self)
 
+    def module_kinds(self) -> dict[str, list[str]]:
+        """``{Megatron module kind: [qualified module names]}``: what recompute and offload act on
+        (:mod:`moe_models.module_kinds`)."""
+        from moe_models.module_kinds import module_kinds
+
+        return module_kinds(self)
+
     def moe_layers(self) -> list[DecoderLayer]:
         """Decoder layers with a routed MoE, main layers first, then the MTP layers."""
         return [layer for layer in self.layers if layer.is_moe] + [m.layer for m in self.mtp]

@@ -1,0 +1,46 @@
+"""Which of a model's modules are of each Megatron-Core module kind, by qualified name: what ``recompute_modules``
+and ``offload_modules`` (moe_memory) act on. Kinds the model has no module of are left out."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_models.model import DecoderLayer, MoETransformer
+
+
+def _layer_kinds(prefix: str, layer: DecoderLayer) -> dict[str, list[str]]:
+    attn = layer.attention
+    kinds: dict[str, list[str]] = {
+        "layernorm": [f"{prefix}.input_norm", f"{prefix}.post_attention_norm"],
+        "attn_norm": [f"{prefix}.input_norm"],
+        "mlp_norm": [f"{prefix}.post_attention_norm"],
+        "core_attn": [f"{prefix}.attention.core_attention"],
+        "attn_proj": [f"{prefix}.attention.o_proj"],
+    }
+    if hasattr(attn, "up_proj"):  # multi-latent attention
+        projections = ["q_a_proj", "q_b_proj"] if attn.q_latent else ["q_proj"]
+        kinds["qkv_linear"] = [f"{prefix}.attention.{p}" for p in [*projections, "kv_a_proj", "kv_b_proj"]]
+        kinds["mla_up_proj"] = [f"{prefix}.attention.up_proj"]
+    else:
+        kinds["qkv_linear"] = [f"{prefix}.attention.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    if layer.is_moe:
+        kinds["moe"] = [f"{prefix}.mlp"]
+        kinds["moe_act"] = [f"{prefix}.mlp.experts.act"]
+        kinds["expert_fc1"] = [f"{prefix}.mlp.experts.fc1"]
+        if layer.mlp.shared_experts is not None:
+            kinds["shared_experts"] = [f"{prefix}.mlp.shared_experts"]
+    else:
+        kinds["mlp"] = [f"{prefix}.mlp"]
+    return kinds
+
+
+def module_kinds(model: MoETransformer) -> dict[str, list[str]]:
+    """``{kind: [qualified module names]}`` over the decoder layers and the MTP layers' decoder layers."""
+    layers = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+    layers += [(f"mtp.{k}.layer", mtp.layer) for k, mtp in enumerate(model.mtp)]
+    kinds: dict[str, list[str]] = {}
+    for prefix, layer in layers:
+        for kind, names in _layer_kinds(prefix, layer).items():
+            kinds.setdefault(kind, []).extend(names)
+    return kinds
