@@ -38,7 +38,26 @@ LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
         2,
         {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1", "run.recompute_modules": "layers.*"},
     ),
+    # recompute and offload by module kind: output-discarding recompute (moe_act, layernorm) under ep and tp, the whole
+    # MoE block re-running its dispatch in the backward, and Megatron's suggested offload set
+    "ep=2 recomputing moe_act,layernorm": (2, {"parallel.ep": "2", "run.recompute_modules": "moe_act,layernorm"}),
+    "tp=2 recomputing moe": (2, {"parallel.tp": "2", "run.recompute_modules": "moe"}),
+    "tp=2 x ep=2 recomputing moe_act,layernorm offloading core_attn,attn_proj,expert_fc1": (
+        2,
+        {
+            "parallel.tp": "2",
+            "parallel.ep": "2",
+            "parallel.etp": "1",
+            "run.recompute_modules": "moe_act,layernorm",
+            "run.offload_modules": "core_attn,attn_proj,expert_fc1",
+            "run.offload_min_tensor_bytes": "0",
+        },
+    ),
     "ep=4": (4, {"parallel.ep": "4"}),
+    "ep=2 x dp_shard=2 x tp=2 recomputing moe": (
+        4,
+        {"parallel.ep": "2", "parallel.tp": "2", "parallel.etp": "1", "run.recompute_modules": "moe"},
+    ),
     "ep=2 x dp_shard=4 (edp=2)": (4, {"parallel.ep": "2"}),
     "ep=2 x dp_shard=2 x tp=2": (4, {"parallel.ep": "2", "parallel.tp": "2", "parallel.etp": "1"}),
     "dp_replicate=2 x dp_shard=2 x ep=4": (4, {"parallel.dp_replicate": "2", "parallel.ep": "4"}),

@@ -39,7 +39,22 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
         (["--parallel.dp_shard", "3"], "!= world_size 1"),
         (["--parallel.tp", "2"], "world_size 1"),
         (["--model.moe_expert_backend", "grouped_gemm"], "expert backend 'grouped_gemm' is not available here"),
-        (["--run.recompute_modules", "layers.*.mlpp"], "run.recompute_modules: recompute module pattern"),
+        (
+            ["--run.recompute_modules", "layers.*.mlpp"],
+            "run.recompute_modules=['layers.*.mlpp']: 'layers.*.mlpp' is neither a module kind nor a pattern",
+        ),
+        (
+            ["--run.recompute_modules", "layernorm,mla_up_proj"],
+            "run.recompute_modules=['layernorm', 'mla_up_proj']: this model has no 'mla_up_proj' modules; its kinds "
+            "are core_attn, moe_act, layernorm, moe",
+        ),
+        (["--run.offload_modules", "expert_fc2"], "kinds: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm"),
+        (
+            ["--run.recompute_modules", "moe", "--run.offload_modules", "expert_fc1"],
+            "run.offload_modules=['expert_fc1']: 'expert_fc1' (layers.0.mlp.experts.fc1) is recomputed by "
+            "recompute_modules 'moe'",
+        ),
+        (["--run.offload_min_tensor_bytes", "-5"], "run.offload_min_tensor_bytes=-5: must be >= 0"),
         (["--train.global_batch_size", "4", "--train.micro_batch_size", "3"], "train.global_batch_size=4"),
         (["--train.steps"], "needs a value"),
         (["stray"], "unexpected argument 'stray'"),

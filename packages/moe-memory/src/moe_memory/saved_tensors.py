@@ -57,6 +57,19 @@ def _is_weight(t: torch.Tensor) -> bool:
     return False
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """``t``'s storage, or None for tensors without one of their own (meta, wrapper subclasses such as the
+    asynchronous results of functional collectives): those are kept as they are."""
+    if t.device.type == "meta":
+        return None
+    try:
+        storage = t.untyped_storage()
+        storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage
+
+
 def _storage_view(t: torch.Tensor) -> torch.Tensor:
     """A flat tensor over ``t``'s whole storage (what moves), ``t`` being a strided view into it."""
     n = t.untyped_storage().nbytes() // t.element_size()
@@ -169,12 +182,15 @@ class _HostCopy:
     def on_device(self) -> torch.Tensor:
         if self.device.type != "cuda":
             return self.host
-        if self.prefetched is not None:
+        if self.prefetch_event is not None:  # brought back on the side stream
             current = torch.cuda.current_stream(self.device)
             current.wait_event(self.prefetch_event)
             self.prefetched.record_stream(current)  # allocated on the side stream, used on this one
-            return self.prefetched
-        return self.host.to(self.device, non_blocking=True)
+            self.prefetch_event = None
+        elif self.prefetched is None:
+            # not prefetched: copy on the compute stream, once for every view of this storage saved
+            self.prefetched = self.host.to(self.device, non_blocking=True)
+        return self.prefetched
 
 
 @dataclass
@@ -217,10 +233,10 @@ class SavedTensorPolicy:
         """Let consumers of ``outputs`` (tensors, possibly nested) save tokens instead: ``run()`` recomputes them."""
         source = _Recompute(run)
         for index, out in enumerate(x for x in tree_leaves(outputs) if isinstance(x, torch.Tensor)):
-            storage = _local(out).untyped_storage()
-            key = storage.data_ptr()
-            if key == 0:
+            storage = _storage(_local(out))
+            if storage is None or storage.data_ptr() == 0:
                 continue
+            key = storage.data_ptr()
             self._discardable[key] = (source, index)
             weakref.finalize(storage, self._discardable.pop, key, None)
 
@@ -264,8 +280,8 @@ class SavedTensorPolicy:
     # -- the hooks ----------------------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> object:
         local = _local(t)
-        if local.device.type != "meta" and not _is_weight(t):
-            storage = local.untyped_storage()
+        storage = _storage(local)
+        if storage is not None and not _is_weight(t):
             found = self._discardable.get(storage.data_ptr())
             if found is not None:
                 source, index = found
@@ -284,6 +300,12 @@ class SavedTensorPolicy:
         key = local.untyped_storage().data_ptr()
         name = self._offload_group[-1]
         if (self._forward, name) not in self._group_order:
+            # a new layer starts offloading: the copies of the layers before it have had a layer of compute to
+            # finish, so their device memory goes back now rather than at the end of the forward
+            for (forward, _), copies in self._groups.items():
+                if forward == self._forward:
+                    for earlier in copies:
+                        earlier.release_device()
             self._group_order[(self._forward, name)] = self._next_order
             self._next_order += 1
         order = self._group_order[(self._forward, name)]
