@@ -182,7 +182,14 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
             {"parallel.ep": "4", "model.num_moe_experts": "6"},
             "parallel.ep=4: the model's 6 experts per MoE layer do not divide over it; ep can be one of [1, 2, 3, 6]",
         ),
-        ({"run.recompute_modules": "layers.*.mpl"}, "run.recompute_modules: recompute module pattern 'layers.*.mpl'"),
+        (
+            {"run.recompute_modules": "layers.*.mpl"},
+            "run.recompute_modules=['layers.*.mpl']: 'layers.*.mpl' is neither",
+        ),
+        (
+            {"run.recompute_modules": "mla_up_proj"},
+            "run.recompute_modules=['mla_up_proj']: this model has no 'mla_up_proj' modules",
+        ),
     ],
 )
 def test_layouts_the_model_cannot_take_fail_before_any_process_group(

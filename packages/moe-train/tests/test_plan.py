@@ -12,16 +12,19 @@ import torch.distributed as dist
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from moe_models import PUBLISHED_PRESETS, count_parameters
+from moe_models import PUBLISHED_PRESETS, build_model, count_parameters
 from moe_models.presets import preset
 from moe_parallel import ParallelConfig
 from moe_train import cli
 from moe_train.plan_report import (
     NON_EXPERT,
     ROUTED_EXPERTS,
+    MemoryOptions,
     PlanReport,
     RankKind,
     _strided_shard_length,
+    format_memory,
+    memory_estimates,
     plan_report,
     rank_ranges,
 )
@@ -145,6 +148,10 @@ def test_shards_summed_over_ranks_give_the_parameter_count(name: str) -> None:
             ["--world-size", "96", "--parallel.ep", "3"],
             "moe-train: error: parallel.ep=3: the model's 256 experts per MoE layer do not divide over it",
         ),
+        (  # recompute / offload settings against the model's module kinds
+            ["--world-size", "64", "--parallel.ep", "64", "--run.offload_modules", "core_attn,mlp_norms"],
+            "moe-train: error: run.offload_modules=['core_attn', 'mlp_norms']: 'mlp_norms' is neither a module kind",
+        ),
     ],
 )
 def test_layouts_that_do_not_fit_are_one_line_errors(
@@ -170,3 +177,90 @@ def test_strided_shard_sizes_agree_with_torchs_helper() -> None:
                 (length,), (mesh_size,), [coordinate], [placement], skip_offset=True
             )
             assert _strided_shard_length(length, mesh_size, coordinate, split_factor) == torch_rows
+
+
+# --- the memory estimate per rank kind ----------------------------------------------------------------------------
+
+
+def test_memory_estimate_holds_each_rank_kinds_exact_shards(deepseek_v3_ep64: PlanReport) -> None:
+    report = deepseek_v3_ep64
+    options = MemoryOptions(micro_batch=1, seq_len=4096, master_weights_bytes=0)
+    estimates = memory_estimates(report, preset("deepseek-v3-671b"), options)
+    assert [kind for kind, _ in estimates] == report.kinds
+    tensors = report.param_tensors
+    with torch.device("meta"):
+        assert tensors == len(list(build_model(preset("deepseek-v3-671b")).parameters()))
+    for kind, estimate in estimates:
+        assert estimate.parameters == kind.param_bytes() == 4 * kind.param_count()
+        assert estimate.gradients == kind.param_bytes()
+        # AdamW: exp_avg and exp_avg_sq in fp32 and a 4-byte step per parameter tensor; fp32 parameters, no master
+        assert estimate.optimizer_states == 8 * kind.param_count() + 4 * tensors
+        assert estimate.master_weights == 0
+        assert estimate.buffers == 59 * 256 * 4  # the routers' fp32 expert bias
+        # the same tokens on every rank: activations do not depend on the shard
+        assert estimate.activation_bytes == estimates[0][1].activation_bytes > 0
+    table = format_memory(estimates, options, device_memory_gib=80)
+    assert "activations: core_attn" in table and "activations: expert_fc1" in table
+    assert table.count("exceeds --device-memory 80 GiB by") == len(report.kinds)
+
+
+QWEN_8 = ["plan", "--model.preset", "qwen3-30b-a3b", "--world-size", "8", "--parallel.ep", "8"]
+
+
+def _memory_rows(out: list[str]) -> dict[str, str]:
+    start = next(i for i, line in enumerate(out) if line.startswith("memory per rank"))
+    rows = {}
+    for line in out[start + 2 :]:
+        label, _, value = line.rpartition("  ")
+        if value.endswith("GiB"):
+            rows[label.strip()] = value.strip()
+    return rows
+
+
+def test_plan_prints_the_memory_table_with_the_reports_shard_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*QWEN_8, "--data.seq_len", "4096", "--train.micro_batch_size", "1"]
+    assert cli.main([*args, "--memory"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "micro-batch 1 x 4096 tokens, activations bf16" in next(line for line in out if "memory per rank" in line)
+    rows = _memory_rows(out)
+    shard_row = next(line for line in out if line.startswith("0-7 "))
+    assert shard_row.endswith("3,816,515,328 = 14.22 GiB")  # the parameters column of the shard table
+    assert rows["parameters"] == rows["gradients"] == "14.22 GiB"
+    assert rows["optimizer states"] == "28.44 GiB"
+    assert not any("exceeds" in line for line in out)  # no --device-memory, no verdict
+    total = float(rows["total"].split()[0])
+    assert total > 14.22 * 4  # states plus activations
+
+
+@pytest.mark.parametrize(("gib", "verdict"), [(1, "exceeds --device-memory 1 GiB by"), (1000, "every rank fits")])
+def test_device_memory_flags_the_ranks_that_do_not_fit(
+    gib: int, verdict: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([*QWEN_8, "--device-memory", str(gib)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = _memory_rows(out)
+    assert "total" in rows
+    flagged = [line for line in out if verdict in line]
+    assert len(flagged) == 1
+    if gib == 1:
+        total = float(rows["total"].split()[0])
+        assert flagged[0] == f"ranks 0-7 (8): {total:.2f} GiB exceeds --device-memory 1 GiB by {total - 1:.2f} GiB"
+
+
+def test_device_memory_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([*QWEN_8, "--device-memory", "0"]) == cli.EXIT_USAGE
+    assert "--device-memory=0" in capsys.readouterr().err
+
+
+def test_bf16_parameters_halve_the_shards_and_add_master_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    from moe_train.config import TrainConfig
+
+    if not hasattr(TrainConfig, "params_dtype"):
+        pytest.skip("train.params_dtype is not in this version")
+    assert cli.main([*QWEN_8, "--memory", "--train.params_dtype", "bf16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    shard_row = next(line for line in out if line.startswith("0-7 "))
+    assert shard_row.endswith("3,816,515,328 = 7.11 GiB")
+    rows = _memory_rows(out)
+    assert rows["parameters"] == rows["gradients"] == "7.11 GiB"
+    assert rows["master weights"] == "14.22 GiB"  # fp32 copies of the bf16 parameters

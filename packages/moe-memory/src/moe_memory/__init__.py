@@ -1,7 +1,21 @@
 """moe-memory: recompute and activation offloading by module kind (Megatron-Core's names), per-rank memory
 estimates, and counters of the tensor memory code allocates."""
 
+from moe_memory.estimate import (
+    ExpertsShape,
+    GQAShape,
+    LayerShape,
+    LocalParameters,
+    MemoryEstimate,
+    MLAShape,
+    ModelShape,
+    RunShape,
+    SavedTensor,
+    estimate_memory,
+    format_estimates,
+)
 from moe_memory.kinds import OFFLOAD_KINDS, OUTPUT_DISCARDING_KINDS, RECOMPUTE_KINDS, MemoryConfigError
+from moe_memory.measure import SavedTensorBytes
 from moe_memory.policy import MemoryPolicy, apply_memory_policy, check_memory_options
 from moe_memory.recompute import apply_activation_checkpointing, select_modules
 from moe_memory.saved_tensors import SavedTensorPolicy, SavedTensorStats
@@ -13,7 +27,17 @@ __all__ = [
     "OFFLOAD_KINDS",
     "OUTPUT_DISCARDING_KINDS",
     "RECOMPUTE_KINDS",
+    "ExpertsShape",
+    "GQAShape",
+    "LayerShape",
     "LiveTensorBytes",
+    "LocalParameters",
+    "MLAShape",
+    "MemoryEstimate",
+    "ModelShape",
+    "RunShape",
+    "SavedTensor",
+    "SavedTensorBytes",
     "MemoryConfigError",
     "MemoryPolicy",
     "SavedTensorPolicy",
@@ -22,5 +46,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_memory_policy",
     "check_memory_options",
+    "estimate_memory",
+    "format_estimates",
     "select_modules",
 ]

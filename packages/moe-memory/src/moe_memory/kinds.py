@@ -10,8 +10,10 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the names alone need no torch (moe_memory.estimate uses them)
+    from torch import nn
 
 # recompute: the module keeps only its inputs and runs again in the backward
 RECOMPUTE_KINDS = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")

@@ -1,7 +1,7 @@
 """moe-models: MoE model families (Qwen3-MoE, DeepSeek-V3/Kimi-K2, GPT-OSS, Mixtral), presets, HF checkpoint I/O
 (``moe_models.hf``) and FLOPs."""
 
-from moe_models import hf
+from moe_models import hf, memory
 from moe_models.attention import Attention
 from moe_models.config import FAMILIES, ModelConfig, ModelConfigError
 from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
@@ -32,6 +32,7 @@ __all__ = [
     "PublishedSize",
     "TINY_PRESETS",
     "hf",
+    "memory",
     "parallel_plan",
     "preset",
     "Attention",

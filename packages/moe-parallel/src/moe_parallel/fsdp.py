@@ -42,11 +42,15 @@ def apply_fsdp(
     """Shard ``model`` in place: each of ``plan.fsdp_units`` and the root are units on the dp mesh (HSDP when
     dp_replicate > 1), each MoE block's experts a unit on the edp mesh. Works on the meta device too.
 
-    Gradients are averaged over each unit's mesh; :class:`~moe_parallel.grads.GradientSync` rescales the experts'
-    to the data-parallel mean. Nothing is wrapped along a dimension of size 1.
+    ``param_dtype`` is the dtype parameters are gathered in (float32: as stored), ``reduce_dtype`` the one gradients
+    are reduced in. Gradients are averaged over each unit's mesh; :class:`~moe_parallel.grads.GradientSync`
+    rescales the experts' to the data-parallel mean. Nothing is wrapped along a dimension of size 1.
     """
     layout = meshes.layout
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    # float32 (the default) means no cast: parameters stored in bf16 are then gathered and computed in bf16, rather
+    # than widened to fp32 copies on every gather
+    gather = None if param_dtype == "float32" else DTYPES[param_dtype]
+    mp = MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=DTYPES[reduce_dtype])
     experts = [block.experts for block in moe_blocks(model, plan)]
     ignored = None
     if layout.edp > 1:

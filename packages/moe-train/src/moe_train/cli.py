@@ -3,6 +3,7 @@
 moe-train                          # = moe-train train --config tiny
 moe-train train --config NAME_OR_PATH [--section.key value ...]
 moe-train plan [--world-size N] [--config ...] [--parallel.ep 4 ...]   # shard sizes per rank, no run
+moe-train plan ... --memory [--device-memory 80]   # and each rank's estimated memory
 moe-train env                      # capability table
 """
 
@@ -64,6 +65,20 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--world-size", type=int, default=0, help="ranks to plan for (default: $WORLD_SIZE, else the smallest fit)"
     )
+    plan.add_argument(
+        "--memory",
+        action="store_true",
+        help="also estimate each rank's memory (parameters, gradients, optimizer states, activations by module, "
+        "dispatcher buffers, logits) for train.micro_batch_size x data.seq_len tokens, run.dtype (auto: bf16), "
+        "train.*_dtype, run.recompute_modules / run.offload_modules",
+    )
+    plan.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="flag the ranks whose estimated memory exceeds this many GiB (implies --memory)",
+    )
     commands.add_parser("env", help="show which back ends and optional packages this machine has")
     return parser
 
@@ -80,8 +95,23 @@ def _train(config: str, override_tokens: list[str]) -> int:
     return 0
 
 
-def _plan(config: str, world_size: int, override_tokens: list[str]) -> int:
-    from moe_train.plan_report import RANK_MAP_MAX_WORLD, format_report, plan_report
+def _plan(
+    config: str,
+    world_size: int,
+    override_tokens: list[str],
+    memory: bool = False,
+    device_memory: float | None = None,
+) -> int:
+    import torch
+
+    from moe_train.plan_report import (
+        RANK_MAP_MAX_WORLD,
+        format_memory,
+        format_report,
+        memory_estimates,
+        plan_memory_options,
+        plan_report,
+    )
 
     cfg = load_config(config, _parse_overrides(override_tokens))
     p = cfg.parallel
@@ -90,11 +120,17 @@ def _plan(config: str, world_size: int, override_tokens: list[str]) -> int:
     if world_size <= 0:  # the smallest world both the attention and the expert side fold into
         attention = p.tp * p.cp * p.pp * p.dp_replicate * max(p.dp_shard, 1)
         world_size = math.lcm(attention, (p.etp or p.tp) * p.ep * p.pp)
-    report = plan_report(cfg.model, p, world_size)  # validates the layout against the model first
+    if device_memory is not None and device_memory <= 0:
+        raise ConfigError(f"--device-memory={device_memory:g}: give the memory of one device in GiB, > 0")
+    param_dtype = torch.bfloat16 if getattr(cfg.train, "params_dtype", "fp32") == "bf16" else torch.float32
+    report = plan_report(cfg.model, p, world_size, param_dtype, cfg.run)  # validates the layout against the model first
     print(f"{world_size} ranks, {cfg.model.num_moe_experts} experts per MoE layer ({cfg.model.family})")
     if world_size <= RANK_MAP_MAX_WORLD:  # one line per rank
         print(report.layout.rank_map(cfg.model.num_moe_experts))
     print(format_report(report))
+    if memory or device_memory is not None:
+        options = plan_memory_options(cfg, report.layout)
+        print(format_memory(memory_estimates(report, cfg.model, options), options, device_memory))
     return 0
 
 
@@ -112,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_table(capability_rows()))
             return 0
         if args.command == "plan":
-            return _plan(args.config, args.world_size, rest)
+            return _plan(args.config, args.world_size, rest, args.memory, args.device_memory)
         return _train(args.config, rest)
     except ConfigError as err:
         print(f"moe-train: error: {err}", file=sys.stderr)

@@ -26,10 +26,11 @@ class ConfigError(ValueError):
 
 
 def _field_error_sections() -> dict[type, str]:
+    from moe_memory import MemoryConfigError
     from moe_models import ModelConfigError
     from moe_parallel import LayoutError
 
-    return {ModelConfigError: "model", LayoutError: "parallel"}
+    return {ModelConfigError: "model", LayoutError: "parallel", MemoryConfigError: "run"}
 
 
 def config_error(err: Exception) -> ConfigError:
@@ -66,11 +67,17 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     seed: int = 1234
+    # Megatron's precision-aware optimizer: dtype of AdamW's exp_avg and exp_avg_sq (fp32 | bf16), of the model's
+    # parameters (fp32 | bf16), and of the master copy the optimizer keeps of bf16 parameters (fp32 | none: update
+    # the bf16 parameters directly); see moe_train.adamw
+    optimizer_states_dtype: str = "fp32"
+    params_dtype: str = "fp32"
+    master_weights_dtype: str = "fp32"
 
 
 @dataclass
 class RunConfig:
-    """The ``run`` config section: output, devices, metrics, checkpoints, recompute."""
+    """The ``run`` config section: output, devices, metrics, checkpoints, recompute and offload."""
 
     output_dir: str = "outputs/run"
     log_interval: int = 10
@@ -78,7 +85,13 @@ class RunConfig:
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16
     peak_tflops: float = 0.0  # 0 = auto: datasheet for known GPUs, a measured fp32 GEMM rate on CPU
     save_checkpoint: bool = True
-    recompute_modules: list[str] = field(default_factory=list)  # fnmatch patterns, e.g. "layers.*.mlp"
+    # Megatron module kinds (core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts) or fnmatch
+    # patterns over module names (e.g. "layers.*.mlp")
+    recompute_modules: list[str] = field(default_factory=list)
+    # kinds whose saved activations wait in host memory: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm,
+    # expert_fc1, moe_act (or name patterns); only tensors of at least offload_min_tensor_bytes move
+    offload_modules: list[str] = field(default_factory=list)
+    offload_min_tensor_bytes: int = 1 << 20
 
 
 @dataclass
@@ -278,6 +291,13 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"train.min_lr={cfg.train.min_lr}: must be in [0, train.lr={cfg.train.lr}]")
     if cfg.train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps}: must be >= 0")
+    for key, choices in (
+        ("optimizer_states_dtype", ("fp32", "bf16")),
+        ("params_dtype", ("fp32", "bf16")),
+        ("master_weights_dtype", ("fp32", "none")),
+    ):
+        if getattr(cfg.train, key) not in choices:
+            raise ConfigError(f"train.{key}={getattr(cfg.train, key)!r}: choose {' or '.join(choices)}")
     if cfg.data.source != "stdlib":
         raise ConfigError(f"data.source={cfg.data.source!r}: the only source in this version is 'stdlib'")
     if cfg.model.vocab_size < 256:

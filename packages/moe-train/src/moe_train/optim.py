@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and a linear-warmup + cosine schedule."""
+"""AdamW with decoupled weight decay on matrices only, low-precision states and master weights as the config says
+(:class:`moe_train.adamw.PrecisionAwareAdamW`), and a linear-warmup + cosine schedule."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe_train.adamw import PrecisionAwareAdamW
 from moe_train.config import TrainConfig
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> PrecisionAwareAdamW:
+    """AdamW over ``model``'s trainable parameters with ``cfg``'s hyperparameters, its states in
+    ``train.optimizer_states_dtype`` and fp32 master copies of parameters that are not fp32 unless
+    ``train.master_weights_dtype`` is none. With all-fp32 settings its updates are torch.optim.AdamW's, bitwise."""
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -25,7 +32,14 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
         for (decay, _), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=True)
+    return PrecisionAwareAdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        states_dtype=DTYPES[cfg.optimizer_states_dtype],
+        master_weights=cfg.master_weights_dtype == "fp32",
+    )
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

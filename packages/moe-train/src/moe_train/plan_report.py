@@ -13,6 +13,11 @@ sizes follow from each tensor's placements and that rank's mesh coordinates, wit
 - anything else (plain tensors, buffers) is whole on every rank.
 
 Ranks whose sizes are all equal form one *rank kind*, printed once.
+
+With ``--memory`` (or ``--device-memory``), each rank kind's memory at the start of its backward follows, from
+:func:`moe_memory.estimate.estimate_memory` given that kind's exact parameter counts: parameters, gradients,
+optimizer states, master weights, activations by module, dispatcher buffers, logits and the total
+(:func:`memory_estimates`, :func:`format_memory`).
 """
 
 from __future__ import annotations
@@ -29,10 +34,20 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from moe_memory.estimate import (
+    DEFAULT_OFFLOAD_MIN_TENSOR_BYTES,
+    OFFLOAD_KINDS,
+    RECOMPUTE_KINDS,
+    LocalParameters,
+    MemoryEstimate,
+    estimate_memory,
+    format_estimates,
+)
 from moe_models import ModelConfig, count_parameters
+from moe_models.memory import model_shape, run_shape
 from moe_parallel import ParallelConfig, ParallelLayout, build_meshes, parallelize
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS
-from moe_train.config import ConfigError
+from moe_train.config import ConfigError, ExperimentConfig, RunConfig
 from moe_train.trainer import checked_meta_model
 
 NON_EXPERT = "non-expert"  # attention, norms, dense MLPs, routers, shared experts, embedding, head
@@ -64,6 +79,7 @@ class PlanReport:
     kinds: list[RankKind]  # by first rank
     distinct_params: dict[str, int]  # part -> elements summed over ranks with replicated copies divided out
     expected_params: int  # moe_models.count_parameters: total + MTP layers
+    param_tensors: int = 0  # parameter tensors every rank holds (each, even an empty shard, gets optimizer state)
 
 
 def _fake_world(world_size: int) -> None:
@@ -160,10 +176,20 @@ def _rank_kinds(
     return sorted(kinds, key=lambda kind: kind.ranks[0])
 
 
-def plan_report(model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int) -> PlanReport:
+def plan_report(
+    model_config: ModelConfig,
+    parallel_config: ParallelConfig,
+    world_size: int,
+    param_dtype: torch.dtype = torch.float32,
+    run: RunConfig | None = None,
+) -> PlanReport:
     """Every rank's parameter and buffer shard sizes when ``parallel_config`` splits the model over ``world_size``
-    ranks (module docstring). Raises :class:`ConfigError` for layouts that do not fit."""
-    layout, model, plan = checked_meta_model(model_config, parallel_config, world_size)
+    ranks (module docstring), its parameters in ``param_dtype`` as training casts them (``train.params_dtype``).
+    With ``run``, its recompute and offload settings are checked against the model too. Raises
+    :class:`ConfigError` for layouts that do not fit."""
+    layout, model, plan = checked_meta_model(model_config, parallel_config, world_size, run)
+    if param_dtype != torch.float32:
+        model.to(param_dtype)  # as the trainer does on the meta device; the routers' expert bias stays fp32
     _fake_world(world_size)
     try:
         split = parallelize(model, build_meshes(layout, "cpu"), parallel_config, plan)
@@ -179,6 +205,7 @@ def plan_report(model_config: ModelConfig, parallel_config: ParallelConfig, worl
             params[key] = params[key] + per_rank if key in params else per_rank
             # each distinct piece is held by replicas[...] ranks (the count the gradient norm divides by)
             distinct[part] += int(per_rank.sum()) // replicas[id(param)]
+        param_tensors = sum(1 for _ in model.parameters())
         buffers: dict[torch.dtype, torch.Tensor] = {}
         for buffer in model.buffers():
             per_rank = local_numels(buffer)
@@ -193,6 +220,7 @@ def plan_report(model_config: ModelConfig, parallel_config: ParallelConfig, worl
         kinds=_rank_kinds(world_size, params, buffers),
         distinct_params=distinct,
         expected_params=counted.total + counted.mtp,
+        param_tensors=param_tensors,
     )
 
 
@@ -260,4 +288,145 @@ def format_report(report: PlanReport) -> str:
         + ", ".join(f"{part} {n:,}" for part, n in report.distinct_params.items())
         + f"); {verdict} moe_models.count_parameters {report.expected_params:,} (MTP layers included)"
     )
+    return "\n".join(lines)
+
+
+# --- memory per rank kind -------------------------------------------------------------------------------------------
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """What a rank's memory depends on beyond its shards: batch, dtypes (bytes), dispatcher, recompute and offload
+    (Megatron module kinds; name patterns cannot be estimated and are left out, see ``skipped``)."""
+
+    micro_batch: int
+    seq_len: int
+    activation_bytes: int = 2
+    optimizer_state_bytes: int = 4
+    master_weights_bytes: int = 4
+    dispatcher: str = "alltoall"
+    device: str = "cuda"
+    recompute: frozenset[str] = frozenset()
+    offload: frozenset[str] = frozenset()
+    offload_min_tensor_bytes: int = DEFAULT_OFFLOAD_MIN_TENSOR_BYTES
+    skipped: tuple[str, ...] = ()  # recompute / offload entries that are name patterns, not kinds
+
+
+def memory_options(
+    recompute_modules: list[str] = (), offload_modules: list[str] = (), **fields: object
+) -> MemoryOptions:
+    """:class:`MemoryOptions` from the run's recompute / offload lists: kinds are estimated, patterns skipped."""
+    recompute = frozenset(m for m in recompute_modules if m in RECOMPUTE_KINDS)
+    offload = frozenset(m for m in offload_modules if m in OFFLOAD_KINDS)
+    skipped = tuple(m for m in [*recompute_modules, *offload_modules] if m not in recompute | offload)
+    return MemoryOptions(recompute=recompute, offload=offload, skipped=skipped, **fields)  # type: ignore[arg-type]
+
+
+def plan_memory_options(cfg: ExperimentConfig, layout: ParallelLayout) -> MemoryOptions:
+    """The :class:`MemoryOptions` of an experiment config: ``train.micro_batch_size`` (0: the global batch over the
+    data-parallel ranks, at least 1), ``data.seq_len``, ``run.dtype`` (auto: bf16, as on CUDA; fp32 only with
+    ``run.device cpu``), the AdamW state and master-weight dtypes, the dispatcher, recompute and offload."""
+    micro = cfg.train.micro_batch_size or max(cfg.train.global_batch_size // layout.dp, 1)
+    on_cpu = cfg.run.device == "cpu"
+    activation = {"fp32": 4, "bf16": 2}.get(cfg.run.dtype, 4 if on_cpu else 2)
+    train, run = cfg.train, cfg.run
+    return memory_options(
+        list(run.recompute_modules),
+        list(run.offload_modules),
+        micro_batch=micro,
+        seq_len=cfg.data.seq_len,
+        activation_bytes=activation,
+        optimizer_state_bytes={"bf16": 2}.get(train.optimizer_states_dtype, 4),
+        master_weights_bytes={"none": 0}.get(train.master_weights_dtype, 4),
+        dispatcher=cfg.parallel.moe_token_dispatcher_type,
+        device="cpu" if on_cpu else "cuda",
+        offload_min_tensor_bytes=run.offload_min_tensor_bytes,
+    )
+
+
+def memory_estimates(
+    report: PlanReport, model_config: ModelConfig, options: MemoryOptions
+) -> list[tuple[RankKind, MemoryEstimate]]:
+    """Each rank kind's :class:`~moe_memory.estimate.MemoryEstimate`, from its exact parameter counts: the
+    parameter bytes are the kind's shard bytes, gradients in the parameters' dtype."""
+    layout, shape = report.layout, model_shape(model_config)
+    out = []
+    for kind in report.kinds:
+        numel, n_bytes = kind.param_count(), kind.param_bytes()
+        param_bytes = n_bytes // numel if numel and n_bytes % numel == 0 else 4
+        params = LocalParameters(
+            numel=numel,
+            tensors=report.param_tensors,
+            buffer_bytes=sum(n * dtype.itemsize for dtype, n in kind.buffers.items()),
+            expert_numel=kind.param_count(ROUTED_EXPERTS),
+        )
+        run = run_shape(
+            model_config,
+            params,
+            micro_batch=options.micro_batch,
+            seq_len=options.seq_len,
+            activation_bytes=options.activation_bytes,
+            param_bytes=param_bytes,
+            grad_bytes=param_bytes,
+            optimizer_state_bytes=options.optimizer_state_bytes,
+            master_weights_bytes=options.master_weights_bytes,
+            layout=layout,
+            dispatcher=options.dispatcher,
+            device=options.device,
+        )
+        estimate = estimate_memory(
+            shape,
+            run,
+            recompute=options.recompute,
+            offload=options.offload,
+            offload_min_tensor_bytes=options.offload_min_tensor_bytes,
+        )
+        out.append((kind, estimate))
+    return out
+
+
+def _bytes_name(n: int) -> str:
+    return {1: "int8", 2: "bf16", 4: "fp32", 8: "fp64"}.get(n, f"{n}-byte")
+
+
+def format_memory(
+    estimates: list[tuple[RankKind, MemoryEstimate]],
+    options: MemoryOptions,
+    device_memory_gib: float | None = None,
+) -> str:
+    """The memory table (one column per rank kind, GiB), then, with ``device_memory_gib``, the rank kinds whose
+    total exceeds it and by how much."""
+    o = options
+    settings = [
+        f"micro-batch {o.micro_batch} x {o.seq_len} tokens",
+        f"activations {_bytes_name(o.activation_bytes)}",
+        f"AdamW states {_bytes_name(o.optimizer_state_bytes)}",
+        f"{o.dispatcher} dispatcher",
+    ]
+    if o.recompute:
+        settings.append(f"recompute {', '.join(sorted(o.recompute))}")
+    if o.offload:
+        settings.append(f"offload {', '.join(sorted(o.offload))} (>= {o.offload_min_tensor_bytes:,} bytes)")
+    lines = [
+        "memory per rank at the start of the backward, estimated (moe_memory.estimate; " + ", ".join(settings) + "):"
+    ]
+    if o.skipped:
+        lines.append(f"(not estimated: recompute/offload name patterns {', '.join(o.skipped)})")
+    columns = {f"ranks {rank_ranges(kind.ranks, most=2)}": estimate for kind, estimate in estimates}
+    lines.append(format_estimates(columns, unit="GiB"))
+    if device_memory_gib is not None:
+        limit = device_memory_gib * GIB
+        over = [(kind, e) for kind, e in estimates if e.total > limit]
+        for kind, estimate in over:
+            lines.append(
+                f"ranks {rank_ranges(kind.ranks)} ({len(kind.ranks)}): {estimate.total / GIB:.2f} GiB exceeds "
+                f"--device-memory {device_memory_gib:g} GiB by {(estimate.total - limit) / GIB:.2f} GiB"
+            )
+        if not over:
+            largest = max(e.total for _, e in estimates)
+            lines.append(
+                f"every rank fits in --device-memory {device_memory_gib:g} GiB (largest {largest / GIB:.2f} GiB)"
+            )
     return "\n".join(lines)

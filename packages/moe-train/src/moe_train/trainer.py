@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moe_experts import BackendUnavailableError
-from moe_memory import apply_activation_checkpointing, select_modules
+from moe_memory import MemoryPolicy, apply_memory_policy, check_memory_options
 from moe_models import ModelConfig, build_model, causal_lm_loss, training_flops_per_token
 from moe_models.hf import CheckpointSource
 from moe_parallel import (
@@ -34,7 +34,7 @@ from moe_parallel import (
     parallelize,
 )
 from moe_train.checkpoint import save_checkpoint
-from moe_train.config import ConfigError, ExperimentConfig, config_error
+from moe_train.config import ConfigError, ExperimentConfig, RunConfig, config_error
 from moe_train.data import TokenStream, stdlib_token_file
 from moe_train.metrics import MetricsLog, peak_tflops
 from moe_train.optim import build_optimizer, lr_at, set_lr
@@ -54,7 +54,7 @@ class Setup:
     micro_batch: int
     grad_accum: int
     data_path: Path
-    recomputed: list[str] = field(default_factory=list)
+    memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # what is recomputed and offloaded
 
 
 @dataclass(frozen=True)
@@ -77,21 +77,29 @@ def _resolve_device(cfg: ExperimentConfig) -> str:
 
 
 def checked_meta_model(
-    model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int
+    model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int, run: RunConfig | None = None
 ) -> tuple[ParallelLayout, nn.Module, ParallelPlan]:
-    """The layout, the model built on the meta device and its plan, checked against each other (``check_plan``)
-    before anything is allocated; errors become :class:`ConfigError`. Shared by ``train`` and ``plan``."""
+    """The layout, the model built on the meta device and its plan, checked against each other (``check_plan``) and,
+    with ``run``, against its recompute and offload settings, before anything is allocated; errors become
+    :class:`ConfigError`. Shared by ``train`` and ``plan``."""
     try:
         layout = parallel_config.layout(world_size)
         with torch.device("meta"):
             model = build_model(model_config)
         plan = model.parallel_plan()
         check_plan(model, plan, parallel_config, layout)
+        if run is not None:
+            check_memory_options(model, model.module_kinds(), *memory_options(run))
     except BackendUnavailableError as err:
         raise ConfigError(f"model.moe_expert_backend={model_config.moe_expert_backend!r}: {err}") from None
-    except ValueError as err:  # ModelConfigError, LayoutError
+    except ValueError as err:  # ModelConfigError, LayoutError, MemoryConfigError
         raise config_error(err) from None
     return layout, model, plan
+
+
+def memory_options(run: RunConfig) -> tuple[list[str], list[str], int]:
+    """The run's recompute and offload settings, as moe_memory's policy functions take them."""
+    return run.recompute_modules, run.offload_modules, run.offload_min_tensor_bytes
 
 
 def _check_trainer_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
@@ -127,12 +135,8 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     before; the same values, kept to check that both ways train alike).
     """
     device_type = _resolve_device(cfg)
-    layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size)
+    layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
     _check_trainer_layout(cfg, layout)
-    try:
-        select_modules(model, cfg.run.recompute_modules)
-    except ValueError as err:
-        raise ConfigError(f"run.recompute_modules: {err}") from None
     micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // layout.dp
     if micro == 0 or cfg.train.global_batch_size % (micro * layout.dp):
         raise ConfigError(
@@ -148,13 +152,19 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     if not build_on_meta:
         with torch.device(ctx.device):
             model = build_model(cfg.model, seed=cfg.train.seed)
+    if cfg.train.params_dtype == "bf16":
+        # cast while the model is still on the meta device (or right after the eager build): each rank only ever
+        # allocates bf16 shards, which materialize fills with the fp32 initial values rounded to nearest. The
+        # routers keep their expert_bias buffers in fp32 (TopKRouter._apply) and compute in their own router dtype
+        model.to(torch.bfloat16)
     meshes = build_meshes(layout, ctx.device.type) if ctx.world_size > 1 else None
-    recomputed: list[str] = []
+    memory = MemoryPolicy()
 
-    def recompute(modules: nn.Module) -> None:
-        recomputed.extend(apply_activation_checkpointing(modules, cfg.run.recompute_modules))
+    def recompute_and_offload(modules: nn.Module) -> None:
+        nonlocal memory
+        memory = apply_memory_policy(modules, modules.module_kinds(), *memory_options(cfg.run))
 
-    parallel = parallelize(model, meshes, cfg.parallel, plan, before_fsdp=recompute)
+    parallel = parallelize(model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload)
     if build_on_meta or source is not None:
         try:
             materialize(model, plan, source or model.initial_weights(cfg.train.seed), ctx.device)
@@ -163,7 +173,7 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
                 source.close()
     data_path = stdlib_token_file(Path(cfg.data.cache_dir) if cfg.data.cache_dir else None)
     grad_accum = cfg.train.global_batch_size // (micro * layout.dp)
-    return Setup(cfg, ctx, layout, model, parallel, dtype, micro, grad_accum, data_path, recomputed)
+    return Setup(cfg, ctx, layout, model, parallel, dtype, micro, grad_accum, data_path, memory)
 
 
 class Progress:
@@ -220,8 +230,10 @@ def train(setup: Setup) -> TrainSummary:
     progress.message(
         f"moe-train: {cfg.model.family} {n_params / 1e6:.2f}M params, {ctx.world_size} rank(s) on {ctx.device.type}, "
         f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens "
-        f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {peak:.3f} TFLOPS ({peak_source})"
-        + (f", recomputing {', '.join(setup.recomputed)}" if setup.recomputed else "")
+        f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {peak:.3f} TFLOPS ({peak_source}), "
+        f"{cfg.train.params_dtype} params, AdamW states {cfg.train.optimizer_states_dtype}"
+        + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
+        + _memory_message(setup.memory)
     )
     load_LE = None
     for step in range(cfg.train.steps):
@@ -310,6 +322,18 @@ def train(setup: Setup) -> TrainSummary:
         f"metrics in {out_dir / 'metrics.jsonl'}, checkpoint {checkpoint}"
     )
     return summary
+
+
+def _memory_message(memory: MemoryPolicy) -> str:
+    """``, recomputing layernorm (8 modules), offloading ...`` for the start-up line: kinds, not every module."""
+    parts = []
+    for verb, chosen in (("recomputing", memory.recomputed), ("offloading", memory.offloaded)):
+        if chosen:
+            counts: dict[str, int] = {}
+            for selector in chosen.values():
+                counts[selector] = counts.get(selector, 0) + 1
+            parts.append(f"{verb} " + ", ".join(f"{k} ({n} modules)" for k, n in counts.items()))
+    return "".join(f", {p}" for p in parts)
 
 
 def _write_pictures(out_dir: Path, records: list[dict[str, Any]], load_LE: torch.Tensor) -> None:

@@ -1,0 +1,325 @@
+"""The per-rank memory estimate (``moe_memory.estimate``) against what a training step really holds.
+
+For every family's tiny model (fp32, CPU) and variations of micro-batch, sequence length and capacity factor, in one
+process, and for expert- and tensor-parallel layouts over 2 gloo ranks (built as ``moe-train train`` builds them):
+
+- activations: the bytes the estimate says are saved for backward against those
+  :class:`moe_memory.measure.SavedTensorBytes` counts during a real forward + loss (then the backward runs), in total
+  and by module; the relative error, and the worst over all configurations;
+- parameters, gradients, optimizer states: the estimate against the storages the step allocated (local parameter
+  and ``.grad`` shards; AdamW's states after one step: torch's in one process, moe-train's over the layouts).
+
+    uv run python benchmarks/memory_estimate.py [--quick] [--out benchmarks/results/memory_estimate.json]
+
+``--quick`` (the nox benchmarks session) runs the five tiny presets in one process only, and writes a file only
+where ``--out`` says (never the committed full results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_OUT = ROOT / "results" / "memory_estimate.json"
+WORLD = 2
+# name -> (preset, micro-batch, sequence length, ModelConfig overrides)
+SINGLE = {
+    "tiny-qwen3-moe": ("tiny-qwen3-moe", 2, 64, {}),
+    "tiny-deepseek-v3": ("tiny-deepseek-v3", 2, 64, {}),
+    "tiny-kimi-k2": ("tiny-kimi-k2", 2, 64, {}),
+    "tiny-gpt-oss": ("tiny-gpt-oss", 2, 64, {}),
+    "tiny-mixtral": ("tiny-mixtral", 2, 64, {}),
+    "tiny-qwen3-moe B=8 S=128": ("tiny-qwen3-moe", 8, 128, {}),
+    "tiny-deepseek-v3 B=1 S=256": ("tiny-deepseek-v3", 1, 256, {}),
+    "tiny-gpt-oss B=4 S=128": ("tiny-gpt-oss", 4, 128, {}),
+    "tiny-qwen3-moe capacity 1.0 padded": (
+        "tiny-qwen3-moe",
+        4,
+        64,
+        {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+    ),
+    "tiny-mixtral capacity 1.25 dropping": ("tiny-mixtral", 4, 64, {"moe_expert_capacity_factor": 1.25}),
+    "tiny-kimi-k2 capacity 0.5 dropping": ("tiny-kimi-k2", 2, 64, {"moe_expert_capacity_factor": 0.5}),
+}
+# recompute / offload by module kind (moe_memory.apply_memory_policy, offload_min_tensor_bytes 0):
+# name -> (a SINGLE case, recompute kinds, offload kinds)
+MEGATRON_SET = (("layernorm", "moe_act"), ("core_attn", "attn_proj", "expert_fc1"))
+MEMORY = {
+    "tiny-qwen3-moe recompute moe": ("tiny-qwen3-moe", ("moe",), ()),
+    "tiny-deepseek-v3 recompute moe_act,layernorm": ("tiny-deepseek-v3", ("moe_act", "layernorm"), ()),
+    "tiny-kimi-k2 recompute core_attn,mla_up_proj,shared_experts": (
+        "tiny-kimi-k2",
+        ("core_attn", "mla_up_proj", "shared_experts"),
+        (),
+    ),
+    "tiny-gpt-oss recompute layernorm,moe_act offload core_attn,attn_proj,expert_fc1": ("tiny-gpt-oss", *MEGATRON_SET),
+    "tiny-mixtral offload every kind": (
+        "tiny-mixtral",
+        (),
+        ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"),
+    ),
+}
+QUICK = ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-k2", "tiny-gpt-oss", "tiny-mixtral")
+COMMON = {"train.global_batch_size": "4", "train.micro_batch_size": "2", "data.seq_len": "64"}
+LAYOUTS = {
+    "tiny-qwen3-moe ep=2 alltoall": ("tiny-qwen3-moe", {"parallel.ep": "2"}),
+    "tiny-qwen3-moe ep=2 allgather": (
+        "tiny-qwen3-moe",
+        {"parallel.ep": "2", "parallel.moe_token_dispatcher_type": "allgather"},
+    ),
+    "tiny-qwen3-moe tp=2 (etp=2)": ("tiny-qwen3-moe", {"parallel.tp": "2"}),
+    "tiny-deepseek-v3 tp=2 x ep=2 (etp=1)": (
+        "tiny-deepseek-v3",
+        {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"},
+    ),
+    "tiny-qwen3-moe ep=2 recompute layernorm,moe_act offload core_attn,attn_proj,expert_fc1": (
+        "tiny-qwen3-moe",
+        {
+            "parallel.ep": "2",
+            "run.recompute_modules": ",".join(MEGATRON_SET[0]),
+            "run.offload_modules": ",".join(MEGATRON_SET[1]),
+            "run.offload_min_tensor_bytes": "0",
+        },
+    ),
+    "tiny-deepseek-v3 tp=2 recompute moe": ("tiny-deepseek-v3", {"parallel.tp": "2", "run.recompute_modules": "moe"}),
+    "tiny-mixtral ep=2 capacity 1.0 padded": (
+        "tiny-mixtral",
+        {
+            "parallel.ep": "2",
+            "model.moe_expert_capacity_factor": "1.0",
+            "model.moe_pad_expert_input_to_capacity": "true",
+        },
+    ),
+}
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        local = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+        seen.setdefault(local.untyped_storage().data_ptr(), local.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+def _by_module(saved, model) -> dict[str, int]:
+    from moe_models.memory import estimate_module
+
+    dense = {n for n, m in model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
+    out: dict[str, int] = {}
+    for storage in saved.storages:
+        module = estimate_module(storage.module, storage.module in dense)
+        out[module] = out.get(module, 0) + storage.nbytes
+    return out
+
+
+def _record(estimate, saved, model, params, optimizer_bytes: int) -> dict:
+    by_estimate = dict(estimate.activations_by_module())
+    by_estimate["dispatch"] = by_estimate.get("dispatch", 0) + by_estimate.pop("combine", 0)  # one module measured
+    return {
+        "estimated_activation_bytes": estimate.activation_bytes,
+        "measured_activation_bytes": saved.total,
+        "activation_rel_error": (estimate.activation_bytes - saved.total) / saved.total,
+        "estimated_by_module": by_estimate,
+        "measured_by_module": _by_module(saved, model),
+        "params": {"estimated": estimate.parameters, "allocated": _storage_bytes(params)},
+        "grads": {"estimated": estimate.gradients, "allocated": _storage_bytes(p.grad for p in params)},
+        "optimizer": {"estimated": estimate.optimizer_states + estimate.master_weights, "allocated": optimizer_bytes},
+    }
+
+
+def _single(name: str, recompute: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> dict:
+    from moe_memory import apply_memory_policy
+    from moe_memory.estimate import estimate_memory
+    from moe_memory.measure import SavedTensorBytes
+    from moe_models import build_model, causal_lm_loss
+    from moe_models.memory import local_parameters, model_shape, run_shape
+    from moe_models.presets import preset
+
+    preset_name, batch, seq_len, overrides = SINGLE[name]
+    config = preset(preset_name, **overrides)
+    model = build_model(config, seed=0)
+    policy = apply_memory_policy(model, model.module_kinds(), recompute, offload, offload_min_tensor_bytes=0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with SavedTensorBytes(model=model) as saved:
+        loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
+    loss.total.backward()
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    optimizer.step()
+    run = run_shape(
+        config, local_parameters(model), micro_batch=batch, seq_len=seq_len, activation_bytes=4, device="cpu"
+    )
+    estimate = estimate_memory(
+        model_shape(config), run, recompute=frozenset(recompute), offload=frozenset(offload), offload_min_tensor_bytes=0
+    )
+    states = _storage_bytes(t for state in optimizer.state.values() for t in state.values())
+    params = list(model.parameters())
+    memory = {"recompute": list(recompute), "offload": list(offload)} if recompute or offload else {}
+    if offload:
+        memory["offloaded_bytes"] = {"estimated": estimate.offloaded_bytes, "measured": policy.stats.offloaded_bytes}
+    record = _record(estimate, saved, model, params, states)
+    return {"micro_batch": batch, "seq_len": seq_len, **memory, **record}
+
+
+def _rank(out: Path) -> None:
+    """One rank: every layout of LAYOUTS in this process group."""
+    import torch.distributed as dist
+
+    from moe_memory.estimate import estimate_memory
+    from moe_memory.measure import SavedTensorBytes
+    from moe_models import causal_lm_loss
+    from moe_models.memory import local_parameters, model_shape, run_shape
+    from moe_train.config import load_config
+    from moe_train.optim import build_optimizer
+    from moe_train.trainer import prepare
+
+    results = {}
+    for name, (preset_name, overrides) in LAYOUTS.items():
+        settings = {"run.dtype": "fp32", "run.save_checkpoint": "false", "run.device": "cpu", **COMMON, **overrides}
+        cfg = load_config(preset_name, settings)
+        setup = prepare(cfg, WORLD)
+        model, layout = setup.model, setup.layout
+        torch.manual_seed(1000 + dist.get_rank())
+        ids = torch.randint(0, cfg.model.vocab_size, (setup.micro_batch, cfg.data.seq_len))
+        if layout.tp > 1:
+            dist.broadcast(ids, src=0)
+        with SavedTensorBytes(model=model) as saved:
+            loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), cfg.model.mtp_loss_scaling_factor)
+        loss.total.backward()
+        setup.parallel.finalize_grads()
+        optimizer = build_optimizer(model, cfg.train)
+        optimizer.step()
+        states = _storage_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+        run = run_shape(
+            cfg.model,
+            local_parameters(model),
+            micro_batch=setup.micro_batch,
+            seq_len=cfg.data.seq_len,
+            activation_bytes=4,
+            layout=layout,
+            dispatcher=cfg.parallel.moe_token_dispatcher_type,
+            device="cpu",
+        )
+        estimate = estimate_memory(
+            model_shape(cfg.model),
+            run,
+            recompute=frozenset(cfg.run.recompute_modules),
+            offload=frozenset(cfg.run.offload_modules),
+            offload_min_tensor_bytes=cfg.run.offload_min_tensor_bytes,
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        layout_sizes = {k: getattr(layout, k) for k in ("tp", "ep", "etp", "edp", "dp")}
+        results[name] = {"layout": layout_sizes, **_record(estimate, saved, model, params, states)}
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _launch(tmp: Path) -> list[dict]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-dir", str(tmp)], env=env))
+    if any(p.wait(timeout=600) for p in procs):
+        raise SystemExit("a rank failed")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help=f"JSON to write (full runs default to {DEFAULT_OUT})")
+    parser.add_argument("--quick", action="store_true", help="the five presets in one process (nox benchmarks)")
+    parser.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)  # set when launched as one rank
+    args = parser.parse_args()
+    if args.rank_dir is not None:
+        _rank(args.rank_dir)
+        return
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    configurations = {}
+    for name in QUICK if args.quick else SINGLE:
+        configurations[name] = {"ranks": 1, **_single(name)}
+    for name, (case, recompute, offload) in {} if args.quick else MEMORY.items():
+        configurations[name] = {"ranks": 1, **_single(case, recompute, offload)}
+    if not args.quick:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ranks = _launch(Path(tmp))
+        for name in LAYOUTS:
+            per_rank = [r[name] for r in ranks]
+            measured = sum(r["measured_activation_bytes"] for r in per_rank) / WORLD
+            estimated = per_rank[0]["estimated_activation_bytes"]
+            configurations[name] = {
+                "ranks": WORLD,
+                "layout": per_rank[0]["layout"],
+                "estimated_activation_bytes": estimated,
+                "measured_activation_bytes_mean": measured,
+                "activation_rel_error": (estimated - measured) / measured,
+                "activation_rel_error_worst_rank": max((r["activation_rel_error"] for r in per_rank), key=abs),
+                "params_grads_optimizer_exact_on_every_rank": all(
+                    r[k]["estimated"] == r[k]["allocated"] for r in per_rank for k in ("params", "grads", "optimizer")
+                ),
+                "per_rank": per_rank,
+            }
+    # the worst over configurations, each at its worst rank (the estimate is per rank)
+    errors = {
+        name: c.get("activation_rel_error_worst_rank", c["activation_rel_error"]) for name, c in configurations.items()
+    }
+    worst = max(errors, key=lambda n: abs(errors[n]))
+    exact = all(
+        c["params_grads_optimizer_exact_on_every_rank"]
+        if c["ranks"] > 1
+        else all(c[k]["estimated"] == c[k]["allocated"] for k in ("params", "grads", "optimizer"))
+        for c in configurations.values()
+    )
+    result = {
+        "benchmark": "memory_estimate",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "device": "cpu",
+        "dtype": "float32",
+        "quick": args.quick,
+        "seconds": round(time.perf_counter() - started, 1),
+        "worst_activation_rel_error": {"configuration": worst, "rel_error_on_any_rank": errors[worst]},
+        "params_grads_optimizer_exact": exact,
+        "configurations": configurations,
+    }
+    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    width = max(len(n) for n in configurations)
+    print(
+        f"{'configuration'.ljust(width)}  {'estimated':>12}  {'measured':>12}  {'rel err':>8}  {'worst rank':>10}  "
+        "params/grads/optim"
+    )
+    for name, c in configurations.items():
+        measured = c.get("measured_activation_bytes_mean", c.get("measured_activation_bytes"))
+        same = (
+            c["params_grads_optimizer_exact_on_every_rank"]
+            if c["ranks"] > 1
+            else all(c[k]["estimated"] == c[k]["allocated"] for k in ("params", "grads", "optimizer"))
+        )
+        print(
+            f"{name.ljust(width)}  {c['estimated_activation_bytes']:>12,}  {measured:>12,.0f}  "
+            f"{c['activation_rel_error']:>+8.2%}  {errors[name]:>+10.2%}  {'exact' if same else 'DIFFERENT'}"
+        )
+    print(f"worst activation error (any rank): {errors[worst]:+.2%} ({worst}); {result['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

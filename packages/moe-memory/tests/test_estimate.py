@@ -1,0 +1,170 @@
+"""The per-rank memory estimate from plain sizes: hand-counted bytes of a small layer, the optimizer formula, the
+layouts, recompute and offload. (Against measured forwards of the real models: moe-models' test_memory_estimate.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moe_memory.estimate import (
+    ExpertsShape,
+    GQAShape,
+    LayerShape,
+    LocalParameters,
+    MemoryEstimate,
+    MLAShape,
+    ModelShape,
+    RunShape,
+    _expected_ranks_per_token,
+    estimate_memory,
+    format_estimates,
+)
+
+PARAMS = LocalParameters(numel=1000, tensors=10)
+# hidden 8, vocab 16, one dense layer: 2 query heads and 1 key/value head of 4, dense FFN 12
+DENSE = ModelShape(hidden=8, vocab=16, layers=(LayerShape(GQAShape(2, 1, 4), moe=False),), dense_ffn=12)
+EXPERTS = ExpertsShape(num_experts=8, topk=2, ffn_hidden=6)
+MOE = ModelShape(hidden=8, vocab=16, layers=(LayerShape(GQAShape(2, 2, 4), moe=True),) * 2, experts=EXPERTS)
+
+
+def run(**fields) -> RunShape:
+    defaults = {"micro_batch": 1, "seq_len": 4, "params": PARAMS, "activation_bytes": 4, "device": "cpu"}
+    return RunShape(**{**defaults, **fields})
+
+
+def test_hand_counted_dense_layer_in_fp32() -> None:
+    estimate = estimate_memory(DENSE, run())
+    t, h = 4, 8  # tokens, hidden; fp32 everywhere
+    norm = t * h * 4 + t * 4 + t * h * 4  # input, rsqrt per row, normalised rows
+    expected = {
+        "embedding": t * 8,  # int64 ids
+        "attn_norm": norm,
+        "qkv_linear": t * h * 4,  # the norm's output, once for q, k and v
+        "rope": 2 * 4 * 2 * 4,  # fp32 cos and sin tables [S, head_dim / 2], shared by all layers
+        "core_attn": t * 1 * 4 * 4 * 2 + t * 2 * 4 * 4 * 2 + 2 * t * 4,  # k, v (1 head); q, output (2); logsumexp
+        "attn_proj": t * 2 * 4 * 4,  # the output with heads merged (a copy)
+        "mlp_norm": norm,
+        "dense_mlp": t * h * 4 + 4 * t * 12 * 4,  # input; gate, silu(gate), up, product
+        "final_norm": norm,
+        "lm_head": t * h * 4,
+        "loss": t * 16 * 4 + t * 8 + 4,  # fp32 log-probabilities, int64 labels, the total weight
+    }
+    assert estimate.activations_by_module() == expected
+    assert estimate.activation_bytes == 2900
+    assert estimate.logits == t * 16 * 4
+    assert estimate.dispatcher_buffers == 0 and estimate.recompute_bytes == 0 and estimate.offloaded == ()
+
+
+def test_parameter_gradient_optimizer_and_master_bytes() -> None:
+    fp32 = estimate_memory(DENSE, run())
+    # AdamW: a 4-byte step per tensor, exp_avg and exp_avg_sq; fp32 parameters have no master copy
+    assert (fp32.parameters, fp32.gradients, fp32.optimizer_states, fp32.master_weights) == (4000, 4000, 8040, 0)
+    mixed = estimate_memory(DENSE, run(param_bytes=2, optimizer_state_bytes=2, master_weights_bytes=4))
+    assert (mixed.parameters, mixed.gradients, mixed.optimizer_states, mixed.master_weights) == (2000, 4000, 4040, 4000)
+    bare = estimate_memory(DENSE, run(param_bytes=2, master_weights_bytes=0))
+    assert bare.master_weights == 0
+    buffers = estimate_memory(DENSE, run(params=LocalParameters(1000, 10, buffer_bytes=64)))
+    assert buffers.total - fp32.total == 64
+    assert fp32.total == 4000 + 4000 + 8040 + 2900 + fp32.logits
+
+
+def test_two_byte_activations_keep_fp32_norm_internals() -> None:
+    fp32, bf16 = estimate_memory(DENSE, run()), estimate_memory(DENSE, run(activation_bytes=2))
+    t, h = 4, 8
+    # the norm saves an fp32 copy of its input and the fp32 rsqrt; only the normalised rows halve
+    assert bf16.activations_by_module()["attn_norm"] == t * h * 4 + t * 4 + t * h * 2
+    assert fp32.activations_by_module()["attn_norm"] == t * h * 4 + t * 4 + t * h * 4
+    assert bf16.activations_by_module()["loss"] == fp32.activations_by_module()["loss"]  # fp32 log-probabilities
+    assert bf16.logits == fp32.logits // 2
+
+
+def test_sequence_parallel_splits_tokens_outside_attention_and_heads_inside() -> None:
+    model = ModelShape(8, 16, (LayerShape(GQAShape(4, 2, 4), moe=False),), dense_ffn=12)
+    one = estimate_memory(model, run(seq_len=8)).activations_by_module()
+    two = estimate_memory(model, run(seq_len=8, tp=2)).activations_by_module()
+    assert two["attn_norm"] * 2 == one["attn_norm"]  # the local half of the sequence
+    assert two["qkv_linear"] == one["qkv_linear"]  # the gathered input, whole
+    assert two["attn_proj"] * 2 == one["attn_proj"]  # half the heads
+    assert two["loss"] == one["loss"]  # logits gathered whole on every tp rank
+    assert two["dense_mlp"] == 8 * 8 * 4 + 4 * 8 * 6 * 4  # the gathered input, half the FFN width
+    with pytest.raises(ValueError, match="seq_len=6 is not divisible by tp=4"):
+        run(seq_len=6, tp=4)
+
+
+def test_routed_rows_expected_with_ep_and_bounded_by_capacity() -> None:
+    local = estimate_memory(MOE, run(seq_len=16))
+    ep = estimate_memory(MOE, run(seq_len=16, ep=2))
+    t, k, h = 16, 2, 8
+    assert local.activations_by_module()["expert_fc1"] == 2 * (t * k * h * 4 + 8 * 4)  # rows, int32 offsets
+    assert ep.activations_by_module()["expert_fc1"] == 2 * (t * k * h * 4 + 4 * 4)  # same rows, half the experts
+    assert local.dispatcher_buffers == 0
+    ranks = _expected_ranks_per_token(8, 2, 2)
+    assert ranks == pytest.approx(2 * (1 - math.comb(4, 2) / math.comb(8, 2)))
+    assert ep.dispatcher_buffers == 2 * math.ceil(t * ranks) * h * 4  # rows in and out, one layer at a time
+    assert _expected_ranks_per_token(8, 8, 4) == 4 and _expected_ranks_per_token(8, 2, 1) == 1
+    # capacity: ceil(16 * 2 / 8 * 0.5) = 2 pairs per expert, 16 rows in all (padded or not: every expert full)
+    for pad in (False, True):
+        capped = estimate_memory(MOE, run(seq_len=16, capacity_factor=0.5, pad_to_capacity=pad))
+        assert capped.activations_by_module()["expert_fc1"] == 2 * (8 * 2 * h * 4 + 8 * 4)
+    padded = estimate_memory(MOE, run(seq_len=16, capacity_factor=2.0, pad_to_capacity=True))
+    assert padded.activations_by_module()["expert_fc1"] == 2 * (8 * 8 * h * 4 + 8 * 4)  # 8 experts x capacity 8
+    etp = estimate_memory(MOE, run(seq_len=16, etp=2))
+    assert etp.activations_by_module()["expert_fc1"] == 2 * (2 * t * k * h * 4 + 8 * 4)  # gathered over etp
+
+
+def test_recompute_keeps_inputs_and_discards_outputs() -> None:
+    base = estimate_memory(DENSE, run())
+    core = estimate_memory(DENSE, run(), recompute=frozenset({"core_attn"}))
+    t = 4
+    # q, k and v stay (the checkpoint's inputs); the output and logsumexp go, and are the working set
+    assert base.activation_bytes - core.activation_bytes == t * 2 * 4 * 4 + 2 * t * 4 == core.recompute_bytes
+    norms = estimate_memory(DENSE, run(), recompute=frozenset({"layernorm"})).activations_by_module()
+    # a norm keeps its input only; its output is not kept by its consumers either (the projections, the MLP)
+    assert norms["attn_norm"] == norms["mlp_norm"] == t * 8 * 4
+    assert "qkv_linear" not in norms and norms["dense_mlp"] == 4 * t * 12 * 4
+    mlp = estimate_memory(DENSE, run(), recompute=frozenset({"mlp"})).activations_by_module()
+    assert mlp["dense_mlp"] == t * 8 * 4  # its input only
+    moe = estimate_memory(MOE, run(seq_len=16), recompute=frozenset({"moe"})).activations_by_module()
+    assert not {"router", "dispatch", "expert_fc1", "moe_act", "expert_fc2", "combine"} & set(moe)
+    act = estimate_memory(MOE, run(seq_len=16), recompute=frozenset({"moe_act"})).activations_by_module()
+    assert "expert_fc2" in act and act["expert_fc2"] == 2 * 8 * 4  # only the offsets: its input was discarded
+    with pytest.raises(ValueError, match="unknown kinds"):
+        estimate_memory(DENSE, run(), recompute=frozenset({"attention"}))
+
+
+def test_offload_moves_large_tensors_of_offloaded_kinds_to_host() -> None:
+    base = estimate_memory(DENSE, run())
+    off = estimate_memory(DENSE, run(), offload=frozenset({"attn_norm"}), offload_min_tensor_bytes=32)
+    t, h = 4, 8
+    # the norm's input and normalised rows leave; the 16-byte rsqrt is under the threshold and stays
+    assert off.offloaded_bytes == 2 * t * h * 4
+    assert base.activation_bytes - off.activation_bytes == off.offloaded_bytes
+    assert off.activations_by_module()["attn_norm"] == t * 4
+    shared = estimate_memory(DENSE, run(), offload=frozenset({"qkv_linear"}), offload_min_tensor_bytes=0)
+    assert shared.offloaded_bytes == t * h * 4 and shared.activation_bytes == base.activation_bytes - t * h * 4
+    with pytest.raises(ValueError, match="unknown kinds"):
+        estimate_memory(DENSE, run(), offload=frozenset({"router"}))
+
+
+def test_mla_on_cpu_takes_the_math_path_and_on_cuda_the_fused_one() -> None:
+    mla = MLAShape(heads=2, q_lora_rank=4, kv_lora_rank=4, qk_nope_dim=4, qk_rope_dim=2, v_dim=4)
+    model = ModelShape(8, 16, (LayerShape(mla, moe=False),), dense_ffn=12)
+    cpu = estimate_memory(model, run(micro_batch=2)).activations_by_module()["core_attn"]
+    cuda = estimate_memory(model, run(micro_batch=2, device="cuda")).activations_by_module()["core_attn"]
+    n, s = 8, 4
+    assert cpu == 2 * n * 2 * 6 * 4 + 2 * 2 * s * s * 4 + n * 2 * 4 * 4  # scaled q and k, probabilities, v copy
+    assert cuda == 2 * n * 2 * 6 * 4 + n * 2 * 8 * 4 + 2 * 2 * s * 4 + n * 2 * 4 * 4  # q, k, k_nope|v, lse, out
+
+
+def test_tables_render_every_item_and_rank_kind() -> None:
+    a = estimate_memory(MOE, run(seq_len=16))
+    b = estimate_memory(MOE, run(seq_len=16, ep=2))
+    text = format_estimates({"ranks 0-1": a, "ranks 2-3": b}, unit="GiB")
+    lines = text.splitlines()
+    assert lines[0].split() == ["ranks", "0-1", "ranks", "2-3"]
+    labels = [line[: len("activations: expert_fc1")].strip() for line in lines[1:]]
+    assert labels[:5] == ["parameters", "gradients", "optimizer states", "master weights", "buffers"]
+    assert "activations: expert_fc1" in labels and labels[-1] == "total"
+    assert lines[-1].split()[-1] == "GiB"
+    assert isinstance(a, MemoryEstimate) and "activations (all)" in a.format()

@@ -1,0 +1,186 @@
+"""A :class:`~moe_models.config.ModelConfig` as the plain shapes of moe_memory's per-rank memory estimate
+(:mod:`moe_memory.estimate`), and the link between this model's modules and the estimate's module names.
+
+    from moe_memory.estimate import estimate_memory
+    from moe_models.memory import local_parameters, model_shape, run_shape
+
+    run = run_shape(config, local_parameters(model), micro_batch=2, seq_len=4096, activation_bytes=2, layout=layout)
+    print(estimate_memory(model_shape(config), run).format())
+
+``local_parameters`` counts the parameters a (split) model holds on this rank; ``moe-train plan`` passes the exact
+per-rank counts it computes for every rank kind instead. :func:`estimate_module` maps a qualified module name of
+:class:`~moe_models.model.MoETransformer` to the estimate's module name, to compare an estimate with a measurement
+(:class:`moe_memory.measure.SavedTensorBytes` attributes saved tensors to module names).
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from moe_experts import ACTIVATIONS
+from moe_memory.estimate import (
+    ExpertsShape,
+    GQAShape,
+    LayerShape,
+    LocalParameters,
+    MLAShape,
+    ModelShape,
+    RunShape,
+)
+from moe_models.config import ModelConfig
+
+ROUTER_BYTES = {"fp32": 4, "fp64": 8}
+
+
+def _attention(config: ModelConfig, full: bool) -> GQAShape | MLAShape:
+    c = config
+    if c.multi_latent_attention:
+        return MLAShape(
+            heads=c.num_attention_heads,
+            q_lora_rank=c.q_lora_rank,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_nope_dim=c.qk_head_dim,
+            qk_rope_dim=c.qk_pos_emb_head_dim,
+            v_dim=c.v_head_dim,
+        )
+    return GQAShape(
+        heads=c.num_attention_heads,
+        kv_heads=c.num_query_groups,
+        head_dim=c.kv_channels,
+        window=None if full else c.window_size,
+        sinks=c.softmax_type == "learnable",
+        qk_norm=c.qk_layernorm,
+        qkv_bias=c.add_qkv_bias,
+        out_bias=c.add_bias_linear,
+    )
+
+
+def model_shape(config: ModelConfig) -> ModelShape:
+    """The layer shapes of ``config`` (one per decoder layer; the MTP depths are ``mtp_depth``)."""
+    c = config
+    moe, full = c.moe_layer_pattern(), c.full_attention_pattern()
+    layers = tuple(LayerShape(_attention(c, bool(f)), moe=bool(m)) for m, f in zip(moe, full, strict=True))
+    router = c.router_config()
+    experts = ExpertsShape(
+        num_experts=c.num_moe_experts,
+        topk=c.moe_router_topk,
+        ffn_hidden=c.moe_ffn_hidden_size,
+        gated=ACTIVATIONS[c.activation_func].gated,
+        bias=c.add_bias_linear,
+        score_function=c.moe_router_score_function,
+        pre_softmax=c.moe_router_pre_softmax,
+        sigmoid_norm_topk=c.moe_router_sigmoid_norm_topk,
+        aux_losses=tuple(kind for kind, coeff in router.aux_loss_coeffs.items() if coeff > 0),
+        z_loss=bool(c.moe_z_loss_coeff),
+        router_bytes=ROUTER_BYTES[c.moe_router_dtype],
+    )
+    return ModelShape(
+        hidden=c.hidden_size,
+        vocab=c.vocab_size,
+        layers=layers,
+        experts=experts if any(moe) or c.mtp_num_layers else None,
+        shared_expert_ffn=c.moe_shared_expert_intermediate_size,
+        dense_ffn=c.ffn_hidden_size,
+        mtp_depth=c.mtp_num_layers or 0,
+        tied_embeddings=c.share_embeddings_and_output_weights,
+    )
+
+
+def run_shape(
+    config: ModelConfig,
+    params: LocalParameters,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    activation_bytes: int = 2,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optimizer_state_bytes: int = 4,
+    master_weights_bytes: int = 4,
+    layout: object | None = None,
+    dispatcher: str = "alltoall",
+    device: str = "cuda",
+) -> RunShape:
+    """One rank's :class:`~moe_memory.estimate.RunShape`; the capacity factor and capacity padding come from
+    ``config`` (``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity``), the sizes ``tp``, ``ep``,
+    ``etp``, ``edp``, ``dp`` from ``layout`` (a ``moe_parallel.ParallelLayout``; None: one rank)."""
+    tp, ep, etp, edp, dp = (getattr(layout, k, 1) for k in ("tp", "ep", "etp", "edp", "dp"))
+    return RunShape(
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        params=params,
+        activation_bytes=activation_bytes,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_state_bytes=optimizer_state_bytes,
+        master_weights_bytes=master_weights_bytes,
+        tp=tp,
+        ep=ep,
+        etp=etp,
+        edp=edp,
+        dp=dp,
+        capacity_factor=config.moe_expert_capacity_factor,
+        pad_to_capacity=config.moe_pad_expert_input_to_capacity,
+        dispatcher=dispatcher,
+        device=device,
+    )
+
+
+def _local_tensor(tensor):
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def local_parameters(model: nn.Module) -> LocalParameters:
+    """The trainable parameters ``model`` holds on this rank (DTensors: their local shards; tied parameters once),
+    its buffer bytes, and the routed experts' share of the elements."""
+    numel = tensors = experts = 0
+    for name, param in model.named_parameters():  # tied parameters come once
+        if not param.requires_grad:
+            continue
+        n = _local_tensor(param).numel()
+        numel, tensors = numel + n, tensors + 1
+        if ".mlp.experts." in f".{name}":
+            experts += n
+    buffers = sum(_local_tensor(b).numel() * b.element_size() for b in model.buffers())
+    return LocalParameters(numel=numel, tensors=tensors, buffer_bytes=buffers, expert_numel=experts)
+
+
+# qualified-name suffix -> the estimate's module; the first match wins, checked in this order
+_MODULE_OF = (
+    (r"embed_tokens", "embedding"),
+    (r"input_norm", "attn_norm"),
+    (r"post_attention_norm", "mlp_norm"),
+    (r"attention\.(q_proj|k_proj|v_proj|q_a_proj|kv_a_proj|q_b_proj|kv_b_proj)", "qkv_linear"),
+    (r"attention\.(q_norm|k_norm)", "qk_norm"),
+    (r"attention\.(q_a_norm|kv_a_norm)", "latent_norm"),
+    (r"attention\.up_proj", "mla_up_proj"),
+    (r"attention\.core_attention", "core_attn"),
+    (r"attention\.o_proj", "attn_proj"),
+    (r"attention", "rope"),
+    (r"mlp\.router", "router"),
+    (r"mlp\.shared_experts", "shared_experts"),
+    (r"mlp\.experts\.fc1", "expert_fc1"),
+    (r"mlp\.experts\.act", "moe_act"),
+    (r"mlp\.experts\.fc2", "expert_fc2"),
+    (r"mlp\.experts", "expert_bias"),
+    (r"mlp\.(gate_proj|up_proj|down_proj)", "dense_mlp"),
+    (r"mtp\.\d+\.(enorm|hnorm|eh_proj)", "mtp_input"),
+    (r"mtp\.\d+\.final_norm", "mtp_final_norm"),
+    (r"norm", "final_norm"),
+    (r"lm_head", "lm_head"),
+)
+
+
+def estimate_module(name: str, dense_mlp: bool = False) -> str:
+    """The estimate's module name for ``MoETransformer``'s module ``name`` (``layers.3.attention.q_proj`` ->
+    ``qkv_linear``). The MoE block's own operations are the dispatcher's: ``"dispatch"`` (its dispatch and combine
+    run in one forward, so compare them as one), or ``"dense_mlp"`` for a dense layer's MLP (``dense_mlp=True``);
+    anything outside the model's modules is the loss."""
+    for pattern, module in _MODULE_OF:
+        if re.fullmatch(rf"(.*\.)?{pattern}", name):
+            return module
+    if re.fullmatch(r"(.*\.)?mlp", name):
+        return "dense_mlp" if dense_mlp else "dispatch"
+    return "loss" if name.startswith("<") else "model"

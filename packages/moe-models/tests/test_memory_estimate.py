@@ -1,0 +1,176 @@
+"""moe_memory's per-rank estimate against a real forward + backward of every family's tiny model (one process, CPU):
+the activations it says are saved for backward against the bytes ``SavedTensorBytes`` counts (within 10%, in total
+and per module), and the parameter, gradient and AdamW state bytes against what the step allocates (exactly).
+Layouts over several ranks (ep, tp) are checked in integration/test_memory_estimate.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import moe_memory
+from moe_memory.estimate import MemoryEstimate, estimate_memory
+from moe_memory.measure import SavedTensorBytes
+from moe_models import MoETransformer, build_model, causal_lm_loss
+from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
+from moe_models.presets import preset
+
+TOLERANCE = 0.10
+# (preset, micro-batch, sequence length, ModelConfig overrides)
+CASES = {
+    "qwen3-moe": ("tiny-qwen3-moe", 2, 64, {}),
+    "deepseek-v3 (MLA, shared expert, dense layer, MTP)": ("tiny-deepseek-v3", 2, 64, {}),
+    "kimi-k2": ("tiny-kimi-k2", 2, 64, {}),
+    "gpt-oss (sinks, biases, sliding window)": ("tiny-gpt-oss", 2, 64, {}),
+    "mixtral": ("tiny-mixtral", 2, 64, {}),
+    "deepseek-v3, one long sequence": ("tiny-deepseek-v3", 1, 128, {}),
+    "gpt-oss, window as long as the sequence": ("tiny-gpt-oss", 3, 32, {}),
+    "qwen3-moe, capacity 1.0 padded": (
+        "tiny-qwen3-moe",
+        2,
+        64,
+        {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+    ),
+    "mixtral, capacity 1.5 dropping (worst case)": ("tiny-mixtral", 2, 32, {"moe_expert_capacity_factor": 1.5}),
+    "mixtral, window, z-loss, squared relu": (
+        "tiny-mixtral",
+        4,
+        32,
+        {"window_size": 16, "moe_z_loss_coeff": 1e-3, "activation_func": "squared_relu"},
+    ),
+    "deepseek-v3, full-rank q, capacity 1.25 padded": (
+        "tiny-deepseek-v3",
+        2,
+        32,
+        {"q_lora_rank": None, "moe_expert_capacity_factor": 1.25, "moe_pad_expert_input_to_capacity": True},
+    ),
+    "qwen3-moe, pre-softmax, sequence aux loss": (
+        "tiny-qwen3-moe",
+        2,
+        32,
+        {"moe_router_pre_softmax": True, "moe_router_load_balancing_type": ["seq_aux_loss"]},
+    ),
+}
+
+
+@dataclasses.dataclass
+class Step:
+    model: MoETransformer
+    estimate: MemoryEstimate
+    measured: SavedTensorBytes
+    optimizer: torch.optim.Optimizer
+
+
+def _step(name: str, dtype: torch.dtype = torch.float32, **estimate_options) -> Step:
+    preset_name, batch, seq_len, overrides = CASES[name]
+    config = preset(preset_name, **overrides)
+    model = build_model(config, seed=0).to(dtype)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with SavedTensorBytes(model=model) as measured:
+        loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
+    loss.total.backward()
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    optimizer.step()
+    size = dtype.itemsize
+    run = run_shape(
+        config,
+        local_parameters(model),
+        micro_batch=batch,
+        seq_len=seq_len,
+        activation_bytes=size,
+        param_bytes=size,
+        grad_bytes=size,
+        master_weights_bytes=0,
+        device="cpu",
+    )
+    return Step(model, estimate_memory(model_shape(config), run, **estimate_options), measured, optimizer)
+
+
+def _measured_by_module(step: Step) -> dict[str, int]:
+    dense = {n for n, m in step.model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
+    out: dict[str, int] = {}
+    for saved in step.measured.storages:
+        module = estimate_module(saved.module, saved.module in dense)
+        out[module] = out.get(module, 0) + saved.nbytes
+    return out
+
+
+def _estimated_by_module(estimate: MemoryEstimate) -> dict[str, int]:
+    out = dict(estimate.activations_by_module())
+    out["dispatch"] = out.get("dispatch", 0) + out.pop("combine", 0)  # one MoE-block forward runs both
+    return out
+
+
+def _storage_bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_estimated_activations_match_the_measured_forward(name: str) -> None:
+    step = _step(name)
+    estimated, measured = step.estimate.activation_bytes, step.measured.total
+    assert abs(estimated - measured) <= TOLERANCE * measured, f"{name}: estimated {estimated}, measured {measured}"
+    by_estimate, by_measure = _estimated_by_module(step.estimate), _measured_by_module(step)
+    assert set(by_estimate) == set(by_measure)
+    for module, n in by_measure.items():  # module by module too
+        assert abs(by_estimate[module] - n) <= TOLERANCE * n, f"{name}, {module}: {by_estimate[module]} vs {n}"
+    if "worst case" in name:  # tokens were dropped: the capacity bound is an upper bound
+        assert estimated >= measured
+
+
+@pytest.mark.parametrize("name", list(CASES)[:5])
+def test_parameter_gradient_and_optimizer_bytes_are_what_the_step_allocates(name: str) -> None:
+    step = _step(name)
+    params = list(step.model.parameters())
+    assert step.estimate.parameters == _storage_bytes(params)
+    assert step.estimate.gradients == _storage_bytes(p.grad for p in params)
+    # torch's AdamW: exp_avg, exp_avg_sq and a 0-d fp32 step per parameter tensor
+    states = [t for state in step.optimizer.state.values() for t in state.values()]
+    assert step.estimate.optimizer_states == _storage_bytes(states)
+    assert step.estimate.master_weights == 0
+
+
+def test_bf16_parameters_and_activations_match_too() -> None:
+    """2-byte activations as with bf16 parameters: the norms' fp32 internals, the fp32 router, the fp32 math path of
+    CPU attention with unequal head dims and the weight casts the router keeps."""
+    for name in ("qwen3-moe", "deepseek-v3 (MLA, shared expert, dense layer, MTP)"):
+        step = _step(name, torch.bfloat16)
+        estimated, measured = step.estimate.activation_bytes, step.measured.total
+        assert abs(estimated - measured) <= TOLERANCE * measured, f"{name}: estimated {estimated}, measured {measured}"
+        assert step.estimate.parameters == _storage_bytes(step.model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "recompute", "offload"),
+    [
+        ("qwen3-moe", {"core_attn", "moe_act", "layernorm"}, set()),
+        ("qwen3-moe", set(), {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1"}),
+        ("deepseek-v3 (MLA, shared expert, dense layer, MTP)", {"moe", "mlp", "mla_up_proj"}, {"core_attn"}),
+    ],
+)
+def test_recompute_and_offload_match_moe_memory_policies(name: str, recompute: set, offload: set) -> None:
+    """Where moe_memory applies recompute / offload by module kind, the estimate's bookkeeping of them holds too."""
+    apply = moe_memory.apply_memory_policy
+    preset_name, batch, seq_len, overrides = CASES[name]
+    config = preset(preset_name, **overrides)
+    model = build_model(config, seed=0)
+    policy = apply(model, model.module_kinds(), sorted(recompute), sorted(offload), 0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with SavedTensorBytes(model=model) as measured:  # what stays on the device
+        loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
+    loss.total.backward()
+    params = local_parameters(model)
+    run = run_shape(config, params, micro_batch=batch, seq_len=seq_len, activation_bytes=4, device="cpu")
+    estimate = estimate_memory(
+        model_shape(config),
+        run,
+        recompute=frozenset(recompute),
+        offload=frozenset(offload),
+        offload_min_tensor_bytes=0,
+    )
+    assert abs(estimate.activation_bytes - measured.total) <= TOLERANCE * measured.total
+    assert abs(estimate.offloaded_bytes - policy.stats.offloaded_bytes) <= TOLERANCE * max(estimate.offloaded_bytes, 1)
+    baseline = _step(name).estimate.activation_bytes
+    assert estimate.activation_bytes < baseline
