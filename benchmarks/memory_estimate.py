@@ -280,12 +280,7 @@ def main() -> None:
         name: c.get("activation_rel_error_worst_rank", c["activation_rel_error"]) for name, c in configurations.items()
     }
     worst = max(errors, key=lambda n: abs(errors[n]))
-    exact = all(
-        c["params_grads_optimizer_exact_on_every_rank"]
-        if c["ranks"] > 1
-        else all(c[k]["estimated"] == c[k]["allocated"] for k in ("params", "grads", "optimizer"))
-        for c in configurations.values()
-    )
+    exact = {name: _exact(c) for name, c in configurations.items()}
     result = {
         "benchmark": "memory_estimate",
         "date": datetime.date.today().isoformat(),
@@ -295,30 +290,41 @@ def main() -> None:
         "quick": args.quick,
         "seconds": round(time.perf_counter() - started, 1),
         "worst_activation_rel_error": {"configuration": worst, "rel_error_on_any_rank": errors[worst]},
-        "params_grads_optimizer_exact": exact,
+        "params_grads_optimizer_exact": all(exact.values()),
         "configurations": configurations,
     }
     out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
-    width = max(len(n) for n in configurations)
-    print(
-        f"{'configuration'.ljust(width)}  {'estimated':>12}  {'measured':>12}  {'rel err':>8}  {'worst rank':>10}  "
-        "params/grads/optim"
-    )
+    md = _markdown(configurations, errors, exact)
+    if out is not None:
+        out.with_suffix(".md").write_text(md)
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+    print(md, end="")
+    print(f"worst activation error (any rank): {errors[worst]:+.2%} ({worst}); {result['seconds']} s")
+
+
+def _exact(c: dict) -> bool:
+    """Whether the estimate's parameter, gradient and optimizer bytes equal what every rank allocated."""
+    if c["ranks"] > 1:
+        return c["params_grads_optimizer_exact_on_every_rank"]
+    return all(c[k]["estimated"] == c[k]["allocated"] for k in ("params", "grads", "optimizer"))
+
+
+def _markdown(configurations: dict, errors: dict, exact: dict) -> str:
+    rows = [
+        "| configuration | ranks | estimated KiB | measured KiB (rank mean) | error | worst rank "
+        "| params, grads, optimizer |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for name, c in configurations.items():
         measured = c.get("measured_activation_bytes_mean", c.get("measured_activation_bytes"))
-        same = (
-            c["params_grads_optimizer_exact_on_every_rank"]
-            if c["ranks"] > 1
-            else all(c[k]["estimated"] == c[k]["allocated"] for k in ("params", "grads", "optimizer"))
+        rows.append(
+            f"| {name} | {c['ranks']} | {c['estimated_activation_bytes'] / 1024:,.1f} | {measured / 1024:,.1f} | "
+            f"{c['activation_rel_error']:+.2%} | {errors[name]:+.2%} | {'exact' if exact[name] else 'DIFFERENT'} |"
         )
-        print(
-            f"{name.ljust(width)}  {c['estimated_activation_bytes']:>12,}  {measured:>12,.0f}  "
-            f"{c['activation_rel_error']:>+8.2%}  {errors[name]:>+10.2%}  {'exact' if same else 'DIFFERENT'}"
-        )
-    print(f"worst activation error (any rank): {errors[worst]:+.2%} ({worst}); {result['seconds']} s")
+    return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

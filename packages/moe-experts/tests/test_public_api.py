@@ -10,6 +10,8 @@ PUBLIC_NAMES = [
     "Activation",
     "BACKENDS",
     "BackendUnavailableError",
+    "ExpertActivation",
+    "ExpertLinear",
     "GroupedExperts",
     "SWIGLU_OAI_ALPHA",
     "SWIGLU_OAI_LIMIT",
@@ -35,8 +37,8 @@ PUBLIC_NAMES = [
 ]
 
 
-def test_version_is_semver_0_1() -> None:
-    assert moe_experts.__version__ == "0.1.2"
+def test_version() -> None:
+    assert moe_experts.__version__ == "0.2.0"
     assert importlib.metadata.version("moe-experts") == moe_experts.__version__
 
 

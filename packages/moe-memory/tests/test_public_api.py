@@ -6,15 +6,36 @@ import importlib.metadata
 import moe_memory
 
 PUBLIC_NAMES = [
+    "ExpertsShape",
+    "GQAShape",
+    "LayerShape",
     "LiveTensorBytes",
+    "LocalParameters",
+    "MLAShape",
+    "MemoryConfigError",
+    "MemoryEstimate",
+    "MemoryPolicy",
+    "ModelShape",
+    "OFFLOAD_KINDS",
+    "OUTPUT_DISCARDING_KINDS",
+    "RECOMPUTE_KINDS",
+    "RunShape",
+    "SavedTensor",
+    "SavedTensorBytes",
+    "SavedTensorPolicy",
+    "SavedTensorStats",
     "__version__",
     "apply_activation_checkpointing",
+    "apply_memory_policy",
+    "check_memory_options",
+    "estimate_memory",
+    "format_estimates",
     "select_modules",
 ]
 
 
-def test_version_is_semver_0_1() -> None:
-    assert moe_memory.__version__ == "0.1.1"
+def test_version() -> None:
+    assert moe_memory.__version__ == "0.2.0"
     assert importlib.metadata.version("moe-memory") == moe_memory.__version__
 
 

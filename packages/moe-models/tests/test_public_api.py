@@ -8,11 +8,13 @@ import moe_models
 PUBLIC_NAMES = [
     "Attention",
     "CONVENTIONS",
+    "CoreAttention",
     "DecoderLayer",
     "DenseMLP",
     "FAMILIES",
     "InitialWeights",
     "LMLoss",
+    "MLAUpProjection",
     "MTPLayer",
     "MoEBlock",
     "MoETransformer",
@@ -33,6 +35,7 @@ PUBLIC_NAMES = [
     "causal_lm_loss",
     "count_parameters",
     "hf",
+    "memory",
     "parallel_plan",
     "preset",
     "rotary_cos_sin",
@@ -41,7 +44,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_models.__version__ == "0.3.0"
+    assert moe_models.__version__ == "0.4.0"
     assert importlib.metadata.version("moe-models") == moe_models.__version__
 
 

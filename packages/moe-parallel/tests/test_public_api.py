@@ -41,7 +41,7 @@ PUBLIC_NAMES = [
 
 
 def test_version_is_semver_0_3() -> None:
-    assert moe_parallel.__version__ == "0.3.0"
+    assert moe_parallel.__version__ == "0.3.1"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

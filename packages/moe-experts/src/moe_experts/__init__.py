@@ -23,10 +23,10 @@ from moe_experts.backends import (
     torch_grouped_mm,
 )
 from moe_experts.fused import WeightedActivation, weighted_activation
-from moe_experts.grouped import GroupedExperts, expert_seed
+from moe_experts.grouped import ExpertActivation, ExpertLinear, GroupedExperts, expert_seed
 from moe_experts.shared import SharedExperts, SharedExpertsHandle, shared_expert_stream
 
-__version__ = "0.1.2"
+__version__ = "0.2.0"
 
 __all__ = [
     "ACTIVATIONS",
@@ -35,6 +35,8 @@ __all__ = [
     "SWIGLU_OAI_LIMIT",
     "Activation",
     "BackendUnavailableError",
+    "ExpertActivation",
+    "ExpertLinear",
     "GroupedExperts",
     "SharedExperts",
     "SharedExpertsHandle",

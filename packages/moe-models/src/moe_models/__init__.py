@@ -2,13 +2,13 @@
 (``moe_models.hf``) and FLOPs."""
 
 from moe_models import hf, memory
-from moe_models.attention import Attention
+from moe_models.attention import Attention, CoreAttention
 from moe_models.config import FAMILIES, ModelConfig, ModelConfigError
 from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
 from moe_models.init import InitialWeights
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.loss import LMLoss, causal_lm_loss
-from moe_models.mla import MultiLatentAttention
+from moe_models.mla import MLAUpProjection, MultiLatentAttention
 from moe_models.model import DecoderLayer, ModelOutput, MoETransformer, MTPLayer, build_model
 from moe_models.parallel_plan import parallel_plan
 from moe_models.presets import (
@@ -21,7 +21,7 @@ from moe_models.presets import (
 )
 from moe_models.rope import apply_rotary, rotary_cos_sin
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "CONVENTIONS",
@@ -36,6 +36,7 @@ __all__ = [
     "parallel_plan",
     "preset",
     "Attention",
+    "CoreAttention",
     "DecoderLayer",
     "DenseMLP",
     "InitialWeights",
@@ -46,6 +47,7 @@ __all__ = [
     "ModelConfig",
     "ModelConfigError",
     "ModelOutput",
+    "MLAUpProjection",
     "MultiLatentAttention",
     "ParameterCount",
     "RMSNorm",

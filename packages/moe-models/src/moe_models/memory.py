@@ -33,6 +33,8 @@ from moe_models.config import ModelConfig
 
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
 
+__all__ = ["estimate_module", "local_parameters", "model_shape", "run_shape"]
+
 
 def _attention(config: ModelConfig, full: bool) -> GQAShape | MLAShape:
     c = config

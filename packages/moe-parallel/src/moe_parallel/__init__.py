@@ -20,7 +20,7 @@ from moe_parallel.parallelize import ParallelModel, check_plan, parallelize
 from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"
 
 __all__ = [
     "ATTENTION_DIMS",
