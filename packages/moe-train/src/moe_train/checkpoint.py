@@ -1,17 +1,36 @@
 """Checkpoints in torch.distributed.checkpoint (DCP) format: sharding-aware, no pickled modules.
 
+A checkpoint is a directory ``step_<N>`` holding the DCP files (model and optimizer state as global tensors, so any
+layout loads any other), one ``rng_rank<r>.pt`` per rank (tensors only, read with ``weights_only``) and
+``meta.json`` (step, the resolved config, package versions, layout, data position). It is written aside as
+``.step_<N>.partial`` and renamed only once every file is in place, so a directory named ``step_<N>`` with a
+``meta.json`` is complete whatever happened to the process that wrote it; an older complete one is deleted only after
+a newer one is in place (``keep_last``).
+
 The optimizer's state goes in whole: for :class:`~moe_train.adamw.PrecisionAwareAdamW` ``exp_avg`` and
 ``exp_avg_sq`` in their own dtype (bf16 or fp32), ``step``, and the fp32 ``master`` copies of bf16 parameters, each
 sharded like its parameter. ``get_optimizer_state_dict`` initialises an optimizer without state by a ``step()`` with
 zero gradients and ``lr`` 0 (which counts a step); an optimizer that has ``init_state`` (ours) is initialised with it
 instead, so loading never runs an update and the loaded values replace zeros of the right dtypes and shapes.
+
+Routed experts are stored in moe_parallel's canonical form (:func:`moe_parallel.expert_checkpoint_pieces`, gate and
+up halves apart), the same for every layout, expert-tensor-parallel ones included.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import json
+import os
+import re
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,43 +44,296 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
 
-def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
-    """Write ``directory/step_<step>``; it appears only once complete (written aside, then renamed)."""
-    final = directory / f"step_{step}"
-    staging = directory / f".step_{step}.partial"
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
-    if is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()
-    _init_state(optimizer)  # an optimizer that never stepped: its zero state, not DCP's zero-gradient step
-    model_state, optim_state = get_state_dict(model, optimizer)
+# (fqn, tensor) -> tensors to save instead (None: save as is); then copy loaded pieces back into the tensor
+PiecesFn = Callable[[str, torch.Tensor], "dict[str, torch.Tensor] | None"]
+RestoreFn = Callable[[str, torch.Tensor, "dict[str, torch.Tensor]"], None]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used as asked; the message says which and why, in one line."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+
+
+@dataclass(frozen=True)
+class ExpertForm:
+    """How routed-expert tensors are written and read (moe_parallel's canonical pieces); identity without it."""
+
+    pieces: PiecesFn
+    restore: RestoreFn
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
-        # single-process saves are intended; DCP warns that no process group is initialised
+        # single-process saves and loads are intended; DCP warns that no process group is initialised
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_state, "optim": optim_state, "step": torch.tensor(step)}, checkpoint_id=staging)
+        yield
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of torch and of this stack's packages, recorded in each checkpoint."""
+    versions = {}
+    for name in ("torch", *(f"moe-{p}" for p in ("dispatch", "experts", "memory", "models", "parallel", "train"))):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-    if is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-    return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``); returns its step."""
-    state: dict = {"model": get_model_state_dict(model), "step": torch.tensor(0)}
+def list_checkpoints(directory: Path) -> list[CheckpointInfo]:
+    """The complete checkpoints under ``directory``, oldest first (partial ones and strays are not listed)."""
+    found = []
+    if directory.is_dir():
+        for child in directory.iterdir():
+            match = _STEP_DIR.fullmatch(child.name)
+            if match and (child / META_FILE).is_file():
+                found.append(CheckpointInfo(child, int(match.group(1))))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(directory: Path) -> CheckpointInfo | None:
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of the checkpoint at ``path``; a one-line :class:`CheckpointError` if it is not one."""
+    meta_file = Path(path) / META_FILE
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path}: not a complete moe-train checkpoint (no {META_FILE})")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{meta_file}: unreadable ({err})") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format {meta.get('format')!r}, this moe-train reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+Pieces = dict[tuple[str, str], dict[str, torch.Tensor]]  # (parameter fqn, state key) -> suffix -> piece
+
+
+def _split(
+    entries: dict[str, Any], fqn_of: Callable[[str], str], form: ExpertForm | None, found: Pieces
+) -> dict[str, Any]:
+    """``entries`` with each routed-expert tensor replaced by its canonical pieces under ``<key><suffix>``; the pieces
+    are recorded in ``found`` so that, once DCP has loaded into them, :func:`_join` copies them back."""
+    if form is None:
+        return entries
+    out: dict[str, Any] = {}
+    for key, value in entries.items():
+        fqn = fqn_of(key)
+        pieces = form.pieces(fqn, value) if isinstance(value, torch.Tensor) and value.ndim > 0 else None
+        if pieces is None:
+            out[key] = value
+        else:
+            found[(fqn, key)] = pieces
+            out.update({key + suffix: piece for suffix, piece in pieces.items()})
+    return out
+
+
+def _canonical(
+    model_state: dict[str, Any], optim_state: dict[str, Any] | None, form: ExpertForm | None, found: Pieces
+) -> dict[str, Any]:
+    """What DCP saves or loads into: model and optimizer state, routed experts in canonical pieces. The other tensors
+    are the state dicts' own, so DCP loads into them in place."""
+    state: dict[str, Any] = {"model": _split(model_state, lambda key: key, form, found)}
+    if optim_state is not None:
+        per_param = {
+            fqn: _split(param_state, lambda _key, fqn=fqn: fqn, form, found)
+            for fqn, param_state in optim_state["state"].items()
+        }
+        state["optim"] = {**optim_state, "state": per_param}
+    return state
+
+
+def _join(model_state: dict[str, Any], optim_state: dict[str, Any] | None, form: ExpertForm, found: Pieces) -> None:
+    """Copy the loaded pieces back into the tensors they were cut from."""
+    for (fqn, key), pieces in found.items():
+        tensor = model_state[key] if fqn == key and key in model_state else optim_state["state"][fqn][key]
+        form.restore(fqn, tensor, pieces)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    with open(path, "w") as out:
+        json.dump(value, out, indent=2)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+class CheckpointWriter:
+    """Writes checkpoints during a run: synchronously, or with DCP's asynchronous save (the state is copied to host
+    memory at once, written in the background while training goes on, and made visible at the next save or
+    :meth:`wait`). Keeps the ``keep_last`` newest (0: all). ``process_group``: the group async saves talk over, one
+    of their own so that the background write never interleaves with the training step's collectives."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        keep_last: int = 0,
+        async_save: bool = False,
+        expert_form: ExpertForm | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.directory, self.keep_last, self.async_save = Path(directory), keep_last, async_save
+        self.expert_form, self.process_group = expert_form, process_group
+        self._pending: tuple[Future, Path, Path, dict[str, Any]] | None = None
+        self.last: Path | None = None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+        self.wait()
+        final = self.directory / f"step_{step}"
+        staging = self.directory / f".step_{step}.partial"
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        _barrier()
+        torch.save(_rng_state(), staging / f"rng_rank{_rank()}.pt")
+        _init_state(optimizer)  # an optimizer that never stepped: its zero state, not DCP's zero-gradient step
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {**_canonical(model_state, optim_state, self.expert_form, {}), "step": torch.tensor(step)}
+        meta = {"format": FORMAT_VERSION, "step": step, **meta}
+        with _quiet():
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=staging, process_group=self.process_group)
+                self._pending = (future, staging, final, meta)
+                return
+            dcp.save(state, checkpoint_id=staging)
+        self._publish(staging, final, meta)
+
+    def wait(self) -> Path | None:
+        """Finish an asynchronous save in flight (every rank calls it); returns the newest checkpoint written."""
+        if self._pending is not None:
+            future, staging, final, meta = self._pending
+            self._pending = None
+            future.result()
+            self._publish(staging, final, meta)
+        return self.last
+
+    def _publish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
+        _barrier()  # every rank's files are written
+        if _rank() == 0:
+            _write_json(staging / META_FILE, meta)
+            _fsync_dir(staging)
+            old = final.with_name(f".{final.name}.old")
+            if final.exists():  # the same step saved again: the old one goes only once the new one is in place
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+            staging.rename(final)
+            _fsync_dir(final.parent)
+            shutil.rmtree(old, ignore_errors=True)
+            if self.keep_last > 0:
+                for stale in list_checkpoints(self.directory)[: -self.keep_last]:
+                    shutil.rmtree(stale.path, ignore_errors=True)
+        _barrier()
+        self.last = final
+
+
+def save_checkpoint(
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    meta: dict[str, Any] | None = None,
+    expert_form: ExpertForm | None = None,
+) -> Path:
+    """Write ``directory/step_<step>`` synchronously; it appears only once complete (written aside, then renamed)."""
+    writer = CheckpointWriter(directory, expert_form=expert_form)
+    writer.save(step, model, optimizer, meta or {})
+    return writer.wait()
+
+
+def _checked_keys(path: Path, model_state: dict[str, Any], form: ExpertForm | None) -> None:
+    """Refuse a checkpoint whose model tensors are not exactly the model's (DCP alone loads a subset silently)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # whatever DCP raises, it is the same problem to the user
+        raise CheckpointError(f"{path}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
+    stored = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
+    expected = set(_canonical(model_state, None, form, {})["model"])
+    missing, extra = sorted(expected - stored), sorted(stored - expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} model tensors missing from it (e.g. {missing[0]})")
+        if extra:
+            parts.append(f"{len(extra)} it holds that the model lacks (e.g. {extra[0]})")
+        raise CheckpointError(f"{path}: checkpoint does not match the model: {'; '.join(parts)}")
+
+
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    expert_form: ExpertForm | None = None,
+    *,
+    restore_rng: bool = False,
+) -> int:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``); returns its step.
+
+    Every model tensor must be in the checkpoint and every model tensor there must be in the model
+    (:class:`CheckpointError` otherwise). ``restore_rng``: also this rank's random generators (same world size)."""
+    path = Path(path)
+    model_state = get_model_state_dict(model)
+    _checked_keys(path, model_state, expert_form)
+    optim_state = None
     if optimizer is not None:
         _init_state(optimizer)
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        optim_state = get_optimizer_state_dict(model, optimizer)
+    found: Pieces = {}
+    state = {**_canonical(model_state, optim_state, expert_form, found), "step": torch.tensor(0)}
+    with _quiet():
         dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    if expert_form is not None:
+        _join(model_state, optim_state, expert_form, found)
+    # DCP loaded into the state dicts' tensors in place; set_* also writes them into FSDP's and the optimizer's own
+    set_model_state_dict(model, model_state)
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, state["optim"] if expert_form is None else optim_state)
+    if restore_rng:
+        rng_file = path / f"rng_rank{_rank()}.pt"
+        if rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
     return int(state["step"])
 
 

@@ -33,7 +33,7 @@ from moe_parallel import (
     materialize,
     parallelize,
 )
-from moe_train.checkpoint import save_checkpoint
+from moe_train.checkpoint import package_versions, save_checkpoint
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, config_error
 from moe_train.data import TokenStream, stdlib_token_file
 from moe_train.metrics import MetricsLog, peak_tflops
@@ -301,7 +301,8 @@ def train(setup: Setup) -> TrainSummary:
 
     checkpoint = None
     if cfg.run.save_checkpoint:
-        checkpoint = str(save_checkpoint(out_dir / "checkpoints", model, optimizer, cfg.train.steps))
+        meta = {"config": cfg.to_dict(), "versions": package_versions(), "world_size": ctx.world_size}
+        checkpoint = str(save_checkpoint(out_dir / "checkpoints", model, optimizer, cfg.train.steps, meta))
     records = log.records if log is not None else []
     summary = TrainSummary(
         steps=cfg.train.steps,
