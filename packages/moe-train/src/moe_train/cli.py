@@ -19,6 +19,7 @@ from moe_train import __version__
 from moe_train.config import ConfigError, load_config, preset_names
 
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3  # the loss or gradient norm stopped being finite
 
 
 def _parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
@@ -85,11 +86,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(config: str, override_tokens: list[str]) -> int:
     from moe_parallel import shutdown_distributed
+    from moe_train.checkpoint import CheckpointError
+    from moe_train.faults import NonFiniteError
     from moe_train.trainer import prepare, train
 
     cfg = load_config(config, _parse_overrides(override_tokens))
     try:
         train(prepare(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
+    except CheckpointError as err:  # found only once the checkpoint is read, after the build
+        raise ConfigError(f"run.resume={cfg.run.resume!r}: {err}") from None
+    except NonFiniteError as err:
+        print(f"moe-train: error: {err}", file=sys.stderr)
+        return EXIT_DIVERGED
     finally:
         shutdown_distributed()
     return 0

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -73,6 +74,11 @@ class TrainConfig:
     optimizer_states_dtype: str = "fp32"
     params_dtype: str = "fp32"
     master_weights_dtype: str = "fp32"
+    # a step whose loss or gradient norm is not finite stops the run; up to this many such steps are skipped instead
+    # (no update) first
+    skip_nonfinite_steps: int = 0
+    eval_interval: int = 0  # steps between validation losses (and at the last step); 0 = no evaluation
+    eval_iters: int = 4  # validation batches (of global_batch_size sequences) per evaluation
 
 
 @dataclass
@@ -84,7 +90,14 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16
     peak_tflops: float = 0.0  # 0 = auto: datasheet for known GPUs, a measured fp32 GEMM rate on CPU
-    save_checkpoint: bool = True
+    save_checkpoint: bool = True  # at the last step (and at checkpoint_interval, exit_interval, on SIGTERM/SIGINT)
+    checkpoint_interval: int = 0  # steps between checkpoints during the run; 0 = only at the end
+    keep_last: int = 0  # complete checkpoints kept (the oldest go once a newer one is in place); 0 = all
+    async_checkpoint: bool = False  # write checkpoints in the background (DCP async_save) while training goes on
+    resume: str = ""  # "" = a fresh run | auto = the latest complete checkpoint in output_dir | a checkpoint path
+    overwrite: bool = False  # clear a non-empty output_dir instead of refusing it
+    exit_interval: int = 0  # stop after the first step that is a multiple of this, with a checkpoint (Megatron's)
+    wandb_project: str = ""  # also log to Weights & Biases (needs wandb installed); "" = TensorBoard only
     # Megatron module kinds (core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts) or fnmatch
     # patterns over module names (e.g. "layers.*.mlp")
     recompute_modules: list[str] = field(default_factory=list)
@@ -185,12 +198,16 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif annotation is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        try:  # YAML 1.1 reads "1e-3" (no dot) as a string
-            return float(value)
-        except (TypeError, ValueError):
-            pass
+            number = float(value)
+        else:
+            with contextlib.suppress(TypeError, ValueError):  # YAML 1.1 reads "1e-3" (no dot) as a string
+                number = float(value)
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+            return number
     elif annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -274,6 +291,12 @@ def load_config(name_or_path: str = "tiny", overrides: dict[str, Any] | None = N
     return cfg
 
 
+def _at_least(section: str, obj: Any, low: int, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < low:
+            raise ConfigError(f"{section}.{name}={getattr(obj, name)}: must be >= {low}")
+
+
 def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         if getattr(obj, name) <= 0:
@@ -285,6 +308,23 @@ def validate(cfg: ExperimentConfig) -> None:
     _positive("train", cfg.train, "steps", "global_batch_size", "lr")
     _positive("data", cfg.data, "seq_len")
     _positive("run", cfg.run, "log_interval")
+    _at_least("train", cfg.train, 0, "skip_nonfinite_steps", "eval_interval")
+    _at_least("train", cfg.train, 1, "eval_iters")
+    _at_least("run", cfg.run, 0, "checkpoint_interval", "keep_last", "exit_interval")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(cfg.train, name) < 1:
+            raise ConfigError(f"train.{name}={getattr(cfg.train, name)}: must be in [0, 1), e.g. 0.9 / 0.95")
+    if cfg.train.adam_eps <= 0:
+        raise ConfigError(f"train.adam_eps={cfg.train.adam_eps}: must be positive, e.g. 1e-8")
+    if cfg.train.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay={cfg.train.weight_decay}: must be >= 0")
+    if cfg.train.clip_grad < 0:
+        raise ConfigError(f"train.clip_grad={cfg.train.clip_grad}: must be >= 0 (0 = no clipping)")
+    if cfg.data.seq_len > cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len}: longer than model.max_position_embeddings="
+            f"{cfg.model.max_position_embeddings}; shorten data.seq_len or raise model.max_position_embeddings"
+        )
     if cfg.train.micro_batch_size < 0:
         raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size}: must be >= 0 (0 = derive)")
     if not 0 <= cfg.train.min_lr <= cfg.train.lr:

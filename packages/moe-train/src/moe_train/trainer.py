@@ -1,8 +1,10 @@
-"""The training loop: AdamW on byte-level data over any moe_parallel layout (FSDP2, expert, expert-tensor and
-tensor parallel), with metrics, progress and a final checkpoint."""
+"""The training loop: AdamW over any moe_parallel layout (FSDP2, expert, expert-tensor and tensor parallel), with
+metrics, evaluation, progress, periodic checkpoints and resume (:mod:`moe_train.resume`), preemption and non-finite
+steps handled (:mod:`moe_train.faults`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -33,12 +35,15 @@ from moe_parallel import (
     materialize,
     parallelize,
 )
-from moe_train.checkpoint import package_versions, save_checkpoint
+from moe_train.checkpoint import CheckpointWriter, ExpertForm, load_checkpoint, package_versions
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, config_error
-from moe_train.data import TokenStream, stdlib_token_file
+from moe_train.data import PreparedData, TokenStream, prepare_data
+from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
+from moe_train.loggers import RunLoggers, check_wandb_available
 from moe_train.metrics import MetricsLog, peak_tflops
 from moe_train.optim import build_optimizer, lr_at, set_lr
 from moe_train.plots import heatmap_svg, line_chart_svg
+from moe_train.resume import ResumePoint, check_output_dir, checkpoint_dir, clear_output_dir, find_resume_point
 
 
 @dataclass
@@ -53,19 +58,24 @@ class Setup:
     dtype: torch.dtype
     micro_batch: int
     grad_accum: int
-    data_path: Path
+    data: PreparedData
     memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # what is recomputed and offloaded
+    resume: ResumePoint | None = None  # the checkpoint the run continues from
+    expert_form: ExpertForm | None = None  # how routed experts are written to checkpoints
+    checkpoint_group: Any = None  # the process group asynchronous checkpoint writes talk over
 
 
 @dataclass(frozen=True)
 class TrainSummary:
-    steps: int
-    first_loss: float
-    last_loss: float
+    steps: int  # the last step done
+    first_loss: float | None  # None when not finite
+    last_loss: float | None
     median_tokens_per_s: float
     wall_time_s: float
     output_dir: str
     checkpoint: str | None
+    status: str = "completed"  # completed | stopped (signal, run.exit_interval) | diverged (non-finite)
+    resumed_from: str | None = None
 
 
 def _resolve_device(cfg: ExperimentConfig) -> str:
@@ -135,8 +145,24 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     before; the same values, kept to check that both ways train alike).
     """
     device_type = _resolve_device(cfg)
-    layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
-    _check_trainer_layout(cfg, layout)
+    check_output_dir(cfg)
+    resume = find_resume_point(cfg)
+    if cfg.run.wandb_project:
+        try:
+            check_wandb_available(cfg.run.wandb_project)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    data = prepare_data(
+        cfg.data, seed=cfg.train.seed, model_vocab_size=cfg.model.vocab_size, model_from_hf=cfg.model_from_hf
+    )
+    source = _checkpoint_source(cfg) if cfg.model_from_hf else None  # names, shapes and file headers checked
+    try:
+        layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
+        _check_trainer_layout(cfg, layout)
+    except ConfigError:
+        if source is not None:
+            source.close()
+        raise
     micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // layout.dp
     if micro == 0 or cfg.train.global_batch_size % (micro * layout.dp):
         raise ConfigError(
@@ -146,7 +172,6 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
     )
-    source = _checkpoint_source(cfg) if cfg.model_from_hf else None
     ctx = init_distributed(cfg.parallel.backend, device_type)
     torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
     if not build_on_meta:
@@ -171,16 +196,35 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
         finally:
             if source is not None:
                 source.close()
-    data_path = stdlib_token_file(Path(cfg.data.cache_dir) if cfg.data.cache_dir else None)
     grad_accum = cfg.train.global_batch_size // (micro * layout.dp)
-    return Setup(cfg, ctx, layout, model, parallel, dtype, micro, grad_accum, data_path, memory)
+    checkpoint_group = None
+    if cfg.run.async_checkpoint and ctx.world_size > 1:
+        # background writes talk over a group of their own, never interleaved with the training step's collectives
+        checkpoint_group = torch.distributed.new_group(backend="gloo")
+    return Setup(
+        cfg,
+        ctx,
+        layout,
+        model,
+        parallel,
+        dtype,
+        micro,
+        grad_accum,
+        data,
+        memory,
+        resume=resume,
+        checkpoint_group=checkpoint_group,
+    )
 
 
 class Progress:
     """One line per log interval on rank 0: step, loss, learning rate, throughput and time left."""
 
-    def __init__(self, total_steps: int, interval: int, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total_steps: int, interval: int, enabled: bool, stream: TextIO | None = None, first_step: int = 0
+    ) -> None:
         self.total, self.interval, self.enabled, self.stream = total_steps, interval, enabled, stream
+        self.first = first_step + 1  # a resumed run's first step
         self.start = time.perf_counter()
 
     def message(self, text: str) -> None:
@@ -189,17 +233,21 @@ class Progress:
 
     def step(self, record: dict[str, Any]) -> None:
         step = record["step"]
-        if not self.enabled or (step % self.interval and step not in (1, self.total)):
+        if not self.enabled or (
+            step % self.interval and step not in (self.first, self.total) and "val_loss" not in record
+        ):
             return
         now = time.perf_counter()
-        if step == 1:  # the first step pays one-off costs (allocations, warm-up): the rate starts after it
+        if step == self.first:  # the first step pays one-off costs (allocations, warm-up): the rate starts after it
             self.start = now
-        eta = (now - self.start) / max(step - 1, 1) * (self.total - step)
-        eta_text = "--:--" if step == 1 and self.total > 1 else f"{int(eta) // 60}:{int(eta) % 60:02d}"
+        eta = (now - self.start) / max(step - self.first, 1) * (self.total - step)
+        eta_text = "--:--" if step == self.first and self.total > step else f"{int(eta) // 60}:{int(eta) % 60:02d}"
         self.message(
             f"step {step:>{len(str(self.total))}}/{self.total}  loss {record['loss']:.4f}  "
             f"aux {record['aux_loss']:.4f}  "
             + (f"mtp {record['mtp_loss']:.4f}  " if record["mtp_loss"] else "")
+            + (f"val {record['val_loss']:.4f}  " if "val_loss" in record else "")
+            + ("(skipped: not finite)  " if record.get("skipped") else "")
             + f"lr {record['lr']:.2e}  gnorm {record['grad_norm']:.3f}  "
             f"{record['tokens_per_s'] / 1e3:.1f}k tok/s  {record['tflops_per_gpu']:.3f} TFLOPS  "
             f"MFU {100 * record['mfu']:.1f}%  eta {eta_text}"
@@ -207,122 +255,264 @@ class Progress:
 
 
 def train(setup: Setup) -> TrainSummary:
+    """Run (or continue, from ``setup.resume``) the training loop; checkpoints as ``run.*`` says. Stops early, with
+    a checkpoint, on SIGTERM / SIGINT or at ``run.exit_interval``; raises :class:`NonFiniteError` when the loss or
+    gradient norm stops being finite (after skipping up to ``train.skip_nonfinite_steps`` such steps)."""
     cfg, ctx = setup.cfg, setup.ctx
     started = time.perf_counter()
     out_dir = Path(cfg.run.output_dir)
-    progress = Progress(cfg.train.steps, cfg.run.log_interval, ctx.is_main)
-    model, parallel = setup.model, setup.parallel
+    model = setup.model
     optimizer = build_optimizer(model, cfg.train)
-    stream = TokenStream(setup.data_path, cfg.data.seq_len, cfg.train.seed)
-    peak, peak_source = peak_tflops(ctx.device, setup.dtype, cfg.run.peak_tflops)
-    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-    per_rank = setup.micro_batch * setup.grad_accum
-    params = [p for p in model.parameters() if p.requires_grad]
-    autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
-    n_params = sum(p.numel() for p in params)  # DTensors count globally; etp > 1 experts count this rank's slice
-
-    log: MetricsLog | None = None
+    writer = CheckpointWriter(
+        checkpoint_dir(cfg),
+        keep_last=cfg.run.keep_last,
+        async_save=cfg.run.async_checkpoint,
+        expert_form=setup.expert_form,
+        process_group=setup.checkpoint_group,
+    )
+    start = 0
+    if setup.resume is not None:
+        same_world = setup.resume.meta.get("world_size") == ctx.world_size  # per-rank generators only map 1:1
+        start = load_checkpoint(
+            setup.resume.checkpoint.path, model, optimizer, setup.expert_form, restore_rng=same_world
+        )
+    loop = _Loop(setup, optimizer, start)
     if ctx.is_main:
+        if setup.resume is None:
+            clear_output_dir(cfg)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        log = MetricsLog(out_dir / "metrics.jsonl")
-    progress.message(
-        f"moe-train: {cfg.model.family} {n_params / 1e6:.2f}M params, {ctx.world_size} rank(s) on {ctx.device.type}, "
-        f"global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens "
-        f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {peak:.3f} TFLOPS ({peak_source}), "
-        f"{cfg.train.params_dtype} params, AdamW states {cfg.train.optimizer_states_dtype}"
-        + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
-        + _memory_message(setup.memory)
-    )
-    load_LE = None
-    for step in range(cfg.train.steps):
+        loop.open_logs(out_dir)
+    if ctx.world_size > 1:
+        torch.distributed.barrier()  # the output directory is cleared before any rank writes a checkpoint into it
+    progress = Progress(cfg.train.steps, cfg.run.log_interval, ctx.is_main, first_step=start)
+    progress.message(loop.start_message())
+    if setup.resume is not None:
+        progress.message(f"resumed from {setup.resume.checkpoint.path} at step {start}")
+    status, stop_reason = "completed", ""
+    try:
+        with StopRequest() as stop:
+            for step in range(start, cfg.train.steps):
+                record = loop.step(step, last_saved=writer.last)
+                done = step + 1
+                progress.step(record)
+                if done == cfg.train.steps:
+                    break
+                if stop.agreed(ctx.device):
+                    status, stop_reason = "stopped", f"{stop.signal_name}"
+                elif cfg.run.exit_interval and done % cfg.run.exit_interval == 0:
+                    status, stop_reason = "stopped", f"run.exit_interval={cfg.run.exit_interval}"
+                if status == "stopped" or (cfg.run.checkpoint_interval and done % cfg.run.checkpoint_interval == 0):
+                    writer.save(done, model, optimizer, loop.checkpoint_meta(done))
+                if status == "stopped":
+                    break
+            if cfg.run.save_checkpoint and status == "completed":
+                writer.save(loop.steps_done, model, optimizer, loop.checkpoint_meta(loop.steps_done))
+            checkpoint = writer.wait()
+    except NonFiniteError:
+        loop.finish(out_dir, "diverged", None, time.perf_counter() - started)
+        raise
+    summary = loop.finish(out_dir, status, checkpoint, time.perf_counter() - started)
+    if status == "stopped":
+        progress.message(
+            f"stopped after step {loop.steps_done} ({stop_reason}); checkpoint {checkpoint}; continue with "
+            "--run.resume auto"
+        )
+    else:
+        progress.message(
+            f"done: {summary.steps} steps in {summary.wall_time_s:.1f}s, loss {summary.first_loss:.4f} -> "
+            f"{summary.last_loss:.4f}, median {summary.median_tokens_per_s / 1e3:.1f}k tok/s; "
+            f"metrics in {out_dir / 'metrics.jsonl'}, checkpoint {checkpoint}"
+        )
+    return summary
+
+
+class _Loop:
+    """The training step and what it accumulates: the step's batches, update, metrics, logs and evaluation."""
+
+    def __init__(self, setup: Setup, optimizer: torch.optim.Optimizer, start: int) -> None:
+        cfg, ctx = setup.cfg, setup.ctx
+        self.setup, self.cfg, self.ctx, self.optimizer = setup, cfg, ctx, optimizer
+        self.steps_done = start
+        self.stream = setup.data.train
+        self.peak, self.peak_source = peak_tflops(ctx.device, setup.dtype, cfg.run.peak_tflops)
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.per_rank = setup.micro_batch * setup.grad_accum
+        self.params = [p for p in setup.model.parameters() if p.requires_grad]
+        self.autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
+        self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
+        self.log: MetricsLog | None = None
+        self.loggers: RunLoggers | None = None
+        self.load_LE: torch.Tensor | None = None
+
+    def open_logs(self, out_dir: Path) -> None:
+        cfg = self.cfg
+        self.log = MetricsLog(out_dir / "metrics.jsonl", resume_step=self.steps_done)
+        self.loggers = RunLoggers(
+            out_dir,
+            cfg.to_dict(),
+            wandb_project=cfg.run.wandb_project,
+            run_name=out_dir.name,
+            resume_step=self.steps_done,
+        )
+
+    def start_message(self) -> str:
+        cfg, setup = self.cfg, self.setup
+        n_params = sum(p.numel() for p in self.params)  # DTensors count globally; etp > 1 experts count their slice
+        return (
+            f"moe-train: {cfg.model.family} {n_params / 1e6:.2f}M params, {self.ctx.world_size} rank(s) on "
+            f"{self.ctx.device.type}, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens "
+            f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {self.peak:.3f} TFLOPS "
+            f"({self.peak_source}), {cfg.train.params_dtype} params, AdamW states {cfg.train.optimizer_states_dtype}"
+            + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
+            + _memory_message(setup.memory)
+        )
+
+    def _forward_backward(self, stream: TokenStream, batch_step: int) -> tuple[torch.Tensor, ...]:
+        """The step's micro-batches forward and backward; sums of the LM, balancing and MTP losses, expert load."""
+        setup, cfg, device = self.setup, self.cfg, self.ctx.device
+        lm_sum, aux_sum, mtp_sum = (torch.zeros((), device=device) for _ in range(3))
+        load_LE = None
+        for micro in range(setup.grad_accum):
+            # the ranks of one data-parallel replica (tp) read the same sequences
+            first = setup.parallel.dp_index * self.per_rank + micro * setup.micro_batch
+            batch = stream.batch(batch_step, cfg.train.global_batch_size, first, setup.micro_batch)
+            inputs, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
+            with self.autocast:
+                out = setup.model(inputs)
+            loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor)
+            loss.total.backward()  # the routers' balancing losses ride along on their probabilities
+            lm_sum += loss.lm.detach()
+            if loss.mtp:
+                mtp_sum += torch.stack(loss.mtp).mean().detach()
+            aux_sum += out.aux_loss.detach()
+            load_LE = out.tokens_per_expert_LE if load_LE is None else load_LE + out.tokens_per_expert_LE
+        return lm_sum, aux_sum, mtp_sum, load_LE
+
+    def step(self, step: int, last_saved: Path | None) -> dict[str, Any]:
+        setup, cfg, ctx = self.setup, self.cfg, self.ctx
+        model, parallel, optimizer = setup.model, setup.parallel, self.optimizer
         step_start = time.perf_counter()
         lr = lr_at(step, cfg.train)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
-        lm_sum = torch.zeros((), device=ctx.device)
-        aux_sum = torch.zeros((), device=ctx.device)
-        mtp_sum = torch.zeros((), device=ctx.device)
-        for micro in range(setup.grad_accum):
-            # the ranks of one data-parallel replica (tp) read the same sequences
-            first = parallel.dp_index * per_rank + micro * setup.micro_batch
-            batch = stream.batch(step, cfg.train.global_batch_size, first, setup.micro_batch)
-            inputs, labels = batch.input_ids_BS.to(ctx.device), batch.labels_BS.to(ctx.device)
-            with autocast:
-                out = model(inputs)
-            loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor)
-            loss.total.backward()  # the routers' balancing losses ride along on their probabilities
-            lm_sum += loss.lm
-            if loss.mtp:
-                mtp_sum += torch.stack(loss.mtp).mean()
-            aux_sum += out.aux_loss.detach()
-            load_LE = out.tokens_per_expert_LE if micro == 0 else load_LE + out.tokens_per_expert_LE
+        lm_sum, aux_sum, mtp_sum, load_LE = self._forward_backward(self.stream, step)
         clip = cfg.train.clip_grad if cfg.train.clip_grad > 0 else math.inf
         # the accumulated gradient is a sum over micro-batches; dividing it (not each loss) also scales
         # the load-balancing gradients the routers attach inside the backward
-        grads = [g for g in map(local_grad, params) if g is not None]
+        grads = [g for g in map(local_grad, self.params) if g is not None]
         if setup.grad_accum > 1:
             torch._foreach_div_(grads, float(setup.grad_accum))
         parallel.finalize_grads()
-        grad_norm = parallel.clip_grad_norm_(clip, params)
-        optimizer.step()
-        if cfg.model.moe_router_enable_expert_bias:
-            # counts the forwards returned, so a recomputed layer is not counted twice; summed over every rank's
-            # tokens (the routers' stats_group) so all ranks apply the same update
-            for router, counts_E in zip(model.routers(), load_LE, strict=True):
-                router.update_expert_bias(counts_E)
-        loss = all_reduce_mean(lm_sum / setup.grad_accum).item()
+        grad_norm = parallel.clip_grad_norm_(clip, self.params).item()
+        loss = all_reduce_mean(lm_sum / setup.grad_accum).item()  # before the update: a NaN step must not apply
+        update = self.guard.check(step + 1, loss, grad_norm, str(last_saved) if last_saved else None)
+        if update:
+            optimizer.step()
+            if cfg.model.moe_router_enable_expert_bias:
+                # counts the forwards returned, so a recomputed layer is not counted twice; summed over every rank's
+                # tokens (the routers' stats_group) so all ranks apply the same update
+                for router, counts_E in zip(model.routers(), load_LE, strict=True):
+                    router.update_expert_bias(counts_E)
+        else:
+            optimizer.zero_grad(set_to_none=True)
         aux = all_reduce_mean(aux_sum / setup.grad_accum).item()
         mtp = all_reduce_mean(mtp_sum / setup.grad_accum).item()
         load = all_reduce_mean(load_LE.float())
+        self.load_LE = load
         step_time = time.perf_counter() - step_start
-        tokens_per_s = tokens_per_step / step_time
-        tflops = flops_per_token * tokens_per_s / ctx.world_size / 1e12
-        record = {
+        tokens_per_s = self.tokens_per_step / step_time
+        tflops = self.flops_per_token * tokens_per_s / ctx.world_size / 1e12
+        record: dict[str, Any] = {
             "step": step + 1,
             "loss": loss,
             "aux_loss": aux,
             "mtp_loss": mtp,  # mean over MTP depths, unscaled; 0 without MTP
             "lr": lr,
-            "grad_norm": grad_norm.item(),
+            "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
             "tflops_per_gpu": tflops,
-            "mfu": tflops / peak,
+            "mfu": tflops / self.peak,
             "step_time_s": step_time,
             "expert_load_max_over_mean": (load.max(dim=1).values / load.mean(dim=1)).mean().item(),
             # (token, expert) pairs dropped by a capacity factor, over all layers
             "dropped_fraction": 1.0
-            - load.sum().item() / (tokens_per_step / ctx.world_size * cfg.model.moe_router_topk * len(load)),
+            - load.sum().item() / (self.tokens_per_step / ctx.world_size * cfg.model.moe_router_topk * len(load)),
         }
-        if log is not None:
-            log.write(record)
-        progress.step(record)
+        if not update:
+            record["skipped"] = True
+        if self._evaluates(step + 1):
+            record["val_loss"] = self.evaluate()
+        self.steps_done = step + 1
+        if self.log is not None:
+            self.log.write(record)
+        if self.loggers is not None:
+            self.loggers.log(step + 1, record)
+        return record
 
-    checkpoint = None
-    if cfg.run.save_checkpoint:
-        meta = {"config": cfg.to_dict(), "versions": package_versions(), "world_size": ctx.world_size}
-        checkpoint = str(save_checkpoint(out_dir / "checkpoints", model, optimizer, cfg.train.steps, meta))
-    records = log.records if log is not None else []
-    summary = TrainSummary(
-        steps=cfg.train.steps,
-        first_loss=records[0]["loss"] if records else float("nan"),
-        last_loss=records[-1]["loss"] if records else float("nan"),
-        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in records[1:] or records) if records else 0.0,
-        wall_time_s=time.perf_counter() - started,
-        output_dir=str(out_dir),
-        checkpoint=checkpoint,
-    )
-    if log is not None:
-        log.close()
-        _write_pictures(out_dir, records, load)
-        (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
-    progress.message(
-        f"done: {summary.steps} steps in {summary.wall_time_s:.1f}s, loss {summary.first_loss:.4f} -> "
-        f"{summary.last_loss:.4f}, median {summary.median_tokens_per_s / 1e3:.1f}k tok/s; "
-        f"metrics in {out_dir / 'metrics.jsonl'}, checkpoint {checkpoint}"
-    )
-    return summary
+    def _evaluates(self, step: int) -> bool:
+        every = self.cfg.train.eval_interval
+        return self.setup.data.valid is not None and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss over ``train.eval_iters`` fixed validation batches (the same at every evaluation),
+        each data-parallel replica computing its slice of each."""
+        setup, cfg, device = self.setup, self.cfg, self.ctx.device
+        model, valid = setup.model, setup.data.valid
+        model.eval()
+        total = torch.zeros((), device=device)
+        try:
+            for batch_index in range(cfg.train.eval_iters):
+                for micro in range(setup.grad_accum):
+                    first = setup.parallel.dp_index * self.per_rank + micro * setup.micro_batch
+                    batch = valid.batch(batch_index, cfg.train.global_batch_size, first, setup.micro_batch)
+                    with self.autocast:
+                        out = model(batch.input_ids_BS.to(device))
+                    total += causal_lm_loss(out, batch.labels_BS.to(device), 0.0).lm.float()
+        finally:
+            model.train()
+        return all_reduce_mean(total / (cfg.train.eval_iters * setup.grad_accum)).item()
+
+    def checkpoint_meta(self, step: int) -> dict[str, Any]:
+        cfg, data = self.cfg, self.setup.data
+        return {
+            "config": cfg.to_dict(),
+            "versions": package_versions(),
+            "world_size": self.ctx.world_size,
+            "layout": dataclasses.asdict(self.setup.layout),
+            # batches are a function of (seed, step): the step is the data position
+            "data": {"fingerprint": data.fingerprint, "samples_consumed": step * cfg.train.global_batch_size},
+        }
+
+    def finish(self, out_dir: Path, status: str, checkpoint: Path | None, wall_time_s: float) -> TrainSummary:
+        records = [r for r in self.log.records if "loss" in r] if self.log is not None else []
+        losses = [r["loss"] for r in records]
+        summary = TrainSummary(
+            steps=self.steps_done,
+            first_loss=_finite_or_none(losses[0]) if losses else None,
+            last_loss=_finite_or_none(losses[-1]) if losses else None,
+            median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in records[1:] or records)
+            if records
+            else 0.0,
+            wall_time_s=wall_time_s,
+            output_dir=str(out_dir),
+            checkpoint=str(checkpoint) if checkpoint else None,
+            status=status,
+            resumed_from=str(self.setup.resume.checkpoint.path) if self.setup.resume else None,
+        )
+        if self.log is not None:
+            self.log.close()
+            self.loggers.close()
+            if records:
+                _write_pictures(out_dir, self.log.records, self.load_LE)
+            (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2, allow_nan=False))
+        return summary
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _memory_message(memory: MemoryPolicy) -> str:
@@ -337,11 +527,22 @@ def _memory_message(memory: MemoryPolicy) -> str:
     return "".join(f", {p}" for p in parts)
 
 
-def _write_pictures(out_dir: Path, records: list[dict[str, Any]], load_LE: torch.Tensor) -> None:
-    steps = [r["step"] for r in records]
+def _write_pictures(out_dir: Path, records: list[dict[str, Any]], load_LE: torch.Tensor | None) -> None:
+    steps = [r["step"] for r in records if "loss" in r]
+    valid = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    extra = [("validation", [s for s, _ in valid], [v for _, v in valid])] if valid else []
     (out_dir / "loss.svg").write_text(
-        line_chart_svg(steps, [r["loss"] for r in records], "training loss", "step", "cross-entropy (nats/byte)")
+        line_chart_svg(
+            steps,
+            [r["loss"] if r["loss"] is not None else math.nan for r in records if "loss" in r],
+            "training loss" + (" and validation loss" if valid else ""),
+            "step",
+            "cross-entropy (nats/token)",
+            extra=extra,
+        )
     )
+    if load_LE is None:
+        return
     (out_dir / "expert_load.svg").write_text(
         heatmap_svg(
             load_LE.tolist(), "tokens per expert at the last step, as a multiple of the layer mean", "layer", "expert"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from moe_models.hf.errors import HFCheckpointError
@@ -32,6 +32,17 @@ def _refuse_pickle(directory: Path) -> None:
     raise HFCheckpointError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}: point at a safetensors checkpoint")
 
 
+def _safe_open(path: Path) -> Any:
+    """``safe_open``, a damaged file (truncated, a bad header) reported in one line instead of safetensors' error."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise HFCheckpointError(
+            f"{path} is not a readable safetensors file ({why}): damaged or incomplete; download or export it again"
+        ) from None
+
+
 class CheckpointReader:
     """The tensors of a checkpoint directory, by name; files open on first use and close with the reader."""
 
@@ -41,10 +52,13 @@ class CheckpointReader:
             raise HFCheckpointError(f"{self.directory} is not a directory: give the checkpoint directory")
         index = self.directory / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise HFCheckpointError(f"{index} is not a safetensors index ({err}): download it again") from None
             self.file_of: dict[str, Path] = {k: self.directory / f for k, f in weight_map.items()}
         elif (self.directory / SINGLE_FILE).is_file():
-            with safe_open(self.directory / SINGLE_FILE, framework="pt") as f:
+            with _safe_open(self.directory / SINGLE_FILE) as f:
                 self.file_of = dict.fromkeys(f.keys(), self.directory / SINGLE_FILE)
         else:
             _refuse_pickle(self.directory)
@@ -65,7 +79,7 @@ class CheckpointReader:
         if path not in self._open:
             if not path.is_file():
                 raise HFCheckpointError(f"{path.name} (listed in {INDEX_FILE} for {key}) is missing: re-download it")
-            self._open[path] = self._stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            self._open[path] = self._stack.enter_context(_safe_open(path))
         return self._open[path]
 
     def shape(self, key: str) -> tuple[int, ...]:

@@ -1,0 +1,201 @@
+"""Checkpoints during a run and exact resume: in one process (bitwise), under dp_shard=2 and tp=2 x ep=2 (rel 1e-6),
+onto other layouts (tp=2 x ep=2 -> dp_shard=4 -> one process -> back), after SIGTERM, and after kill -9 at random
+moments, saves included."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_train import cli
+from moe_train.checkpoint import list_checkpoints, read_meta
+
+pytestmark = pytest.mark.dist
+
+STEPS = 20
+# small enough that a step takes milliseconds; aux loss off so that data-parallel layouts equal one process
+COMMON = [
+    "train",
+    "--config",
+    "tiny",
+    "--model.num_layers",
+    "2",
+    "--model.moe_aux_loss_coeff",
+    "0",
+    "--data.seq_len",
+    "32",
+    "--train.global_batch_size",
+    "8",
+    "--train.micro_batch_size",
+    "2",
+    "--train.steps",
+    str(STEPS),
+    "--train.warmup_steps",
+    "3",
+    "--run.log_interval",
+    "5",
+]
+TP2_EP2 = ["--parallel.tp", "2", "--parallel.ep", "2", "--parallel.etp", "1"]
+DP_SHARD4 = ["--parallel.dp_shard", "4"]
+
+
+def _records(out: Path) -> dict[int, dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"steps repeated or out of order: {steps}"
+    return {r["step"]: r for r in records}
+
+
+def _in_process(args: list[str]) -> int:
+    return cli.main(args)
+
+
+def _torchrun(run, ranks: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    launch = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), "-m", "moe_train"]
+    return run([*launch, *args], cwd=cwd)
+
+
+def _same(resumed: dict[int, dict], whole: dict[int, dict], steps: range, rel: float) -> None:
+    for step in steps:
+        for key in ("loss", "grad_norm"):
+            want, got = whole[step][key], resumed[step][key]
+            if rel == 0:
+                assert got == want, (step, key, got, want)
+            else:
+                assert got == pytest.approx(want, rel=rel), (step, key, got, want)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[int, dict]:
+    """The uninterrupted one-process run every resumed run is compared with."""
+    out = tmp_path_factory.mktemp("whole")
+    assert _in_process([*COMMON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(out)]) == 0
+    return _records(out)
+
+
+def test_one_process_resume_is_bitwise(tmp_path: Path, data_cache: Path, single) -> None:
+    out = tmp_path / "run"
+    args = [*COMMON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(out)]
+    # checkpoints every 4 steps, written in the background, the oldest pruned; the run exits after step 10
+    periodic = ["--run.checkpoint_interval", "4", "--run.keep_last", "2", "--run.async_checkpoint", "true"]
+    assert _in_process([*args, *periodic, "--run.exit_interval", "10"]) == 0
+    assert [c.step for c in list_checkpoints(out / "checkpoints")] == [8, 10]
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+    meta = read_meta(out / "checkpoints" / "step_10")
+    assert meta["step"] == 10 and meta["config"]["model"]["num_layers"] == 2 and "moe-train" in meta["versions"]
+    assert meta["data"]["samples_consumed"] == 10 * 8 and meta["data"]["fingerprint"]
+    assert json.loads((out / "summary.json").read_text())["status"] == "stopped"
+    assert sorted(_records(out)) == list(range(1, 11))
+
+    assert _in_process([*args, "--run.resume", "auto"]) == 0
+    resumed = _records(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    _same(resumed, single, range(1, STEPS + 1), rel=0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumed_from"].endswith("step_10")
+
+
+@pytest.mark.parametrize("layout", [["--parallel.dp_shard", "2"], TP2_EP2], ids=["dp_shard2", "tp2xep2"])
+def test_distributed_resume(tmp_path: Path, data_cache: Path, run, layout: list[str]) -> None:
+    args = [*COMMON, *layout, "--data.cache_dir", str(data_cache)]
+    whole = _torchrun(run, 2, [*args, "--run.output_dir", str(tmp_path / "whole")], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    part = [*args, "--run.output_dir", str(tmp_path / "part")]
+    first = _torchrun(run, 2, [*part, "--run.exit_interval", "10", "--run.async_checkpoint", "true"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "stopped after step 10" in first.stdout
+    second = _torchrun(run, 2, [*part, "--run.resume", "auto"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    _same(_records(tmp_path / "part"), _records(tmp_path / "whole"), range(1, STEPS + 1), rel=1e-6)
+
+
+def test_resume_onto_other_layouts(tmp_path: Path, data_cache: Path, run, single) -> None:
+    """Steps 1-5 under tp=2 x ep=2, 6-10 under dp_shard=4, 11-15 in one process, 16-20 under tp=2 x ep=2 again:
+    every step as the uninterrupted single process's, optimizer state included (a lost moment would show)."""
+    out = tmp_path / "chain"
+    args = [*COMMON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(out), "--run.exit_interval", "5"]
+    legs = [(2, TP2_EP2), (4, DP_SHARD4), (1, []), (2, TP2_EP2)]
+    for leg, (ranks, layout) in enumerate(legs):
+        resume = ["--run.resume", "auto"] if leg else []
+        if ranks == 1:
+            assert _in_process([*args, *layout, *resume]) == 0
+        else:
+            done = _torchrun(run, ranks, [*args, *layout, *resume], tmp_path)
+            assert done.returncode == 0, done.stderr[-3000:]
+        assert max(_records(out)) == 5 * (leg + 1)
+    _same(_records(out), single, range(1, STEPS + 1), rel=1e-5)
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    executable = str(Path(sys.executable).parent / "moe-train")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [executable, *args[1:]], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def _wait_for(condition, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"the run made no progress in {timeout}s")
+
+
+def _latest_step(out: Path) -> int:
+    found = list_checkpoints(out / "checkpoints")
+    return found[-1].step if found else 0
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path: Path, data_cache: Path, single) -> None:
+    out = tmp_path / "preempted"
+    args = [*COMMON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(out)]
+    proc = _start(args, tmp_path)
+    metrics = out / "metrics.jsonl"
+    _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "(SIGTERM)" in stdout and "--run.resume auto" in stdout
+    done = max(_records(out))
+    assert done < STEPS and [c.step for c in list_checkpoints(out / "checkpoints")] == [done]
+    assert _in_process([*args, "--run.resume", "auto"]) == 0
+    _same(_records(out), single, range(1, STEPS + 1), rel=0)
+
+
+def test_kill_9_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: Path, data_cache: Path, single) -> None:
+    """A checkpoint every step (so kills land inside saves too), killed three times at random moments; each time the
+    latest complete checkpoint resumes, and the run ends with every step as the uninterrupted run's."""
+    out = tmp_path / "killed"
+    args = [*COMMON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(out)]
+    args += ["--run.checkpoint_interval", "1", "--run.keep_last", "2"]
+    rng = random.Random(13)
+    kills = 0
+    for attempt in range(3):
+        resume = ["--run.resume", "auto"] if attempt else []
+        before = _latest_step(out)
+        proc = _start([*args, *resume], tmp_path)
+        _wait_for(lambda before=before: _latest_step(out) > before, proc)  # training has begun (imports take seconds)
+        time.sleep(rng.uniform(0.0, 0.4))
+        if proc.poll() is None:
+            proc.kill()
+            kills += 1
+        proc.communicate(timeout=60)
+        complete = list_checkpoints(out / "checkpoints")
+        assert complete, "no complete checkpoint left"
+        for checkpoint in complete:
+            assert read_meta(checkpoint.path)["step"] == checkpoint.step
+    assert kills >= 1
+    assert _in_process([*args, "--run.resume", "auto"]) == 0
+    _same(_records(out), single, range(1, STEPS + 1), rel=0)

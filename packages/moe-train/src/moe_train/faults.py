@@ -1,0 +1,79 @@
+"""What stops a run early: a preemption signal (SIGTERM, SIGINT), the planned exit of ``run.exit_interval``, and a loss
+or gradient norm that is no longer finite."""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss or gradient norm more often than ``train.skip_nonfinite_steps`` allows."""
+
+
+class StopRequest:
+    """Turns SIGTERM and SIGINT into a request to stop after the current step (the trainer then saves and exits 0).
+
+    A second SIGINT interrupts at once (Ctrl-C twice), as without this handler. Under torchrun every rank receives the
+    signal, but not at the same step: :meth:`agreed` makes all ranks stop after the same one.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self, device: torch.device) -> bool:
+        """Whether any rank was asked to stop (one small all-reduce per step when distributed)."""
+        local = self.signal_name is not None
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return local
+        flag = torch.tensor([float(local)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.signal_name is None:
+            self.signal_name = "a signal to another rank"
+        return bool(flag.item())
+
+
+class NonFiniteGuard:
+    """Counts steps whose loss or gradient norm is not finite: each is skipped (no update) while at most
+    ``allowed`` have been; the next raises :class:`NonFiniteError` naming the step."""
+
+    def __init__(self, allowed: int) -> None:
+        self.allowed, self.skipped = allowed, 0
+
+    def check(self, step: int, loss: float, grad_norm: float, last_saved: str | None) -> bool:
+        """True when the step is fine; False when it is to be skipped."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return True
+        self.skipped += 1
+        if self.skipped > self.allowed:
+            saved = f"the last checkpoint is {last_saved}" if last_saved else "no checkpoint was written"
+            raise NonFiniteError(
+                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite "
+                f"({self.skipped} such steps, train.skip_nonfinite_steps={self.allowed}); nothing was saved after it, "
+                f"{saved}; lower train.lr, raise train.warmup_steps, or allow skips with train.skip_nonfinite_steps"
+            )
+        return False
