@@ -2,15 +2,47 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from html import escape
 
 WIDTH, HEIGHT, PAD = 640, 360, 48
 
 
-def line_chart_svg(xs: Sequence[float], ys: Sequence[float], title: str, x_label: str, y_label: str) -> str:
-    x0, x1 = min(xs), max(xs) if len(xs) > 1 else min(xs) + 1
-    y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
+EXTRA_COLOURS = ("#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
+MARKER_MAX_POINTS = 64  # a series this short (e.g. validation every N steps) also gets a dot per point
+
+
+def _finite_points(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[tuple[float, float]], int]:
+    """The (x, y) pairs with both coordinates finite, and how many were left out (NaN or inf is no position)."""
+    points = [(x, y) for x, y in zip(xs, ys, strict=True) if math.isfinite(x) and math.isfinite(y)]
+    return points, len(xs) - len(points)
+
+
+def line_chart_svg(
+    xs: Sequence[float],
+    ys: Sequence[float],
+    title: str,
+    x_label: str,
+    y_label: str,
+    extra: Sequence[tuple[str, Sequence[float], Sequence[float]]] = (),
+    label: str | None = None,
+) -> str:
+    """A line chart of ``ys`` over ``xs``, plus ``extra`` series ``(label, xs, ys)`` in other colours.
+
+    With ``extra`` a legend names each series (the main one ``label``, default ``title``); the axes cover all
+    series. Non-finite values are not drawn, and a note says how many were left out.
+    """
+    main, skipped = _finite_points(xs, ys)
+    others = []
+    for i, (name, exs, eys) in enumerate(extra):
+        points, n = _finite_points(exs, eys)
+        others.append((name, points, EXTRA_COLOURS[i % len(EXTRA_COLOURS)]))
+        skipped += n
+    every = main + [p for _, points, _ in others for p in points] or [(0.0, 0.0)]
+    all_x, all_y = [x for x, _ in every], [y for _, y in every]
+    x0, x1 = min(all_x), max(all_x) if len(all_x) > 1 else min(all_x) + 1
+    y0, y1 = min(all_y), max(all_y) if max(all_y) > min(all_y) else min(all_y) + 1
 
     def px(x: float) -> float:
         return PAD + (x - x0) / (x1 - x0 or 1) * (WIDTH - 2 * PAD)
@@ -18,7 +50,10 @@ def line_chart_svg(xs: Sequence[float], ys: Sequence[float], title: str, x_label
     def py(y: float) -> float:
         return HEIGHT - PAD - (y - y0) / (y1 - y0) * (HEIGHT - 2 * PAD)
 
-    points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True))
+    def polyline(points: list[tuple[float, float]], colour: str) -> str:
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
+        return f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{coords}"/>'
+
     ticks = "".join(
         f'<text x="{PAD - 6}" y="{py(v) + 4:.1f}" text-anchor="end" font-size="11">{v:.2f}</text>'
         for v in (y0, (y0 + y1) / 2, y1)
@@ -26,6 +61,27 @@ def line_chart_svg(xs: Sequence[float], ys: Sequence[float], title: str, x_label
         f'<text x="{px(v):.1f}" y="{HEIGHT - PAD + 16}" text-anchor="middle" font-size="11">{v:g}</text>'
         for v in (x0, x1)
     )
+    series, legend = "", ""
+    for _, points, colour in others:
+        series += polyline(points, colour) if len(points) > 1 else ""
+        if len(points) <= MARKER_MAX_POINTS:
+            series += "".join(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"/>' for x, y in points)
+    if others:
+        # top right: loss curves fall from the top left, so that corner is usually empty
+        entries = [(label if label is not None else title, "#1f77b4")]
+        entries += [(name, colour) for name, _, colour in others]
+        for i, (name, colour) in enumerate(entries):
+            y = PAD + 12 + 16 * i
+            legend += (
+                f'<line x1="{WIDTH - PAD - 24}" y1="{y - 4}" x2="{WIDTH - PAD - 6}" y2="{y - 4}" '
+                f'stroke="{colour}" stroke-width="2"/>'
+                f'<text x="{WIDTH - PAD - 30}" y="{y}" text-anchor="end" font-size="11">{escape(name)}</text>'
+            )
+    if skipped:
+        legend += (
+            f'<text x="{WIDTH - PAD}" y="{PAD - 8}" text-anchor="end" font-size="11">'
+            f"{skipped} non-finite value{'s' if skipped > 1 else ''} (NaN/inf) not drawn</text>"
+        )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif">'
         f'<rect width="100%" height="100%" fill="white"/>'
@@ -35,7 +91,7 @@ def line_chart_svg(xs: Sequence[float], ys: Sequence[float], title: str, x_label
         f'<text x="{WIDTH / 2}" y="{HEIGHT - 10}" text-anchor="middle" font-size="12">{escape(x_label)}</text>'
         f'<text x="14" y="{HEIGHT / 2}" text-anchor="middle" font-size="12" '
         f'transform="rotate(-90 14 {HEIGHT / 2})">{escape(y_label)}</text>'
-        f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{points}"/></svg>'
+        f"{polyline(main, '#1f77b4')}{series}{legend}</svg>"
     )
 
 
