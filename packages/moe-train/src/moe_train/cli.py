@@ -5,6 +5,7 @@ moe-train train --config NAME_OR_PATH [--section.key value ...]
 moe-train plan [--world-size N] [--config ...] [--parallel.ep 4 ...]   # shard sizes per rank, no run
 moe-train plan ... --memory [--device-memory 80]   # and each rank's estimated memory
 moe-train env                      # capability table
+moe-train export CHECKPOINT --hf OUT [--dtype fp32|bf16] [--overwrite]   # a checkpoint (or a run's latest) as HF
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ def _parser() -> argparse.ArgumentParser:
         help="flag the ranks whose estimated memory exceeds this many GiB (implies --memory)",
     )
     commands.add_parser("env", help="show which back ends and optional packages this machine has")
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint as a HuggingFace model directory (transformers' from_pretrained reads it)",
+        description="CHECKPOINT: a checkpoint directory (step_N) or a run's output directory (its latest complete "
+        "checkpoint). Writes config.json + safetensors, and the run's local tokenizer.json, into OUT.",
+    )
+    export.add_argument("checkpoint", help="checkpoint directory (step_N) or run output directory")
+    export.add_argument("--hf", metavar="OUT", default=None, help="HuggingFace directory to write")
+    export.add_argument("--dtype", default=None, help="fp32 or bf16 (default: the dtype the run trained in)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
     return parser
 
 
@@ -142,6 +153,42 @@ def _plan(
     return 0
 
 
+def _export(checkpoint: str, out: str | None, dtype: str | None, overwrite: bool, rest: list[str]) -> int:
+    import json
+    import warnings
+    from pathlib import Path
+
+    from moe_models import count_parameters
+    from moe_models.hf import HFCheckpointError
+    from moe_train.checkpoint import CheckpointError
+    from moe_train.export import DTYPES, export_hf, resolve_checkpoint, trained_model_config
+
+    if rest:
+        raise ConfigError(f"moe-train export takes CHECKPOINT --hf OUT [--dtype] [--overwrite], got {' '.join(rest)}")
+    if out is None:
+        raise ConfigError("moe-train export needs --hf OUT: the HuggingFace directory to write")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose {' or '.join(DTYPES)}")
+    try:
+        info = resolve_checkpoint(Path(checkpoint))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            written = export_hf(info.path, Path(out), dtype, overwrite=overwrite)
+        config = trained_model_config(info.path)
+    except (CheckpointError, HFCheckpointError, FileExistsError) as err:
+        raise ConfigError(str(err)) from None
+    for warning in caught:
+        print(f"moe-train: warning: {warning.message}", file=sys.stderr)
+    counts = count_parameters(config)
+    mtp = f", {counts.mtp / 1e6:.2f}M of them in MTP layers (transformers skips them)" if counts.mtp else ""
+    tokenizer = "; tokenizer.json copied" if (written / "tokenizer.json").is_file() else ""
+    print(
+        f"exported step {info.step} ({info.path}): {config.family}, {(counts.total + counts.mtp) / 1e6:.2f}M "
+        f"parameters{mtp}, {json.loads((written / 'config.json').read_text())['dtype']} -> {written}{tokenizer}"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("--") and argv[0] not in ("-h", "--help", "--version")):
@@ -155,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(format_table(capability_rows()))
             return 0
+        if args.command == "export":
+            return _export(args.checkpoint, args.hf, args.dtype, args.overwrite, rest)
         if args.command == "plan":
             return _plan(args.config, args.world_size, rest, args.memory, args.device_memory)
         return _train(args.config, rest)
