@@ -35,7 +35,7 @@ from moe_parallel import (
 )
 from moe_train.checkpoint import save_checkpoint
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, config_error
-from moe_train.data import TokenStream, stdlib_token_file
+from moe_train.data import PreparedData, prepare_data
 from moe_train.metrics import MetricsLog, peak_tflops
 from moe_train.optim import build_optimizer, lr_at, set_lr
 from moe_train.plots import heatmap_svg, line_chart_svg
@@ -53,7 +53,7 @@ class Setup:
     dtype: torch.dtype
     micro_batch: int
     grad_accum: int
-    data_path: Path
+    data: PreparedData  # training (and validation) token streams, built before the model
     memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # what is recomputed and offloaded
 
 
@@ -147,6 +147,9 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
         cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
     )
     source = _checkpoint_source(cfg) if cfg.model_from_hf else None
+    data = prepare_data(
+        cfg.data, seed=cfg.train.seed, model_vocab_size=cfg.model.vocab_size, model_from_hf=cfg.model_from_hf
+    )
     ctx = init_distributed(cfg.parallel.backend, device_type)
     torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
     if not build_on_meta:
@@ -171,9 +174,8 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
         finally:
             if source is not None:
                 source.close()
-    data_path = stdlib_token_file(Path(cfg.data.cache_dir) if cfg.data.cache_dir else None)
     grad_accum = cfg.train.global_batch_size // (micro * layout.dp)
-    return Setup(cfg, ctx, layout, model, parallel, dtype, micro, grad_accum, data_path, memory)
+    return Setup(cfg, ctx, layout, model, parallel, dtype, micro, grad_accum, data, memory)
 
 
 class Progress:
@@ -213,7 +215,7 @@ def train(setup: Setup) -> TrainSummary:
     progress = Progress(cfg.train.steps, cfg.run.log_interval, ctx.is_main)
     model, parallel = setup.model, setup.parallel
     optimizer = build_optimizer(model, cfg.train)
-    stream = TokenStream(setup.data_path, cfg.data.seq_len, cfg.train.seed)
+    stream = setup.data.train
     peak, peak_source = peak_tflops(ctx.device, setup.dtype, cfg.run.peak_tflops)
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
