@@ -354,10 +354,8 @@ def _setup(v: Variant, quick: bool, cache_dir: str):
 
 
 def _batch(setup):
-    from moe_train.data import TokenStream
-
     cfg = setup.cfg
-    stream = TokenStream(setup.data_path, cfg.data.seq_len, cfg.train.seed)
+    stream = setup.data.train
     batch = stream.batch(0, cfg.train.global_batch_size, 0, setup.micro_batch)
     return batch.input_ids_BS, batch.labels_BS
 

@@ -18,7 +18,6 @@ from moe_models import build_model, causal_lm_loss
 from moe_train.adamw import PrecisionAwareAdamW, optimizer_state_bytes
 from moe_train.checkpoint import load_checkpoint, save_checkpoint
 from moe_train.config import ExperimentConfig, TrainConfig, load_config
-from moe_train.data import TokenStream
 from moe_train.optim import build_optimizer, lr_at, set_lr
 
 # sigmoid scores with the aux-loss-free expert bias: an fp32 buffer that must survive the bf16 cast and the resume
@@ -247,7 +246,7 @@ def _train_steps(setup, optimizer: torch.optim.Optimizer, steps: range) -> list[
     """The trainer's step (without metrics), one micro-batch per rank: batch, forward, backward, gradient
     completion, clipping, AdamW, expert-bias update."""
     cfg: ExperimentConfig = setup.cfg
-    stream = TokenStream(setup.data_path, cfg.data.seq_len, cfg.train.seed)
+    stream = setup.data.train
     params = [p for p in setup.model.parameters() if p.requires_grad]
     losses = []
     for step in steps:

@@ -47,9 +47,19 @@ def config_error(err: Exception) -> ConfigError:
 class DataConfig:
     """The ``data`` config section."""
 
-    source: str = "stdlib"  # byte-level tokens of the Python standard library's source files
+    # "stdlib" (the Python standard library's source files), a .txt (one document per file), .jsonl or .parquet
+    # file (one document per record's text_field), a directory of them (recursively, sorted), or a HuggingFace
+    # datasets save_to_disk directory (a DatasetDict's train split); see moe_train.sources
+    source: str = "stdlib"
     seq_len: int = 128
-    cache_dir: str = ""  # "" = $XDG_CACHE_HOME/moe-train (or ~/.cache/moe-train)
+    cache_dir: str = ""  # token files; "" = $XDG_CACHE_HOME/moe-train (or ~/.cache/moe-train)
+    text_field: str = "text"  # the field of a JSONL / Parquet / datasets record that holds the document
+    # a tokenizer.json or a directory holding one (other formats load through transformers when installed);
+    # "" = the model.from_hf checkpoint's tokenizer.json when it has one, else byte level; "bytes" = byte level
+    tokenizer: str = ""
+    eos_token: str = ""  # the token after every document; "" = the tokenizer's own end-of-text token
+    valid_fraction: float = 0.0  # the last fraction of the documents, held out for validation; 0 = none
+    valid_source: str = ""  # validation documents from another source (the formats of data.source); "" = none
 
 
 @dataclass
@@ -338,11 +348,35 @@ def validate(cfg: ExperimentConfig) -> None:
     ):
         if getattr(cfg.train, key) not in choices:
             raise ConfigError(f"train.{key}={getattr(cfg.train, key)!r}: choose {' or '.join(choices)}")
-    if cfg.data.source != "stdlib":
-        raise ConfigError(f"data.source={cfg.data.source!r}: the only source in this version is 'stdlib'")
-    if cfg.model.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: byte-level data needs at least 256")
+    _validate_data(cfg)
     if cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"run.device={cfg.run.device!r}: choose auto, cpu or cuda")
     if cfg.run.dtype not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.dtype={cfg.run.dtype!r}: choose auto, fp32 or bf16")
+
+
+def _validate_data(cfg: ExperimentConfig) -> None:
+    """The data checks that read no files (``moe-train plan`` runs them too, where the data may not exist); the
+    others come in moe_train.data.prepare_data, before the trainer builds anything."""
+    data = cfg.data
+    if not data.source:
+        raise ConfigError(
+            "data.source='': name the training data: 'stdlib', a .txt, .jsonl or .parquet file, a directory of them, "
+            "or a datasets save_to_disk directory"
+        )
+    if not data.text_field:
+        raise ConfigError("data.text_field='': name the record field that holds the text (default 'text')")
+    if not 0 <= data.valid_fraction < 1:
+        raise ConfigError(
+            f"data.valid_fraction={data.valid_fraction}: must be in [0, 1) (the fraction of documents held out for "
+            "validation; 0 = none)"
+        )
+    if data.valid_fraction and data.valid_source:
+        raise ConfigError(
+            f"data.valid_fraction={data.valid_fraction} and data.valid_source={data.valid_source!r} both name the "
+            "validation data: keep one"
+        )
+    # byte level for sure: no tokenizer named, none to take from a checkpoint (whether one has a tokenizer.json is
+    # for prepare_data to look at)
+    if (data.tokenizer == "bytes" or not (data.tokenizer or cfg.model_from_hf)) and cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: byte-level data needs at least 256")
