@@ -143,7 +143,7 @@ def test_a_run_directory_exports_its_latest_complete_checkpoint(
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(runs["qwen3_moe"], run)
-    _train(run, data_cache, FAMILIES["qwen3_moe"], "--train.steps", "3")  # step_3 next to step_2
+    _train(run, data_cache, FAMILIES["qwen3_moe"], "--train.steps", "3", "--run.resume", "auto")  # step_3 beside step_2
     (run / "checkpoints" / ".step_9.partial").mkdir()  # a save that never finished
     (run / "checkpoints" / "step_10").mkdir()  # no meta.json: not complete
     capsys.readouterr()

@@ -57,7 +57,7 @@ def test_capacity_factor_drops_tokens_and_reports_them(micro_overrides: dict[str
     )
     # a capacity of half the balanced share keeps at most half of the (token, expert) pairs
     assert all(r["dropped_fraction"] >= 0.5 - 1e-6 for r in records)
-    _, dropless = _run({**micro_overrides, "train.steps": "2", "run.save_checkpoint": "false"})
+    _, dropless = _run({**micro_overrides, "train.steps": "2", "run.save_checkpoint": "false", "run.overwrite": "true"})
     assert all(r["dropped_fraction"] == 0 for r in dropless)
 
 

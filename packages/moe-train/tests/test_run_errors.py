@@ -136,4 +136,6 @@ def test_non_finite_loss_stops_the_run(tmp_path: Path, capsys: pytest.CaptureFix
     skipping = tmp_path / "skipping"
     assert _train(skipping, *diverging, "--train.skip_nonfinite_steps", "2", steps=8) == 3
     records = [_strict_json(line) for line in (skipping / "metrics.jsonl").read_text().splitlines()]
-    assert sum(bool(r.get("skipped")) for r in records) == 2
+    # two non-finite steps skipped (no update), the third stops the run; the last record is that third step
+    non_finite = [r["step"] for r in records if r.get("skipped")]
+    assert len(non_finite) == 3 and records[-1]["step"] == non_finite[-1]

@@ -62,18 +62,20 @@ class NonFiniteGuard:
     ``allowed`` have been; the next raises :class:`NonFiniteError` naming the step."""
 
     def __init__(self, allowed: int) -> None:
-        self.allowed, self.skipped = allowed, 0
+        self.allowed, self.skipped, self.skipping = allowed, 0, False
 
-    def check(self, step: int, loss: float, grad_norm: float, last_saved: str | None) -> bool:
-        """True when the step is fine; False when it is to be skipped."""
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            return True
+    def check(self, step: int, loss: float, grad_norm: float, last_saved: str | None) -> NonFiniteError | None:
+        """None when the step is fine or may be skipped (:attr:`skipping` says which); the error to raise once the
+        step's metrics are written when the run must stop."""
+        self.skipping = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not self.skipping:
+            return None
         self.skipped += 1
         if self.skipped > self.allowed:
             saved = f"the last checkpoint is {last_saved}" if last_saved else "no checkpoint was written"
-            raise NonFiniteError(
+            return NonFiniteError(
                 f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite "
                 f"({self.skipped} such steps, train.skip_nonfinite_steps={self.allowed}); nothing was saved after it, "
                 f"{saved}; lower train.lr, raise train.warmup_steps, or allow skips with train.skip_nonfinite_steps"
             )
-        return False
+        return None

@@ -155,6 +155,16 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     data = prepare_data(
         cfg.data, seed=cfg.train.seed, model_vocab_size=cfg.model.vocab_size, model_from_hf=cfg.model_from_hf
     )
+    if (
+        data.valid is not None
+        and cfg.train.eval_interval
+        and len(data.valid.eval_offsets()) < cfg.train.global_batch_size
+    ):
+        raise ConfigError(
+            f"train.eval_interval={cfg.train.eval_interval}: the validation data holds "
+            f"{len(data.valid.eval_offsets())} windows of data.seq_len={cfg.data.seq_len}, fewer than one batch of "
+            f"train.global_batch_size={cfg.train.global_batch_size}; add validation data or raise data.valid_fraction"
+        )
     source = _checkpoint_source(cfg) if cfg.model_from_hf else None  # names, shapes and file headers checked
     try:
         layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
@@ -313,6 +323,8 @@ def train(setup: Setup) -> TrainSummary:
         loop.finish(out_dir, "diverged", None, time.perf_counter() - started)
         raise
     summary = loop.finish(out_dir, status, checkpoint, time.perf_counter() - started)
+    if not ctx.is_main:  # only the main rank keeps the metrics the messages quote
+        return summary
     if status == "stopped":
         progress.message(
             f"stopped after step {loop.steps_done} ({stop_reason}); checkpoint {checkpoint}; continue with "
@@ -407,7 +419,8 @@ class _Loop:
         parallel.finalize_grads()
         grad_norm = parallel.clip_grad_norm_(clip, self.params).item()
         loss = all_reduce_mean(lm_sum / setup.grad_accum).item()  # before the update: a NaN step must not apply
-        update = self.guard.check(step + 1, loss, grad_norm, str(last_saved) if last_saved else None)
+        diverged = self.guard.check(step + 1, loss, grad_norm, str(last_saved) if last_saved else None)
+        update = not self.guard.skipping
         if update:
             optimizer.step()
             if cfg.model.moe_router_enable_expert_bias:
@@ -442,13 +455,15 @@ class _Loop:
         }
         if not update:
             record["skipped"] = True
-        if self._evaluates(step + 1):
+        if update and self._evaluates(step + 1):
             record["val_loss"] = self.evaluate()
         self.steps_done = step + 1
         if self.log is not None:
             self.log.write(record)
         if self.loggers is not None:
             self.loggers.log(step + 1, record)
+        if diverged is not None:
+            raise diverged
         return record
 
     def _evaluates(self, step: int) -> bool:
@@ -463,17 +478,20 @@ class _Loop:
         model, valid = setup.model, setup.data.valid
         model.eval()
         total = torch.zeros((), device=device)
+        batches = 0
         try:
-            for batch_index in range(cfg.train.eval_iters):
-                for micro in range(setup.grad_accum):
-                    first = setup.parallel.dp_index * self.per_rank + micro * setup.micro_batch
-                    batch = valid.batch(batch_index, cfg.train.global_batch_size, first, setup.micro_batch)
+            for micro in range(setup.grad_accum):
+                first = setup.parallel.dp_index * self.per_rank + micro * setup.micro_batch
+                for batch in valid.eval_batches(
+                    cfg.train.eval_iters, cfg.train.global_batch_size, first, setup.micro_batch
+                ):
                     with self.autocast:
                         out = model(batch.input_ids_BS.to(device))
                     total += causal_lm_loss(out, batch.labels_BS.to(device), 0.0).lm.float()
+                    batches += 1
         finally:
             model.train()
-        return all_reduce_mean(total / (cfg.train.eval_iters * setup.grad_accum)).item()
+        return all_reduce_mean(total / batches).item()
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         cfg, data = self.cfg, self.setup.data
