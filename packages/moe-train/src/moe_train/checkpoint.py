@@ -164,7 +164,9 @@ def _canonical(
             fqn: _split(param_state, lambda _key, fqn=fqn: fqn, form, found)
             for fqn, param_state in optim_state["state"].items()
         }
-        state["optim"] = {**optim_state, "state": per_param}
+        # per-parameter state only: the param groups' hyperparameters come from the config, and how parameters are
+        # grouped depends on the layout (plain and DTensor parameters apart), so a stored grouping would not fit another
+        state["optim"] = {"state": per_param}
     return state
 
 
@@ -326,7 +328,7 @@ def load_checkpoint(
     # DCP loaded into the state dicts' tensors in place; set_* also writes them into FSDP's and the optimizer's own
     set_model_state_dict(model, model_state)
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"] if expert_form is None else optim_state)
+        set_optimizer_state_dict(model, optimizer, optim_state)
     if restore_rng:
         rng_file = path / f"rng_rank{_rank()}.pt"
         if rng_file.is_file():
