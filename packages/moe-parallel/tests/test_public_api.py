@@ -28,6 +28,7 @@ PUBLIC_NAMES = [
     "build_meshes",
     "check_plan",
     "check_tensor_parallel",
+    "expert_checkpoint_pieces",
     "init_distributed",
     "local_box",
     "local_grad",
@@ -35,13 +36,14 @@ PUBLIC_NAMES = [
     "moe_blocks",
     "parallelize",
     "replica_count",
+    "restore_expert_checkpoint_pieces",
     "shard_experts",
     "shutdown_distributed",
 ]
 
 
 def test_version_is_semver_0_3() -> None:
-    assert moe_parallel.__version__ == "0.3.1"
+    assert moe_parallel.__version__ == "0.3.2"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

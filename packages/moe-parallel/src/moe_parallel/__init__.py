@@ -1,7 +1,9 @@
 """moe-parallel: parallel layouts (incl. folding), device meshes, FSDP2, expert / expert-tensor / tensor parallelism
 applied to a model from outside as its parallel plan declares, materialisation of a meta-built model shard by shard,
-and the gradient bookkeeping a training step needs across them."""
+the gradient bookkeeping a training step needs across them, and a checkpoint form of routed experts that is the
+same under every layout."""
 
+from moe_parallel.checkpoint_layout import expert_checkpoint_pieces, restore_expert_checkpoint_pieces
 from moe_parallel.config import ParallelConfig
 from moe_parallel.distributed import (
     DistributedContext,
@@ -20,7 +22,7 @@ from moe_parallel.parallelize import ParallelModel, check_plan, parallelize
 from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
-__version__ = "0.3.1"
+__version__ = "0.3.2"
 
 __all__ = [
     "ATTENTION_DIMS",
@@ -45,6 +47,7 @@ __all__ = [
     "build_meshes",
     "check_plan",
     "check_tensor_parallel",
+    "expert_checkpoint_pieces",
     "init_distributed",
     "local_box",
     "local_grad",
@@ -52,6 +55,7 @@ __all__ = [
     "moe_blocks",
     "parallelize",
     "replica_count",
+    "restore_expert_checkpoint_pieces",
     "shard_experts",
     "shutdown_distributed",
 ]

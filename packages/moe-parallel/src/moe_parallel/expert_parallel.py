@@ -11,7 +11,9 @@ the same checkpoint), or none at all (built on meta, materialised afterwards: :m
 Without expert tensor parallelism the experts' parameters become DTensors sharded along the experts over the ep
 mesh: checkpoints (DCP) then hold the global tensors, loadable into any other layout, and FSDP2 composes with
 them as with tensor parallelism. An etp slice of a gated projection is two column blocks (gate and up) of the whole
-tensor, which no DTensor placement describes, so with ``etp > 1`` the parameters stay plain per-rank tensors.
+tensor, which no DTensor placement describes, so with ``etp > 1`` the parameters stay plain per-rank tensors;
+for checkpoints, :mod:`moe_parallel.checkpoint_layout` gives every expert tensor a global form (gate and up apart)
+that is the same under every layout, etp included.
 """
 
 from __future__ import annotations
