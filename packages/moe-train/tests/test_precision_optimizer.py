@@ -297,11 +297,11 @@ def resume_equals_uninterrupted(
     part = prepare(cfg, world_size=world_size)
     part_opt = build_optimizer(part.model, cfg.train)
     part_losses = _train_steps(part, part_opt, range(first))
-    path = save_checkpoint(checkpoints, part.model, part_opt, first)
+    path = save_checkpoint(checkpoints, part.model, part_opt, first, parallel=part.parallel)
     fresh = prepare(cfg, world_size=world_size)
     fresh_opt = build_optimizer(fresh.model, cfg.train)
     untrained = _local_state(fresh.model, fresh_opt)
-    assert load_checkpoint(path, fresh.model, fresh_opt) == first
+    assert load_checkpoint(path, fresh.model, fresh_opt, fresh.parallel) == first
     part_losses += _train_steps(fresh, fresh_opt, range(first, first + then))
     return {
         "whole": _local_state(whole.model, whole_opt),

@@ -13,8 +13,9 @@ sharded like its parameter. ``get_optimizer_state_dict`` initialises an optimize
 zero gradients and ``lr`` 0 (which counts a step); an optimizer that has ``init_state`` (ours) is initialised with it
 instead, so loading never runs an update and the loaded values replace zeros of the right dtypes and shapes.
 
-Routed experts are stored in moe_parallel's canonical form (:func:`moe_parallel.expert_checkpoint_pieces`, gate and
-up halves apart), the same for every layout, expert-tensor-parallel ones included.
+Routed experts are stored in moe_parallel's canonical form (:func:`moe_parallel.expert_checkpoint_pieces`: gate and
+up apart, each a global tensor), the same for every layout, expert-tensor-parallel ones included; the other tensors
+are the global tensors DCP sees (DTensors under FSDP, tensor and expert parallelism).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
+
+from moe_parallel import ParallelModel, expert_checkpoint_pieces, restore_expert_checkpoint_pieces
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -65,10 +69,26 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class ExpertForm:
-    """How routed-expert tensors are written and read (moe_parallel's canonical pieces); identity without it."""
+    """How routed-expert tensors are written and read: moe_parallel's canonical pieces."""
 
     pieces: PiecesFn
     restore: RestoreFn
+
+
+def expert_form(model: nn.Module, parallel: ParallelModel | None = None) -> ExpertForm | None:
+    """The canonical form of ``model``'s routed experts under ``parallel`` (one process when None); None for a
+    model without a parallel plan (nothing is an expert)."""
+    if parallel is None:
+        plan = getattr(model, "parallel_plan", None)
+        if plan is None:
+            return None
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ValueError("the model is split over a layout: pass its ParallelModel (parallelize's result)")
+        parallel = ParallelModel(model, plan=plan())
+    return ExpertForm(
+        pieces=lambda fqn, tensor: expert_checkpoint_pieces(parallel, fqn, tensor),
+        restore=lambda fqn, tensor, pieces: restore_expert_checkpoint_pieces(parallel, fqn, tensor, pieces),
+    )
 
 
 @contextlib.contextmanager
@@ -211,11 +231,11 @@ class CheckpointWriter:
         *,
         keep_last: int = 0,
         async_save: bool = False,
-        expert_form: ExpertForm | None = None,
+        parallel: ParallelModel | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.directory, self.keep_last, self.async_save = Path(directory), keep_last, async_save
-        self.expert_form, self.process_group = expert_form, process_group
+        self.parallel, self.process_group = parallel, process_group
         self._pending: tuple[Future, Path, Path, dict[str, Any]] | None = None
         self.last: Path | None = None
 
@@ -230,7 +250,8 @@ class CheckpointWriter:
         torch.save(_rng_state(), staging / f"rng_rank{_rank()}.pt")
         _init_state(optimizer)  # an optimizer that never stepped: its zero state, not DCP's zero-gradient step
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {**_canonical(model_state, optim_state, self.expert_form, {}), "step": torch.tensor(step)}
+        form = expert_form(model, self.parallel)
+        state = {**_canonical(model_state, optim_state, form, {}), "step": torch.tensor(step)}
         meta = {"format": FORMAT_VERSION, "step": step, **meta}
         with _quiet():
             if self.async_save:
@@ -274,22 +295,21 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     meta: dict[str, Any] | None = None,
-    expert_form: ExpertForm | None = None,
+    parallel: ParallelModel | None = None,
 ) -> Path:
     """Write ``directory/step_<step>`` synchronously; it appears only once complete (written aside, then renamed)."""
-    writer = CheckpointWriter(directory, expert_form=expert_form)
+    writer = CheckpointWriter(directory, parallel=parallel)
     writer.save(step, model, optimizer, meta or {})
     return writer.wait()
 
 
-def _checked_keys(path: Path, model_state: dict[str, Any], form: ExpertForm | None) -> None:
+def _checked_keys(path: Path, expected: set[str]) -> None:
     """Refuse a checkpoint whose model tensors are not exactly the model's (DCP alone loads a subset silently)."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # whatever DCP raises, it is the same problem to the user
         raise CheckpointError(f"{path}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
     stored = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
-    expected = set(_canonical(model_state, None, form, {})["model"])
     missing, extra = sorted(expected - stored), sorted(stored - expected)
     if missing or extra:
         parts = []
@@ -304,27 +324,31 @@ def load_checkpoint(
     path: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    expert_form: ExpertForm | None = None,
+    parallel: ParallelModel | None = None,
     *,
     restore_rng: bool = False,
 ) -> int:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``); returns its step.
 
     Every model tensor must be in the checkpoint and every model tensor there must be in the model
-    (:class:`CheckpointError` otherwise). ``restore_rng``: also this rank's random generators (same world size)."""
+    (:class:`CheckpointError` otherwise). ``parallel``: the layout ``model`` is split over (None: one process).
+    ``restore_rng``: also this rank's random generators (same world size)."""
     path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata)")
     model_state = get_model_state_dict(model)
-    _checked_keys(path, model_state, expert_form)
+    form = expert_form(model, parallel)
     optim_state = None
     if optimizer is not None:
         _init_state(optimizer)
         optim_state = get_optimizer_state_dict(model, optimizer)
     found: Pieces = {}
-    state = {**_canonical(model_state, optim_state, expert_form, found), "step": torch.tensor(0)}
+    state = {**_canonical(model_state, optim_state, form, found), "step": torch.tensor(0)}
+    _checked_keys(path, set(state["model"]))
     with _quiet():
         dcp.load(state, checkpoint_id=path)
-    if expert_form is not None:
-        _join(model_state, optim_state, expert_form, found)
+    if form is not None:
+        _join(model_state, optim_state, form, found)
     # DCP loaded into the state dicts' tensors in place; set_* also writes them into FSDP's and the optimizer's own
     set_model_state_dict(model, model_state)
     if optimizer is not None:

@@ -35,7 +35,7 @@ from moe_parallel import (
     materialize,
     parallelize,
 )
-from moe_train.checkpoint import CheckpointWriter, ExpertForm, load_checkpoint, package_versions
+from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, config_error
 from moe_train.data import PreparedData, TokenStream, prepare_data
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
@@ -61,7 +61,6 @@ class Setup:
     data: PreparedData
     memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # what is recomputed and offloaded
     resume: ResumePoint | None = None  # the checkpoint the run continues from
-    expert_form: ExpertForm | None = None  # how routed experts are written to checkpoints
     checkpoint_group: Any = None  # the process group asynchronous checkpoint writes talk over
 
 
@@ -118,12 +117,6 @@ def _check_trainer_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp} (sequence parallel "
             "splits every sequence over the tp ranks)"
-        )
-    if cfg.run.save_checkpoint and layout.etp > 1:
-        default = " (parallel.etp defaults to parallel.tp)" if cfg.parallel.etp is None else ""
-        raise ConfigError(
-            f"run.save_checkpoint=true with parallel.etp={layout.etp}{default}: checkpoints of expert-tensor-parallel "
-            "runs are not implemented yet; set parallel.etp=1 or run.save_checkpoint=false"
         )
 
 
@@ -277,15 +270,13 @@ def train(setup: Setup) -> TrainSummary:
         checkpoint_dir(cfg),
         keep_last=cfg.run.keep_last,
         async_save=cfg.run.async_checkpoint,
-        expert_form=setup.expert_form,
+        parallel=setup.parallel,
         process_group=setup.checkpoint_group,
     )
     start = 0
     if setup.resume is not None:
         same_world = setup.resume.meta.get("world_size") == ctx.world_size  # per-rank generators only map 1:1
-        start = load_checkpoint(
-            setup.resume.checkpoint.path, model, optimizer, setup.expert_form, restore_rng=same_world
-        )
+        start = load_checkpoint(setup.resume.checkpoint.path, model, optimizer, setup.parallel, restore_rng=same_world)
     loop = _Loop(setup, optimizer, start)
     if ctx.is_main:
         if setup.resume is None:
