@@ -158,6 +158,13 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
             f"{len(data.valid.eval_offsets())} windows of data.seq_len={cfg.data.seq_len}, fewer than one batch of "
             f"train.global_batch_size={cfg.train.global_batch_size}; add validation data or raise data.valid_fraction"
         )
+    if resume is not None and resume.meta.get("data", {}).get("fingerprint") not in (None, data.fingerprint):
+        # not refused: continuing a run on new data is a thing people do on purpose; but it is not a resume
+        print(
+            f"moe-train: note: {resume.checkpoint.path} was trained on other data than data.source={cfg.data.source!r} "
+            "(another token-file fingerprint); its batches from here on differ from the original run's",
+            file=sys.stderr,
+        )
     source = _checkpoint_source(cfg) if cfg.model_from_hf else None  # names, shapes and file headers checked
     try:
         layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
@@ -323,8 +330,8 @@ def train(setup: Setup) -> TrainSummary:
         )
     else:
         progress.message(
-            f"done: {summary.steps} steps in {summary.wall_time_s:.1f}s, loss {summary.first_loss:.4f} -> "
-            f"{summary.last_loss:.4f}, median {summary.median_tokens_per_s / 1e3:.1f}k tok/s; "
+            f"done: {summary.steps} steps in {summary.wall_time_s:.1f}s, loss {_loss_text(summary.first_loss)} -> "
+            f"{_loss_text(summary.last_loss)}, median {summary.median_tokens_per_s / 1e3:.1f}k tok/s; "
             f"metrics in {out_dir / 'metrics.jsonl'}, checkpoint {checkpoint}"
         )
     return summary
@@ -518,6 +525,10 @@ class _Loop:
                 _write_pictures(out_dir, self.log.records, self.load_LE)
             (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2, allow_nan=False))
         return summary
+
+
+def _loss_text(value: float | None) -> str:
+    return "not finite" if value is None else f"{value:.4f}"
 
 
 def _finite_or_none(value: float) -> float | None:
