@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -345,8 +346,11 @@ def load_checkpoint(
     found: Pieces = {}
     state = {**_canonical(model_state, optim_state, form, found), "step": torch.tensor(0)}
     _checked_keys(path, set(state["model"]))
-    with _quiet():
-        dcp.load(state, checkpoint_id=path)
+    try:
+        with _quiet():
+            dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as err:  # DCP's own (missing or truncated files): one line all the same
+        raise CheckpointError(f"{path}: cannot be read ({_cause(err)})") from None
     if form is not None:
         _join(model_state, optim_state, form, found)
     # DCP loaded into the state dicts' tensors in place; set_* also writes them into FSDP's and the optimizer's own
@@ -361,6 +365,16 @@ def load_checkpoint(
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
     return int(state["step"])
+
+
+def _cause(err: BaseException) -> str:
+    """``Type: first line`` of an error, or of the first rank's failure DCP wrapped in a CheckpointException (a
+    BaseException whose message is the whole traceback)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))
+        err = failure[0] if isinstance(failure, tuple) else failure
+    first_line = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first_line}"
 
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException
 
 from moe_models import ModelConfig, build_model
 from moe_models.hf import config_to_hf, save_pretrained
@@ -96,24 +95,8 @@ def load_trained_model(checkpoint: Path) -> tuple[ModelConfig, nn.Module]:
         model.to(torch.bfloat16)  # as the trainer does; the routers' expert_bias stays fp32
     model.to_empty(device="cpu")
     model.tie_weights()  # to_empty replaces the shared parameter by two
-    try:
-        # the checkpoint's routed-expert form (expert_form=...) goes here once checkpoints store experts canonically
-        load_checkpoint(info.path, model)
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as err:  # DCP's own (missing or truncated files): one line all the same
-        raise CheckpointError(f"{info.path}: cannot be read ({_cause(err)})") from None
+    load_checkpoint(info.path, model)  # one process: routed experts come back from their canonical form
     return config, model.eval()
-
-
-def _cause(err: BaseException) -> str:
-    """``Type: first line`` of an error, or of the first rank's failure DCP wrapped in a CheckpointException (a
-    BaseException whose message is the whole traceback)."""
-    if isinstance(err, CheckpointException) and err.failures:
-        failure = next(iter(err.failures.values()))
-        err = failure[0] if isinstance(failure, tuple) else failure
-    first_line = (str(err).strip().splitlines() or [""])[0]
-    return f"{type(err).__name__}: {first_line}"
 
 
 def _train_section(meta: dict[str, Any]) -> dict[str, Any]:
