@@ -164,7 +164,6 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
             {"parallel.tp": "2", "model.num_query_groups": "2", "data.seq_len": "33"},
             "data.seq_len=33 is not divisible by parallel.tp=2",
         ),
-        ({"parallel.ep": "2", "parallel.etp": "2"}, "run.save_checkpoint=true with parallel.etp=2"),
         (
             {"parallel.ep": "2", "parallel.etp": "2", "parallel.moe_token_dispatcher_type": "flex"},
             "parallel.moe_token_dispatcher_type='flex': DeepEP does not support etp > 1",
