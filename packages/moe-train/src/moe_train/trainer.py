@@ -37,7 +37,7 @@ from moe_parallel import (
 )
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, config_error
-from moe_train.data import PreparedData, TokenStream, prepare_data
+from moe_train.data import PreparedData, prepare_data
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
 from moe_train.loggers import RunLoggers, check_wandb_available
 from moe_train.metrics import MetricsLog, peak_tflops
@@ -379,7 +379,7 @@ class _Loop:
             + _memory_message(setup.memory)
         )
 
-    def _forward_backward(self, stream: TokenStream, batch_step: int) -> tuple[torch.Tensor, ...]:
+    def _forward_backward(self, step: int) -> tuple[torch.Tensor, ...]:
         """The step's micro-batches forward and backward; sums of the LM, balancing and MTP losses, expert load."""
         setup, cfg, device = self.setup, self.cfg, self.ctx.device
         lm_sum, aux_sum, mtp_sum = (torch.zeros((), device=device) for _ in range(3))
@@ -387,7 +387,7 @@ class _Loop:
         for micro in range(setup.grad_accum):
             # the ranks of one data-parallel replica (tp) read the same sequences
             first = setup.parallel.dp_index * self.per_rank + micro * setup.micro_batch
-            batch = stream.batch(batch_step, cfg.train.global_batch_size, first, setup.micro_batch)
+            batch = self.stream.batch(step, cfg.train.global_batch_size, first, setup.micro_batch)
             inputs, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
             with self.autocast:
                 out = setup.model(inputs)
@@ -407,7 +407,7 @@ class _Loop:
         lr = lr_at(step, cfg.train)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
-        lm_sum, aux_sum, mtp_sum, load_LE = self._forward_backward(self.stream, step)
+        lm_sum, aux_sum, mtp_sum, load_LE = self._forward_backward(step)
         clip = cfg.train.clip_grad if cfg.train.clip_grad > 0 else math.inf
         # the accumulated gradient is a sum over micro-batches; dividing it (not each loss) also scales
         # the load-balancing gradients the routers attach inside the backward
@@ -532,7 +532,7 @@ def _loss_text(value: float | None) -> str:
 
 
 def _finite_or_none(value: float) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
+    return value if value is not None and math.isfinite(value) else None  # resumed records may hold None
 
 
 def _memory_message(memory: MemoryPolicy) -> str:
