@@ -7,10 +7,11 @@ from moe_models.config import FAMILIES, ModelConfig, ModelConfigError
 from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
 from moe_models.init import InitialWeights
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
-from moe_models.loss import LMLoss, causal_lm_loss
+from moe_models.loss import LMLoss, causal_lm_loss, next_token_loss
 from moe_models.mla import MLAUpProjection, MultiLatentAttention
 from moe_models.model import DecoderLayer, ModelOutput, MoETransformer, MTPLayer, build_model
 from moe_models.parallel_plan import parallel_plan
+from moe_models.pipeline import ModelStage, StageRouting, pipeline_plan
 from moe_models.presets import (
     PRESETS,
     PUBLISHED_PRESETS,
@@ -55,6 +56,10 @@ __all__ = [
     "apply_rotary",
     "build_model",
     "causal_lm_loss",
+    "next_token_loss",
+    "pipeline_plan",
+    "ModelStage",
+    "StageRouting",
     "count_parameters",
     "rotary_cos_sin",
     "training_flops_per_token",

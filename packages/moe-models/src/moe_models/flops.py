@@ -136,6 +136,30 @@ def _core_attention_flops(c: ModelConfig, seq_len: int, window: int | None, caus
     return 6 * c.num_attention_heads * _keys_per_query(seq_len, window, causal_half) * (qk + v)
 
 
+@dataclass(frozen=True)
+class StageCosts:
+    """Training FLOPs per token of the pieces a pipeline splits the model into (Megatron's convention): what
+    moe_parallel balances its stages by. Dense and MoE layers differ; windowed layers attend to fewer keys."""
+
+    embedding: float  # the lookup's backward (a scatter-add of one row per token): all but free, counted all the same
+    layers: tuple[float, ...]  # one per decoder layer
+    head: float  # output projection, plus every MTP depth (its layer, input projection and own pass of the head)
+
+
+def stage_costs(c: ModelConfig, seq_len: int) -> StageCosts:
+    """The FLOPs of the embedding, each decoder layer and the head (MTP included) at ``seq_len``; they sum to
+    :func:`training_flops_per_token` (``megatron``) less the embedding's."""
+    h, v = c.hidden_size, c.vocab_size
+    attention = 6 * _attention_macs(c)
+    windows = [None if full else c.window_size for full in c.full_attention_pattern()]
+    layers = tuple(
+        attention + _core_attention_flops(c, seq_len, window, True) + 6 * _mlp(c, bool(moe)).macs
+        for moe, window in zip(c.moe_layer_pattern(), windows, strict=True)
+    )
+    mtp_depth = 6 * 2 * h * h + attention + _core_attention_flops(c, seq_len, None, True) + 6 * _mlp(c, True).macs
+    return StageCosts(float(h), layers, 6.0 * h * v + (c.mtp_num_layers or 0) * (mtp_depth + 6 * h * v))
+
+
 def training_flops_per_token(c: ModelConfig, seq_len: int, convention: str = "megatron") -> float:
     """Training FLOPs per token (forward + backward) at ``seq_len`` in the ``megatron`` or ``torchtitan``
     convention (module docstring), MTP layers included."""
@@ -147,12 +171,8 @@ def training_flops_per_token(c: ModelConfig, seq_len: int, convention: str = "me
     mtp_layers = c.mtp_num_layers or 0
     windows = [None if full else c.window_size for full in c.full_attention_pattern()]
     if convention == "megatron":
-        attention = 6 * _attention_macs(c)
-        flops = 6.0 * h * v
-        for moe, window in zip(c.moe_layer_pattern(), windows, strict=True):
-            flops += attention + _core_attention_flops(c, seq_len, window, True) + 6 * _mlp(c, bool(moe)).macs
-        mtp_depth = 6 * 2 * h * h + attention + _core_attention_flops(c, seq_len, None, True) + 6 * _mlp(c, True).macs
-        return flops + mtp_layers * (mtp_depth + 6 * h * v)
+        costs = stage_costs(c, seq_len)
+        return sum(costs.layers) + costs.head
     flops = 6.0 * (count_parameters(c).active - v * h)  # embedding lookups are not GEMMs
     flops += sum(_core_attention_flops(c, seq_len, window, False) for window in windows)
     mtp_depth = 6 * _mtp_params(c)[1] + _core_attention_flops(c, seq_len, None, False) + 6 * h * v

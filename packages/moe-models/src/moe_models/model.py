@@ -163,27 +163,58 @@ class MoETransformer(nn.Module):
     def forward(self, input_ids_BS: torch.Tensor) -> ModelOutput:
         x_BSH = self.embed_tokens(input_ids_BS)
         cos_SF, sin_SF = rotary_cos_sin(self.config, input_ids_BS.shape[1], x_BSH.device)
-        routings = []
-        for layer in self.layers:
-            x_BSH, routing = layer(x_BSH, cos_SF, sin_SF)
-            routings.append(routing)
-        logits_BSV = self.lm_head(self.norm(x_BSH))
-        mtp_logits = []
-        hidden_BSH, ids_BS = x_BSH, input_ids_BS
-        for mtp in self.mtp:
-            # one token further on; the wrapped-around last position has no label and is left out of the loss
-            ids_BS = torch.roll(ids_BS, -1, dims=1)
-            hidden_BSH, routing = mtp(hidden_BSH, self.embed_tokens(ids_BS), cos_SF, sin_SF)
-            routings.append(routing)
-            mtp_logits.append(self.lm_head(mtp.final_norm(hidden_BSH)))
-        routings = [r for r in routings if r is not None]
-        aux_loss = sum((r.aux_loss.float() for r in routings), x_BSH.new_zeros((), dtype=torch.float32))
-        loads_LE = (
-            torch.stack([r.tokens_per_expert_E for r in routings])
-            if routings
-            else torch.zeros(0, self.config.num_moe_experts, dtype=torch.int64, device=x_BSH.device)
+        routings: list[RoutingResult | None] = []
+        x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings)
+        logits_BSV, mtp_logits = run_head(self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings)
+        kept = [r for r in routings if r is not None]
+        return ModelOutput(
+            logits_BSV, aux_loss_sum(kept, x_BSH), tokens_per_expert(kept, self.config, x_BSH), mtp_logits
         )
-        return ModelOutput(logits_BSV, aux_loss, loads_LE, tuple(mtp_logits))
+
+
+def run_layers(
+    layers, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, routings: list
+) -> torch.Tensor:
+    """``x_BSH`` through decoder ``layers`` in order; each layer's routing (None for a dense one) goes to
+    ``routings``."""
+    for layer in layers:
+        x_BSH, routing = layer(x_BSH, cos_SF, sin_SF)
+        routings.append(routing)
+    return x_BSH
+
+
+def run_head(
+    parts: nn.Module,
+    x_BSH: torch.Tensor,
+    input_ids_BS: torch.Tensor,
+    cos_SF: torch.Tensor,
+    sin_SF: torch.Tensor,
+    routings: list,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The logits and the MTP depths' logits from the last layer's output; ``parts`` holds ``norm``, ``lm_head``,
+    ``mtp`` and (for MTP) ``embed_tokens``: the whole model, or the last pipeline stage."""
+    logits_BSV = parts.lm_head(parts.norm(x_BSH))
+    mtp_logits = []
+    hidden_BSH, ids_BS = x_BSH, input_ids_BS
+    for mtp in parts.mtp:
+        # one token further on; the wrapped-around last position has no label and is left out of the loss
+        ids_BS = torch.roll(ids_BS, -1, dims=1)
+        hidden_BSH, routing = mtp(hidden_BSH, parts.embed_tokens(ids_BS), cos_SF, sin_SF)
+        routings.append(routing)
+        mtp_logits.append(parts.lm_head(mtp.final_norm(hidden_BSH)))
+    return logits_BSV, tuple(mtp_logits)
+
+
+def aux_loss_sum(routings: list[RoutingResult], like: torch.Tensor) -> torch.Tensor:
+    """The routers' balancing losses summed (fp32 scalar, zero without MoE layers)."""
+    return sum((r.aux_loss.float() for r in routings), like.new_zeros((), dtype=torch.float32))
+
+
+def tokens_per_expert(routings: list[RoutingResult], config: ModelConfig, like: torch.Tensor) -> torch.Tensor:
+    """``[L, E]`` kept (token, expert) pairs, one row per router (``[0, E]`` without MoE layers)."""
+    if routings:
+        return torch.stack([r.tokens_per_expert_E for r in routings])
+    return torch.zeros(0, config.num_moe_experts, dtype=torch.int64, device=like.device)
 
 
 def build_model(config: ModelConfig, seed: int | None = None) -> MoETransformer:

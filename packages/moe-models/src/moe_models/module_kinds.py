@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 if TYPE_CHECKING:
     from moe_models.model import DecoderLayer, MoETransformer
+    from moe_models.pipeline import ModelStage
 
 
 def _layer_kinds(prefix: str, layer: DecoderLayer) -> dict[str, list[str]]:
@@ -35,10 +38,17 @@ def _layer_kinds(prefix: str, layer: DecoderLayer) -> dict[str, list[str]]:
     return kinds
 
 
-def module_kinds(model: MoETransformer) -> dict[str, list[str]]:
+def decoder_layers(model: MoETransformer | ModelStage) -> list[tuple[str, DecoderLayer]]:
+    """``(qualified name, layer)`` of the decoder layers, then the MTP depths' decoder layers, of a whole model or of
+    one pipeline stage (whose layers keep the whole model's indices)."""
+    layers = model.layers.items() if isinstance(model.layers, nn.ModuleDict) else enumerate(model.layers)
+    named = [(f"layers.{i}", layer) for i, layer in layers]
+    return named + [(f"mtp.{k}.layer", mtp.layer) for k, mtp in enumerate(getattr(model, "mtp", ()))]
+
+
+def module_kinds(model: MoETransformer | ModelStage) -> dict[str, list[str]]:
     """``{kind: [qualified module names]}`` over the decoder layers and the MTP layers' decoder layers."""
-    layers = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
-    layers += [(f"mtp.{k}.layer", mtp.layer) for k, mtp in enumerate(model.mtp)]
+    layers = decoder_layers(model)
     kinds: dict[str, list[str]] = {}
     for prefix, layer in layers:
         for kind, names in _layer_kinds(prefix, layer).items():

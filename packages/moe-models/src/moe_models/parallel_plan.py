@@ -27,11 +27,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from moe_models.model import MoETransformer
+from moe_models.pipeline import pipeline_plan
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan
 
 if TYPE_CHECKING:
     from moe_models.config import ModelConfig
-    from moe_models.model import DecoderLayer, MoETransformer
+    from moe_models.model import DecoderLayer
 
 
 def _attention_styles(prefix: str, layer: DecoderLayer, mla: bool) -> dict[str, ParallelStyle]:
@@ -118,4 +120,5 @@ def parallel_plan(model: MoETransformer) -> ParallelPlan:
         fsdp_units=tuple(prefix for prefix, _ in layers + depths),
         moe_blocks=tuple(MoEBlockPlan(f"{prefix}.mlp") for prefix, layer in layers + depths if layer.is_moe),
         tied_parameters=(("embed_tokens.weight", "lm_head.weight"),) if c.share_embeddings_and_output_weights else (),
+        pipeline=pipeline_plan(model) if isinstance(model, MoETransformer) else None,
     )

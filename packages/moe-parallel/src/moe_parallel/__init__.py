@@ -1,6 +1,7 @@
 """moe-parallel: parallel layouts (incl. folding), device meshes, FSDP2, expert / expert-tensor / tensor parallelism
 applied to a model from outside as its parallel plan declares, materialisation of a meta-built model shard by shard,
-the gradient bookkeeping a training step needs across them, and a checkpoint form of routed experts that is the
+the gradient bookkeeping a training step needs across them, pipeline parallelism on torch.distributed.pipelining,
+and a checkpoint form of routed experts that is the
 same under every layout."""
 
 from moe_parallel.checkpoint_layout import expert_checkpoint_pieces, restore_expert_checkpoint_pieces
@@ -19,10 +20,19 @@ from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, ParallelLayout
 from moe_parallel.materialize import ParameterSource, local_box, materialize
 from moe_parallel.mesh import ParallelMeshes, build_meshes
 from moe_parallel.parallelize import ParallelModel, check_plan, parallelize
-from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan
+from moe_parallel.pipeline import (
+    PipelineParallelModel,
+    available_schedules,
+    microbatch_rule,
+    pipeline_parallelize,
+    stage_map,
+    stage_split,
+)
+from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan, PipelinePlan
+from moe_parallel.stage_split import split_layers
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
-__version__ = "0.3.2"
+__version__ = "0.4.0"
 
 __all__ = [
     "ATTENTION_DIMS",
@@ -38,12 +48,15 @@ __all__ = [
     "ParallelLayout",
     "ParallelMeshes",
     "ParallelModel",
+    "PipelineParallelModel",
+    "PipelinePlan",
     "__version__",
     "all_reduce_mean",
     "apply_data_parallel",
     "apply_expert_parallel",
     "apply_fsdp",
     "apply_tensor_parallel",
+    "available_schedules",
     "build_meshes",
     "check_plan",
     "check_tensor_parallel",
@@ -52,10 +65,15 @@ __all__ = [
     "local_box",
     "local_grad",
     "materialize",
+    "microbatch_rule",
     "moe_blocks",
     "parallelize",
+    "pipeline_parallelize",
     "replica_count",
     "restore_expert_checkpoint_pieces",
     "shard_experts",
     "shutdown_distributed",
+    "split_layers",
+    "stage_map",
+    "stage_split",
 ]

@@ -30,6 +30,13 @@ class ParallelConfig:
     mixed_precision_param: str = "float32"
     mixed_precision_reduce: str = "float32"
     backend: str = "auto"  # process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl
+    # pipeline parallelism (pp > 1): torch.distributed.pipelining's schedule, the stages each rank holds (None: 1 for
+    # 1F1B / GPipe, 2 for the interleaved and V-shaped schedules), and Megatron-Core's
+    # --decoder-first/last-pipeline-num-layers (None: split by cost)
+    pp_schedule: str = "1F1B"
+    vpp: int | None = None
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
@@ -38,6 +45,13 @@ class ParallelConfig:
                 self.moe_token_dispatcher_type,
                 f"choose one of {', '.join(TOKEN_DISPATCHERS)}",
             )
+        from moe_parallel.pipeline import check_schedule_name
+
+        check_schedule_name(self.pp_schedule)
+        for name in ("vpp", "pp_first_stage_layers", "pp_last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise LayoutError(name, value, "must be at least 1 (or unset)")
         if self.backend not in BACKENDS:
             raise LayoutError("backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
         for name in ("mixed_precision_param", "mixed_precision_reduce"):

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, ParallelLayout
-from moe_parallel.plan import LayoutError
 
 
 @dataclass(frozen=True)
@@ -25,6 +24,8 @@ class ParallelMeshes:
     layout: ParallelLayout
     attention: DeviceMesh  # (pp, dp_replicate, dp_shard, cp, tp)
     expert: DeviceMesh  # (pp, edp, ep, etp)
+    # every rank of this rank's pipeline stage (all but the pp dimension); the world without pipeline parallelism
+    stage_group: dist.ProcessGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -54,11 +55,9 @@ class ParallelMeshes:
 
     @property
     def token_group(self) -> dist.ProcessGroup:
-        """Every rank holding different tokens of a step (all but the pipeline dimension): expert-load statistics
-        are summed over it."""
-        if self.layout.pp > 1:  # each stage would need its own group; check_plan refuses pp > 1 before this
-            raise LayoutError("pp", self.layout.pp, "pipeline parallelism is not available in this version")
-        return dist.group.WORLD
+        """Every rank holding different tokens of a step in the same pipeline stage (all but the pipeline dimension):
+        expert-load statistics are summed over it."""
+        return self.stage_group if self.stage_group is not None else dist.group.WORLD
 
     def dp_index(self) -> int:
         """Which data-parallel replica this rank is: the ranks of one replica (tp, cp) read the same batch."""
@@ -85,4 +84,11 @@ def build_meshes(layout: ParallelLayout, device_type: str = "cpu") -> ParallelMe
     expert = DeviceMesh(
         device_type, ranks.view(*(layout.sizes("expert")[d] for d in expert_dims)), mesh_dim_names=expert_dims
     )
-    return ParallelMeshes(layout, attention, expert)
+    stage_group = None
+    if layout.pp > 1:
+        rank = dist.get_rank()
+        for members in ranks.view(layout.pp, -1).tolist():  # pp is the slowest dimension
+            group = dist.new_group(members)  # every rank creates every group, in the same order
+            if rank in members:
+                stage_group = group
+    return ParallelMeshes(layout, attention, expert, stage_group)

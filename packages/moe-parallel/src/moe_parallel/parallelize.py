@@ -20,7 +20,9 @@ from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks
 from moe_parallel.fsdp import apply_fsdp
 from moe_parallel.grads import GradientSync, replica_count
 from moe_parallel.layout import ParallelLayout, divisors
+from moe_parallel.materialize import ParameterSource, materialize
 from moe_parallel.mesh import ParallelMeshes
+from moe_parallel.pipeline import PipelineParallelModel, check_pipeline, pipeline_parallelize
 from moe_parallel.plan import LayoutError, ParallelPlan, submodule
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
@@ -62,6 +64,10 @@ class ParallelModel:
         """Clip to a global norm counted over every rank, each parameter once; returns the norm before clipping."""
         return self.sync.clip_grad_norm_(self.model.parameters() if params is None else params, max_norm)
 
+    def materialize(self, source: ParameterSource, device: torch.device | str) -> None:
+        """Allocate and fill this rank's shards (:func:`~moe_parallel.materialize`)."""
+        materialize(self.model, self.plan, source, device)
+
     @property
     def dp_index(self) -> int:
         """Which slice of the global batch this rank reads (0 in one process)."""
@@ -86,9 +92,9 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
     cannot be split as ``layout`` asks, and ``ValueError`` when the plan names what the model does not have. The one
     place these rules are checked; call it before any process group."""
     _check_plan_names(model, plan)
-    if layout.cp > 1 or layout.pp > 1:
-        dim = "cp" if layout.cp > 1 else "pp"
-        raise LayoutError(dim, getattr(layout, dim), "context and pipeline parallelism are not implemented yet; use 1")
+    if layout.cp > 1:
+        raise LayoutError("cp", layout.cp, "context parallelism is not implemented yet; use 1")
+    check_pipeline(plan, config, layout)
     etp_default = " (etp defaults to tp)" if config.etp is None and layout.etp > 1 else ""
     for block in moe_blocks(model, plan):
         experts = block.experts
@@ -141,21 +147,36 @@ def parallelize(
     plan: ParallelPlan | None = None,
     *,
     before_fsdp: Callable[[nn.Module], object] | None = None,
-) -> ParallelModel:
+) -> ParallelModel | PipelineParallelModel:
     """Split ``model`` over ``meshes`` in place, as its ``plan`` (default: ``model.parallel_plan()``) says.
 
-    The model may hold values (the same on every rank) or be on the meta device, to be filled afterwards with
-    :func:`~moe_parallel.materialize`. ``before_fsdp`` runs after expert and tensor parallelism and before FSDP, on
-    the modules that will run (torchtitan applies activation checkpointing there); with ``meshes=None`` (one
-    process) it is all that happens.
+    The model may hold values (the same on every rank) or be on the meta device, to be filled afterwards with the
+    result's ``materialize``. ``before_fsdp`` runs after expert and tensor parallelism and before FSDP, on the
+    modules that will run (torchtitan applies activation checkpointing there); with ``meshes=None`` (one process) it
+    is all that happens. With ``pp > 1`` the result is a :class:`~moe_parallel.pipeline.PipelineParallelModel`
+    holding this rank's stages (its ``model``); each is split as a whole model would be.
     """
     plan = model.parallel_plan() if plan is None else plan
     if meshes is None:
         if before_fsdp is not None:
             before_fsdp(model)
         return ParallelModel(model, None, plan, config)
+    check_plan(model, plan, config, meshes.layout)
+    if meshes.layout.pp > 1:
+        return pipeline_parallelize(model, meshes, config, plan, before_fsdp=before_fsdp)
+    return split_module(model, meshes, config, plan, before_fsdp)
+
+
+def split_module(
+    model: nn.Module,
+    meshes: ParallelMeshes,
+    config: ParallelConfig,
+    plan: ParallelPlan,
+    before_fsdp: Callable[[nn.Module], object] | None = None,
+) -> ParallelModel:
+    """Expert, tensor parallelism, ``before_fsdp`` and FSDP on one module (a whole model, or one pipeline stage),
+    its plan already checked."""
     layout = meshes.layout
-    check_plan(model, plan, config, layout)
     apply_expert_parallel(model, meshes, plan, config.moe_token_dispatcher_type)
     tp_partial: list[str] = []
     if layout.tp > 1:

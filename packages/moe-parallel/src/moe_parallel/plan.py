@@ -10,7 +10,7 @@ This module imports nothing but torch, so a model package can declare its plan w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -50,6 +50,36 @@ class MoEBlockPlan:
 
 
 @dataclass(frozen=True)
+class PipelinePlan:
+    """How a model splits into pipeline stages: its decoder layers in order, what each costs, and how to build the
+    module one stage runs.
+
+    ``build_stage(stage_index, layers, first, last)`` returns an ``nn.Module`` running decoder layers ``layers``
+    (indices into :attr:`layers`), plus the embedding when ``first`` and the head (and whatever must sit beside it,
+    e.g. MTP) when ``last``; its parameter names are the whole model's, so checkpoints and initial values need no
+    mapping. Its ``forward(x, **kwargs)`` takes the token ids (first stage) or the previous stage's output and
+    returns a tensor (or, on the last stage, a tuple of tensors for the loss). ``stage_io(stage, batch, seq_len,
+    dtype)`` gives example (meta) inputs and outputs of a built stage for ``batch`` sequences of ``seq_len`` local
+    tokens, so that no stage has to run a forward to learn its neighbours' shapes.
+    """
+
+    layers: tuple[str, ...]  # module paths of the decoder layers, in order
+    layer_costs: tuple[float, ...]  # what each costs (training FLOPs per token): the automatic split balances these
+    first_cost: float  # the embedding's
+    last_cost: float  # the head's, with whatever rides on the last stage (MTP)
+    build_stage: Callable[..., object]
+    stage_io: Callable[..., tuple[tuple, tuple]]
+    # parameters the last stage keeps a copy of when it is not the first (an MTP's embedding lookup): their gradients
+    # are summed over the copies after the backward, so all copies step alike
+    last_stage_copies: tuple[str, ...] = ()
+    # module names for the stage map: what the first and last stage hold besides layers
+    first_modules: tuple[str, ...] = ()
+    last_modules: tuple[str, ...] = ()
+    # model field -> why this model cannot run with pp > 1
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """How to split one model; every name is a module path (``""`` is the root) or a parameter path."""
 
@@ -69,6 +99,7 @@ class ParallelPlan:
     moe_blocks: tuple[MoEBlockPlan, ...] = ()
     # (parameter, parameter sharing its storage): re-tied after materialisation
     tied_parameters: tuple[tuple[str, str], ...] = ()
+    pipeline: PipelinePlan | None = None  # None: the model cannot be split into pipeline stages
 
     def experts_paths(self) -> list[str]:
         return [block.experts_path() for block in self.moe_blocks]

@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_experts import BackendUnavailableError
 from moe_memory import MemoryPolicy, apply_memory_policy, check_memory_options
-from moe_models import ModelConfig, build_model, causal_lm_loss, training_flops_per_token
+from moe_models import ModelConfig, StageRouting, build_model, causal_lm_loss, next_token_loss, training_flops_per_token
 from moe_models.hf import CheckpointSource
 from moe_parallel import (
     DistributedContext,
@@ -27,12 +27,13 @@ from moe_parallel import (
     ParallelLayout,
     ParallelModel,
     ParallelPlan,
+    PipelineParallelModel,
     all_reduce_mean,
     build_meshes,
     check_plan,
     init_distributed,
     local_grad,
-    materialize,
+    microbatch_rule,
     parallelize,
 )
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
@@ -53,8 +54,10 @@ class Setup:
     cfg: ExperimentConfig
     ctx: DistributedContext
     layout: ParallelLayout
-    model: nn.Module  # split over the layout in place; ``parallel`` holds what the training step needs
-    parallel: ParallelModel
+    # split over the layout in place (with pp > 1: this rank's stages, ``parallel.model``); ``parallel`` holds what
+    # the training step needs
+    model: nn.Module
+    parallel: ParallelModel | PipelineParallelModel
     dtype: torch.dtype
     micro_batch: int
     grad_accum: int
@@ -179,6 +182,14 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
             f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
             f"train.micro_batch_size ({micro}) x data-parallel size ({layout.dp})"
         )
+    grad_accum = cfg.train.global_batch_size // (micro * layout.dp)
+    reason = microbatch_rule(cfg.parallel, layout, grad_accum)
+    if reason is not None:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size}: {grad_accum} micro-batches of "
+            f"train.micro_batch_size={micro} per data-parallel rank, and {reason}; raise the batch or lower the "
+            "micro-batch size"
+        )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
     )
@@ -202,11 +213,11 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     parallel = parallelize(model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload)
     if build_on_meta or source is not None:
         try:
-            materialize(model, plan, source or model.initial_weights(cfg.train.seed), ctx.device)
+            parallel.materialize(source or model.initial_weights(cfg.train.seed), ctx.device)
         finally:
             if source is not None:
                 source.close()
-    grad_accum = cfg.train.global_batch_size // (micro * layout.dp)
+    model = parallel.model  # with pp > 1, this rank's stages
     checkpoint_group = None
     if cfg.run.async_checkpoint and ctx.world_size > 1:
         # background writes talk over a group of their own, never interleaved with the training step's collectives
@@ -355,6 +366,25 @@ class _Loop:
         self.log: MetricsLog | None = None
         self.loggers: RunLoggers | None = None
         self.load_LE: torch.Tensor | None = None
+        parallel = setup.parallel
+        self.pipeline = parallel if isinstance(parallel, PipelineParallelModel) else None
+        # the metrics each rank holds a part of (a pipeline stage's) are means over the world times this: sums over
+        # the stages, means over the data-parallel replicas
+        self.stage_factor = setup.layout.pp
+        self.routers = parallel.routers() if self.pipeline is not None else setup.model.routers()
+        if self.pipeline is not None:
+            self.routing = StageRouting()
+            self.pipeline_loss = _PipelineLoss(cfg.model.mtp_loss_scaling_factor)
+            # each router's row among all MoE layers' (main layers, then MTP), for the expert-load metrics
+            layers = [i for stage in self.pipeline.split for i in stage]
+            moe = [i for i in layers if cfg.model.moe_layer_pattern()[i]]
+            rows = {layer: row for row, layer in enumerate(moe)}
+            self.load_rows = [
+                rows[int(name.split(".")[1])] if name.startswith("layers.") else len(moe) + int(name.split(".")[1])
+                for stage in self.pipeline.stages
+                for name in _moe_layer_names(stage)
+            ]
+            self.num_moe_layers = len(moe) + (cfg.model.mtp_num_layers or 0)
 
     def open_logs(self, out_dir: Path) -> None:
         cfg = self.cfg
@@ -400,6 +430,48 @@ class _Loop:
             load_LE = out.tokens_per_expert_LE if load_LE is None else load_LE + out.tokens_per_expert_LE
         return lm_sum, aux_sum, mtp_sum, load_LE
 
+    def _pipeline_forward_backward(self, step: int) -> tuple[torch.Tensor, ...]:
+        """The same micro-batches as :meth:`_forward_backward`, through the pipeline schedule: the rank's share of
+        the step in one batch, which the schedule cuts back into them."""
+        setup, cfg, device = self.setup, self.cfg, self.ctx.device
+        first = setup.parallel.dp_index * self.per_rank
+        batches = [
+            self.stream.batch(step, cfg.train.global_batch_size, first + m * setup.micro_batch, setup.micro_batch)
+            for m in range(setup.grad_accum)
+        ]
+        inputs = torch.cat([b.input_ids_BS for b in batches]).to(device)
+        labels = torch.cat([b.labels_BS for b in batches]).to(device)
+        self.routing.clear()
+        self.pipeline_loss.reset(device)
+        with self.autocast:
+            self.pipeline.step(
+                inputs, labels, setup.grad_accum, self.pipeline_loss, self.hidden_dtype, routing=self.routing
+            )
+        held = self.pipeline.stage_indices
+        aux_sum = sum((self.routing.aux_loss[i] for i in held), torch.zeros((), device=device))
+        load_LE = torch.cat([self.routing.tokens_per_expert_LE[i] for i in held])
+        return self.pipeline_loss.lm_sum, aux_sum, self.pipeline_loss.mtp_sum, load_LE
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """What stages send each other: the residual stream keeps the parameters' dtype (autocast computes in its
+        own, the residual additions promote back), or FSDP's gather dtype."""
+        if self.cfg.parallel.mixed_precision_param == "bfloat16":
+            return torch.bfloat16
+        return torch.bfloat16 if self.cfg.train.params_dtype == "bf16" else torch.float32
+
+    def _global_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over data-parallel replicas of a sum over pipeline stages (each rank holds its stages' part)."""
+        return all_reduce_mean(value) * self.stage_factor
+
+    def _global_load(self, load_LE: torch.Tensor) -> torch.Tensor:
+        """``[all MoE layers, E]`` expert loads averaged over data-parallel replicas."""
+        if self.pipeline is None:
+            return all_reduce_mean(load_LE.float())
+        full = torch.zeros(self.num_moe_layers, load_LE.shape[1], device=load_LE.device)
+        full[self.load_rows] = load_LE.float()
+        return self._global_mean(full)
+
     def step(self, step: int, last_saved: Path | None) -> dict[str, Any]:
         setup, cfg, ctx = self.setup, self.cfg, self.ctx
         model, parallel, optimizer = setup.model, setup.parallel, self.optimizer
@@ -407,7 +479,8 @@ class _Loop:
         lr = lr_at(step, cfg.train)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
-        lm_sum, aux_sum, mtp_sum, load_LE = self._forward_backward(step)
+        forward_backward = self._forward_backward if self.pipeline is None else self._pipeline_forward_backward
+        lm_sum, aux_sum, mtp_sum, load_LE = forward_backward(step)
         clip = cfg.train.clip_grad if cfg.train.clip_grad > 0 else math.inf
         # the accumulated gradient is a sum over micro-batches; dividing it (not each loss) also scales
         # the load-balancing gradients the routers attach inside the backward
@@ -416,7 +489,7 @@ class _Loop:
             torch._foreach_div_(grads, float(setup.grad_accum))
         parallel.finalize_grads()
         grad_norm = parallel.clip_grad_norm_(clip, self.params).item()
-        loss = all_reduce_mean(lm_sum / setup.grad_accum).item()  # before the update: a NaN step must not apply
+        loss = self._global_mean(lm_sum / setup.grad_accum).item()  # before the update: a NaN step must not apply
         diverged = self.guard.check(step + 1, loss, grad_norm, str(last_saved) if last_saved else None)
         update = not self.guard.skipping
         if update:
@@ -424,13 +497,13 @@ class _Loop:
             if cfg.model.moe_router_enable_expert_bias:
                 # counts the forwards returned, so a recomputed layer is not counted twice; summed over every rank's
                 # tokens (the routers' stats_group) so all ranks apply the same update
-                for router, counts_E in zip(model.routers(), load_LE, strict=True):
+                for router, counts_E in zip(self.routers, load_LE, strict=True):
                     router.update_expert_bias(counts_E)
         else:
             optimizer.zero_grad(set_to_none=True)
-        aux = all_reduce_mean(aux_sum / setup.grad_accum).item()
-        mtp = all_reduce_mean(mtp_sum / setup.grad_accum).item()
-        load = all_reduce_mean(load_LE.float())
+        aux = self._global_mean(aux_sum / setup.grad_accum).item()
+        mtp = self._global_mean(mtp_sum / setup.grad_accum).item()
+        load = self._global_load(load_LE)
         self.load_LE = load
         step_time = time.perf_counter() - step_start
         tokens_per_s = self.tokens_per_step / step_time
@@ -449,7 +522,8 @@ class _Loop:
             "expert_load_max_over_mean": (load.max(dim=1).values / load.mean(dim=1)).mean().item(),
             # (token, expert) pairs dropped by a capacity factor, over all layers
             "dropped_fraction": 1.0
-            - load.sum().item() / (self.tokens_per_step / ctx.world_size * cfg.model.moe_router_topk * len(load)),
+            - load.sum().item()
+            / (self.tokens_per_step / ctx.world_size * self.stage_factor * cfg.model.moe_router_topk * len(load)),
         }
         if not update:
             record["skipped"] = True
@@ -483,13 +557,19 @@ class _Loop:
                 for batch in valid.eval_batches(
                     cfg.train.eval_iters, cfg.train.global_batch_size, first, setup.micro_batch
                 ):
+                    ids, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
                     with self.autocast:
-                        out = model(batch.input_ids_BS.to(device))
-                    total += causal_lm_loss(out, batch.labels_BS.to(device), 0.0).lm.float()
+                        if self.pipeline is None:
+                            total += causal_lm_loss(model(ids), labels, 0.0).lm.float()
+                        else:  # the last stage's rank alone has logits
+                            out = self.pipeline.forward(ids, self.hidden_dtype)
+                            if out is not None:
+                                logits, *mtp = out if isinstance(out, tuple) else (out,)
+                                total += next_token_loss(logits, (), labels).lm.float()
                     batches += 1
         finally:
             model.train()
-        return all_reduce_mean(total / batches).item()
+        return self._global_mean(total / batches).item()
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         cfg, data = self.cfg, self.setup.data
@@ -525,6 +605,32 @@ class _Loop:
                 _write_pictures(out_dir, self.log.records, self.load_LE)
             (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2, allow_nan=False))
         return summary
+
+
+class _PipelineLoss:
+    """The loss the pipeline's last stage computes per micro-batch (the schedule calls it with the stage's output
+    and the micro-batch's labels); keeps the step's LM and MTP loss sums for the metrics."""
+
+    def __init__(self, mtp_loss_scaling_factor: float) -> None:
+        self.factor = mtp_loss_scaling_factor
+        self.lm_sum = self.mtp_sum = torch.zeros(())
+
+    def reset(self, device: torch.device) -> None:
+        self.lm_sum, self.mtp_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels_BS: torch.Tensor) -> torch.Tensor:
+        logits, *mtp = output if isinstance(output, tuple) else (output,)
+        loss = next_token_loss(logits, mtp, labels_BS, self.factor)
+        self.lm_sum = self.lm_sum + loss.lm
+        if loss.mtp:
+            self.mtp_sum = self.mtp_sum + torch.stack(loss.mtp).mean()
+        return loss.total
+
+
+def _moe_layer_names(stage: nn.Module) -> list[str]:
+    """``layers.<i>`` / ``mtp.<k>`` of a pipeline stage's MoE layers, in its routers' order."""
+    names = [f"layers.{i}" for i, layer in stage.layers.items() if layer.is_moe]
+    return names + [f"mtp.{k}" for k in range(len(getattr(stage, "mtp", ())))]
 
 
 def _loss_text(value: float | None) -> str:
