@@ -147,7 +147,7 @@ def _check(config: ModelConfig, **parallel) -> None:
             "tp",
             "tp=2: the model's share_embeddings_and_output_weights: tied embeddings",
         ),
-        ({}, {"cp": 2}, "cp", "cp=2: context and pipeline parallelism are not implemented yet; use 1"),
+        ({}, {"cp": 2}, "cp", "cp=2: context parallelism is not implemented yet; use 1"),
         (
             {},
             {"tp": 2, "moe_token_dispatcher_type": "flex"},

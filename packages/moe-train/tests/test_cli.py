@@ -175,7 +175,42 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
                 importlib.util.find_spec("deep_ep") is not None and torch.cuda.is_available(), reason="DeepEP runs"
             ),
         ),
-        ({"parallel.pp": "2"}, "parallel.pp=2: context and pipeline parallelism are not implemented yet"),
+        (
+            {"parallel.pp": "2"},
+            "parallel.pp=2: 2 pipeline stages (pp x vpp) for a model of 1 layers: every stage needs a layer; pp x vpp "
+            "can be at most 1",
+        ),
+        (
+            {
+                "model.num_layers": "4",
+                "parallel.pp": "2",
+                "parallel.pp_schedule": "Interleaved1F1B",
+                "parallel.vpp": "4",
+            },
+            "parallel.vpp=4: 8 pipeline stages (pp x vpp) for a model of 4 layers",
+        ),
+        (
+            {"model.num_layers": "4", "parallel.pp": "2", "parallel.vpp": "2"},
+            "parallel.vpp=2: pp_schedule=1F1B runs one stage per rank; use Interleaved1F1B for vpp > 1",
+        ),
+        (
+            {"model.num_layers": "4", "parallel.pp": "2", "parallel.pp_schedule": "ZBVZeroBubble", "parallel.vpp": "3"},
+            "parallel.vpp=3: pp_schedule=ZBVZeroBubble is V-shaped: two stages per rank, vpp=2",
+        ),
+        (
+            {"model.num_layers": "4", "parallel.pp": "2", "parallel.pp_first_stage_layers": "4"},
+            "parallel.pp_first_stage_layers=4: leaves the other 1 stages fewer layers than stages",
+        ),
+        (
+            {"model.num_layers": "4", "parallel.pp": "2", "train.micro_batch_size": "2"},
+            "train.global_batch_size=4: 1 micro-batches of train.micro_batch_size=2 per data-parallel rank, and "
+            "pp_schedule=1F1B at pp=2 needs at least 2 micro-batches a step",
+        ),
+        (
+            {"model.num_layers": "4", "parallel.pp": "2", "model.share_embeddings_and_output_weights": "true"},
+            "parallel.pp=2: model.share_embeddings_and_output_weights: tied embeddings do not support pipeline",
+        ),
+        ({"parallel.pp_first_stage_layers": "1"}, "parallel.pp_first_stage_layers=1: applies to pipeline parallelism"),
         ({"parallel.tp": "2"}, "parallel.tp=2: the model's num_query_groups=1 is not divisible by it"),
         (
             {"parallel.ep": "4", "model.num_moe_experts": "6"},

@@ -55,6 +55,8 @@ def test_yaml_file_with_sections(tmp_path: Path) -> None:
         ({"model.num_attention_heads": "3"}, "model.num_attention_heads=3: must be a multiple of num_query_groups (2)"),
         ({"parallel.moe_token_dispatcher_type": "nccl"}, "parallel.moe_token_dispatcher_type='nccl': choose one of"),
         ({"parallel.backend": "mpi"}, "parallel.backend='mpi': choose one of auto, gloo, nccl"),
+        ({"parallel.pp_schedule": "1f1b"}, "parallel.pp_schedule='1f1b': choose one of 1F1B, GPipe, Interleaved1F1B"),
+        ({"parallel.vpp": "0"}, "parallel.vpp=0: must be at least 1 (or unset)"),
         ({"train.steps": "0"}, "train.steps=0: must be positive"),
         ({"train.min_lr": "1.0"}, "train.min_lr=1.0"),
         ({"run.device": "tpu"}, "run.device='tpu'"),

@@ -172,9 +172,7 @@ class MoETransformer(nn.Module):
         )
 
 
-def run_layers(
-    layers, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, routings: list
-) -> torch.Tensor:
+def run_layers(layers, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, routings: list) -> torch.Tensor:
     """``x_BSH`` through decoder ``layers`` in order; each layer's routing (None for a dense one) goes to
     ``routings``."""
     for layer in layers:

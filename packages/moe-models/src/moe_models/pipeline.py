@@ -58,9 +58,7 @@ class ModelStage(nn.Module):
     the logits (a tuple with the MTP depths' logits after them when the model has MTP).
     """
 
-    def __init__(
-        self, model: MoETransformer, index: int, layers: tuple[int, ...], first: bool, last: bool
-    ) -> None:
+    def __init__(self, model: MoETransformer, index: int, layers: tuple[int, ...], first: bool, last: bool) -> None:
         super().__init__()
         self.config, self.index, self.first, self.last = model.config, index, first, last
         needs_embedding = first or (last and len(model.mtp) > 0)
@@ -124,8 +122,7 @@ def pipeline_plan(model: MoETransformer, seq_len: int = 4096) -> PipelinePlan:
     unsupported = {}
     if model.config.share_embeddings_and_output_weights:
         unsupported["share_embeddings_and_output_weights"] = (
-            "tied embeddings do not support pipeline parallelism yet (the head would need the first stage's "
-            "embedding)"
+            "tied embeddings do not support pipeline parallelism yet (the head would need the first stage's embedding)"
         )
     return PipelinePlan(
         layers=tuple(f"layers.{i}" for i in range(len(model.layers))),

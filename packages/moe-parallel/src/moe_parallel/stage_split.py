@@ -16,7 +16,13 @@ from collections.abc import Sequence
 
 from moe_parallel.plan import LayoutError
 
-SCHEDULE_STYLES = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "loop", "ZBVZeroBubble": "v", "DualPipeV": "v"}
+SCHEDULE_STYLES = {
+    "1F1B": "single",
+    "GPipe": "single",
+    "Interleaved1F1B": "loop",
+    "ZBVZeroBubble": "v",
+    "DualPipeV": "v",
+}
 
 
 def stages_per_rank(schedule: str, vpp: int | None) -> int:
@@ -81,26 +87,34 @@ def split_layers(
     n = len(layer_costs)
     if num_stages > n:
         raise LayoutError(
-            "pp", num_stages, f"{num_stages} pipeline stages (pp x vpp) for a model of {n} layers: every stage needs "
-            f"a layer; pp x vpp can be at most {n}"
+            "pp",
+            num_stages,
+            f"{num_stages} pipeline stages (pp x vpp) for a model of {n} layers: every stage needs "
+            f"a layer; pp x vpp can be at most {n}",
         )
     fixed = {"pp_first_stage_layers": first_layers, "pp_last_stage_layers": last_layers}
     for name, count in fixed.items():
         if count is not None and not 1 <= count <= n - (num_stages - 1):
             raise LayoutError(
-                name, count, f"leaves the other {num_stages - 1} stages fewer layers than stages (the model has {n} "
-                f"layers); it can be 1 to {n - num_stages + 1}"
+                name,
+                count,
+                f"leaves the other {num_stages - 1} stages fewer layers than stages (the model has {n} "
+                f"layers); it can be 1 to {n - num_stages + 1}",
             )
     if num_stages == 2 and first_layers is not None and last_layers is not None and first_layers + last_layers != n:
         raise LayoutError(
-            "pp_last_stage_layers", last_layers, f"with two stages the first and last hold all {n} layers: "
-            f"pp_first_stage_layers + pp_last_stage_layers must be {n}"
+            "pp_last_stage_layers",
+            last_layers,
+            f"with two stages the first and last hold all {n} layers: "
+            f"pp_first_stage_layers + pp_last_stage_layers must be {n}",
         )
     if first_layers is not None and last_layers is not None and first_layers + last_layers > n - (num_stages - 2):
         raise LayoutError(
-            "pp_last_stage_layers", last_layers, f"pp_first_stage_layers + pp_last_stage_layers = "
+            "pp_last_stage_layers",
+            last_layers,
+            f"pp_first_stage_layers + pp_last_stage_layers = "
             f"{first_layers + last_layers} leaves the {num_stages - 2} middle stages fewer than one layer each of the "
-            f"model's {n}"
+            f"model's {n}",
         )
     costs = list(layer_costs)
     start, stop, inner = 0, n, num_stages

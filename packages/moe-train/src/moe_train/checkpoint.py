@@ -47,7 +47,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from moe_parallel import ParallelModel, expert_checkpoint_pieces, restore_expert_checkpoint_pieces
+from moe_parallel import (
+    ParallelModel,
+    PipelineParallelModel,
+    expert_checkpoint_pieces,
+    local_box,
+    restore_expert_checkpoint_pieces,
+)
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -198,6 +204,42 @@ def _join(model_state: dict[str, Any], optim_state: dict[str, Any] | None, form:
         form.restore(fqn, tensor, pieces)
 
 
+Aliases = list[tuple[Any, Any]]  # (state left out, the state of the same name that stands for it)
+
+
+def _whole_model_names(state: dict[str, Any], parallel: Any) -> tuple[dict[str, Any], Aliases]:
+    """``state`` (DCP's state) under the whole model's names when ``parallel`` is a pipeline: its stages sit under
+    ``<k>.`` in the rank's ``ModuleList``. A name two stages of one rank both hold (a copied embedding) is stored once;
+    the aliases say what to copy the loaded value into."""
+    if not isinstance(parallel, PipelineParallelModel):
+        return state, []
+    aliases: Aliases = []
+
+    def rename(entries: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in entries.items():
+            name = parallel.global_name(key)
+            if name in out:
+                aliases.append((value, out[name]))
+            else:
+                out[name] = value
+        return out
+
+    renamed = {**state, "model": rename(state["model"])}
+    if "optim" in state:
+        renamed["optim"] = {"state": rename(state["optim"]["state"])}
+    return renamed, aliases
+
+
+@torch.no_grad()
+def _copy_aliases(aliases: Aliases) -> None:
+    for left_out, loaded in aliases:
+        if isinstance(loaded, dict):
+            _copy_aliases([(left_out[k], v) for k, v in loaded.items()])
+        elif isinstance(loaded, torch.Tensor):
+            local_box(left_out)[0].copy_(local_box(loaded)[0])
+
+
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -252,7 +294,8 @@ class CheckpointWriter:
         _init_state(optimizer)  # an optimizer that never stepped: its zero state, not DCP's zero-gradient step
         model_state, optim_state = get_state_dict(model, optimizer)
         form = expert_form(model, self.parallel)
-        state = {**_canonical(model_state, optim_state, form, {}), "step": torch.tensor(step)}
+        state, _ = _whole_model_names(_canonical(model_state, optim_state, form, {}), self.parallel)
+        state["step"] = torch.tensor(step)
         meta = {"format": FORMAT_VERSION, "step": step, **meta}
         with _quiet():
             if self.async_save:
@@ -304,14 +347,15 @@ def save_checkpoint(
     return writer.wait()
 
 
-def _checked_keys(path: Path, expected: set[str]) -> None:
-    """Refuse a checkpoint whose model tensors are not exactly the model's (DCP alone loads a subset silently)."""
+def _checked_keys(path: Path, expected: set[str], whole: bool = True) -> None:
+    """Refuse a checkpoint whose model tensors are not exactly the model's (DCP alone loads a subset silently); with
+    ``whole=False`` (a pipeline stage) the checkpoint may hold more."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # whatever DCP raises, it is the same problem to the user
         raise CheckpointError(f"{path}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
     stored = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
-    missing, extra = sorted(expected - stored), sorted(stored - expected)
+    missing, extra = sorted(expected - stored), sorted(stored - expected) if whole else []
     if missing or extra:
         parts = []
         if missing:
@@ -344,13 +388,16 @@ def load_checkpoint(
         _init_state(optimizer)
         optim_state = get_optimizer_state_dict(model, optimizer)
     found: Pieces = {}
-    state = {**_canonical(model_state, optim_state, form, found), "step": torch.tensor(0)}
-    _checked_keys(path, set(state["model"]))
+    state, aliases = _whole_model_names(_canonical(model_state, optim_state, form, found), parallel)
+    state["step"] = torch.tensor(0)
+    # a pipeline stage holds only its part of the model: the other stages' ranks check theirs
+    _checked_keys(path, set(state["model"]), whole=not isinstance(parallel, PipelineParallelModel))
     try:
         with _quiet():
             dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as err:  # DCP's own (missing or truncated files): one line all the same
         raise CheckpointError(f"{path}: cannot be read ({_cause(err)})") from None
+    _copy_aliases(aliases)
     if form is not None:
         _join(model_state, optim_state, form, found)
     # DCP loaded into the state dicts' tensors in place; set_* also writes them into FSDP's and the optimizer's own

@@ -177,6 +177,8 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
             source.close()
         raise
     micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // layout.dp
+    if not cfg.train.micro_batch_size and layout.pp > 1:  # a pipeline needs micro-batches: pp of them by default
+        micro = max(1, micro // layout.pp)
     if micro == 0 or cfg.train.global_batch_size % (micro * layout.dp):
         raise ConfigError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
@@ -474,7 +476,7 @@ class _Loop:
 
     def step(self, step: int, last_saved: Path | None) -> dict[str, Any]:
         setup, cfg, ctx = self.setup, self.cfg, self.ctx
-        model, parallel, optimizer = setup.model, setup.parallel, self.optimizer
+        parallel, optimizer = setup.parallel, self.optimizer
         step_start = time.perf_counter()
         lr = lr_at(step, cfg.train)
         set_lr(optimizer, lr)
@@ -564,7 +566,7 @@ class _Loop:
                         else:  # the last stage's rank alone has logits
                             out = self.pipeline.forward(ids, self.hidden_dtype)
                             if out is not None:
-                                logits, *mtp = out if isinstance(out, tuple) else (out,)
+                                logits = out[0] if isinstance(out, tuple) else out
                                 total += next_token_loss(logits, (), labels).lm.float()
                     batches += 1
         finally:
