@@ -9,6 +9,7 @@ from moe_memory.estimate import (
     MemoryEstimate,
     MLAShape,
     ModelShape,
+    PipelineShare,
     RunShape,
     SavedTensor,
     estimate_memory,
@@ -21,7 +22,7 @@ from moe_memory.recompute import apply_activation_checkpointing, select_modules
 from moe_memory.saved_tensors import SavedTensorPolicy, SavedTensorStats
 from moe_memory.tracking import LiveTensorBytes
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "OFFLOAD_KINDS",
@@ -35,6 +36,7 @@ __all__ = [
     "MLAShape",
     "MemoryEstimate",
     "ModelShape",
+    "PipelineShare",
     "RunShape",
     "SavedTensor",
     "SavedTensorBytes",

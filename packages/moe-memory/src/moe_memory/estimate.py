@@ -190,6 +190,17 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class PipelineShare:
+    """What a pipeline-parallel rank runs of the model (its ``ModelShape`` holds its stages' layers only): whether it
+    holds the embedding (first stage) and the head, loss and MTP (last stage), and how many micro-batches'
+    activations of each of its stages it holds at once under the schedule."""
+
+    first: bool
+    last: bool
+    inflight: int = 1
+
+
+@dataclass(frozen=True)
 class LocalParameters:
     """This rank's parameters as training holds them (local shards): elements, how many parameter tensors (each gets
     AdamW's 4-byte ``step``), buffer bytes, and of the elements, how many are routed experts (for reporting)."""
@@ -686,16 +697,20 @@ def _layer(model: ModelShape, layer: LayerShape, z: _Sizes, run: RunShape) -> tu
     return f, routing
 
 
-def _model_level(model: ModelShape, z: _Sizes, run: RunShape) -> _Forward:
-    """Embedding, rotary tables (fp32), final norm, head, loss and the MTP depths' parts outside their layer."""
+def _model_level(model: ModelShape, z: _Sizes, run: RunShape, share: PipelineShare | None = None) -> _Forward:
+    """Embedding, rotary tables (fp32), final norm, head, loss and the MTP depths' parts outside their layer (of a
+    pipeline rank: the parts its stages hold)."""
     a, h, v, n = z.a, model.hidden, model.vocab, z.tokens
     f = _Forward()
-    f.save("embedding", f.tensor("ids", n * INDEX, "input ids"))
+    if share is None or share.first:
+        f.save("embedding", f.tensor("ids", n * INDEX, "input ids"))
     if a == FP32 and model.layers:
         att = model.layers[0].attention
         rot = att.qk_rope_dim if isinstance(att, MLAShape) else att.head_dim
         module = "mla_up_proj" if isinstance(att, MLAShape) else "rope"
         f.save(module, f.tensor("cos", z.s * rot // 2 * FP32, "rotary cos"), f.tensor("sin", z.s * rot // 2 * FP32))
+    if share is not None and not share.last:
+        return f
     hidden = f.tensor("hidden.0", z.local * h * a, "last layer output")
     final = _norm(f, "final_norm", "final_norm", hidden, z.local, h, a)
     head_in = f.tensor("head_in", n * h * a, "head input, gathered over tp") if run.tp > 1 else final
@@ -800,8 +815,10 @@ def estimate_memory(
     recompute: frozenset[str] = frozenset(),
     offload: frozenset[str] = frozenset(),
     offload_min_tensor_bytes: int = DEFAULT_OFFLOAD_MIN_TENSOR_BYTES,
+    pipeline: PipelineShare | None = None,
 ) -> MemoryEstimate:
-    """The memory one rank holds at the start of its backward (module docstring)."""
+    """The memory one rank holds at the start of its backward (module docstring); with ``pipeline``, a pipeline
+    rank's, ``model`` holding its stages' layers: its saved activations count ``pipeline.inflight`` times."""
     recompute, offload = frozenset(recompute), frozenset(offload)
     _check_kinds(recompute, offload)
     tokens = run.micro_batch * run.seq_len
@@ -830,7 +847,7 @@ def estimate_memory(
             # one layer's exchange in flight: the rows received (and as many sent back in its combine)
             sent = 0 if run.dispatcher == "allgather" else routing.sent
             dispatcher = max(dispatcher, (routing.received + sent) * model.hidden * z.a)
-    forward = _model_level(model, z, run)
+    forward = _model_level(model, z, run, pipeline)
     on_device, on_host, recomputed = _account(forward, recompute, offload, offload_min_tensor_bytes)
     device += [SavedTensor(m, forward.names[k], n, 1, "model", by) for m, k, n, by in on_device]
     host += [SavedTensor(m, forward.names[k], n, 1, "model", by) for m, k, n, by in on_host]
@@ -839,6 +856,12 @@ def estimate_memory(
     states, master = optimizer_state_bytes(p.numel, p.tensors, run)
     logits = (1 + model.mtp_depth) * z.tokens * model.vocab * z.a
     notes = []
+    if pipeline is not None:
+        # every micro-batch in flight keeps its own saved tensors; the logits live only while the loss runs
+        device = [dataclasses.replace(t, count=t.count * pipeline.inflight) for t in device]
+        host = [dataclasses.replace(t, count=t.count * pipeline.inflight) for t in host]
+        logits = logits if pipeline.last else 0
+        notes.append(f"pipeline: {pipeline.inflight} micro-batches in flight per stage")
     if run.capacity_factor is not None:
         notes.append("expert rows: worst case under the capacity factor")
     elif run.ep * run.etp > 1:

@@ -109,6 +109,9 @@ def microbatch_rule(config: ParallelConfig, layout: ParallelLayout, microbatches
         return None
     if microbatches < layout.pp:
         return f"pp_schedule={config.pp_schedule} at pp={layout.pp} needs at least {layout.pp} micro-batches a step"
+    stages = layout.pp * stages_per_rank(config.pp_schedule, config.vpp)
+    if config.pp_schedule == "DualPipeV" and microbatches < stages:
+        return f"DualPipeV needs at least as many micro-batches as stages ({stages}) a step"
     rounds = max(1, microbatches // layout.pp)
     if config.pp_schedule == "Interleaved1F1B" and microbatches % rounds:
         return f"Interleaved1F1B needs a micro-batch count that is a multiple of {rounds} (of pp={layout.pp})"
@@ -144,6 +147,7 @@ class PipelineParallelModel:
         meshes: ParallelMeshes,
         plan: ParallelPlan,
         config: ParallelConfig,
+        pp_rank: int,
     ) -> None:
         self.stages, self.stage_indices, self.parts, self.split = stages, stage_indices, parts, split
         self.meshes, self.config, self.whole_plan = meshes, config, plan
@@ -151,7 +155,7 @@ class PipelineParallelModel:
         self.model = nn.ModuleList(stages)
         self.num_stages = len(split)
         self.pp_group = meshes.group("pp")
-        self.pp_rank = meshes.layout.coords(meshes.rank, "attention")["pp"]
+        self.pp_rank = pp_rank
         # the plan over ``model``'s own (prefixed) names: what checkpoints find the experts by
         self.plan = ParallelPlan(
             moe_blocks=tuple(
@@ -364,18 +368,21 @@ def pipeline_parallelize(
     plan: ParallelPlan,
     *,
     before_fsdp: Callable[[nn.Module], object] | None = None,
+    pp_rank: int | None = None,
 ) -> PipelineParallelModel:
     """Build this rank's stages of ``model`` (on any device, meta included) and split each over the rest of the
     layout as :func:`~moe_parallel.parallelize` splits a whole model; materialise them afterwards with
-    :meth:`PipelineParallelModel.materialize`."""
+    :meth:`PipelineParallelModel.materialize`. ``pp_rank``: build another pipeline rank's stages instead (what
+    ``moe-train plan`` does to size every rank from one process)."""
     from moe_parallel.parallelize import split_module
 
     layout = meshes.layout
     split = stage_split(plan.pipeline, config, layout)
-    pp_rank = layout.coords(meshes.rank, "attention")["pp"]
+    if pp_rank is None:
+        pp_rank = layout.coords(meshes.rank, "attention")["pp"]
     vpp = stages_per_rank(config.pp_schedule, config.vpp)
     indices = rank_stages(config.pp_schedule, layout.pp, vpp, pp_rank)
     last = len(split) - 1
     stages = [plan.pipeline.build_stage(i, split[i], i == 0, i == last) for i in indices]
     parts = [split_module(stage, meshes, config, restrict_plan(plan, stage), before_fsdp) for stage in stages]
-    return PipelineParallelModel(stages, indices, parts, split, meshes, plan, config)
+    return PipelineParallelModel(stages, indices, parts, split, meshes, plan, config, pp_rank)

@@ -139,3 +139,50 @@ def split_layers(
         out.append(tuple(range(at, at + count)))
         at += count
     return out
+
+
+class _StandInStage:
+    """What torch's schedule constructors read of a stage, so that their action lists can be had without a process
+    group (``pipeline_order``: every rank's list, whichever rank the stand-in claims to be)."""
+
+    def __init__(self, num_stages: int, group_size: int, stage_index: int) -> None:
+        self.num_stages, self.group_size, self.group_rank, self.stage_index = num_stages, group_size, 0, stage_index
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def inflight_microbatches(schedule: str, pp: int, vpp: int, microbatches: int) -> list[int] | None:
+    """Per pipeline rank, the most stage micro-batches whose activations it holds at once (forward done, weight
+    gradient not yet): what its activation memory is a multiple of. From the schedule's own action list for the
+    multi-stage schedules; 1F1B's (``min(m, pp - rank)``) and GPipe's (``m``) by their definition, as torch's 1F1B
+    action list numbers the last rank's micro-batches from 1. None when the installed torch has no action list."""
+    if SCHEDULE_STYLES[schedule] == "single":
+        return [microbatches if schedule == "GPipe" else min(microbatches, pp - r) for r in range(pp)]
+    from torch.distributed.pipelining import schedules
+
+    name = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "ZBVZeroBubble": "ScheduleZBVZeroBubble"}.get(
+        schedule, "ScheduleDualPipeV"
+    )
+    try:
+        stages = [_StandInStage(pp * vpp, pp, i) for i in range(vpp)]
+        order = getattr(schedules, name)(stages, microbatches).pipeline_order
+        kinds = schedules._ComputationType
+    except Exception:  # private parts of torch: another version may lay them out otherwise
+        return None
+    frees = {"FULL_BACKWARD", "BACKWARD_WEIGHT"}  # an input gradient alone keeps what the weight gradient needs
+    peaks = []
+    for rank in range(pp):
+        alive = peak = 0
+        for action in order.get(rank, []):
+            if action is None:
+                continue
+            parts = action.sub_actions if getattr(action, "sub_actions", None) else (action,)
+            for part in parts:
+                kind = part.computation_type
+                if kind == kinds.FORWARD:
+                    alive += 1
+                elif kind.name in frees:
+                    alive -= 1
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks

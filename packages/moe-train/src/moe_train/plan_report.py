@@ -22,6 +22,7 @@ optimizer states, master weights, activations by module, dispatcher buffers, log
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import defaultdict
@@ -40,15 +41,25 @@ from moe_memory.estimate import (
     RECOMPUTE_KINDS,
     LocalParameters,
     MemoryEstimate,
+    ModelShape,
+    PipelineShare,
     estimate_memory,
     format_estimates,
 )
 from moe_models import ModelConfig, count_parameters
 from moe_models.memory import model_shape, run_shape
-from moe_parallel import ParallelConfig, ParallelLayout, build_meshes, parallelize
+from moe_parallel import (
+    ParallelConfig,
+    ParallelLayout,
+    build_meshes,
+    parallelize,
+    pipeline_parallelize,
+    stage_map,
+)
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS
+from moe_parallel.stage_split import inflight_microbatches
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig
-from moe_train.trainer import checked_meta_model
+from moe_train.trainer import checked_meta_model, micro_batching
 
 NON_EXPERT = "non-expert"  # attention, norms, dense MLPs, routers, shared experts, embedding, head
 ROUTED_EXPERTS = "routed experts"
@@ -63,6 +74,7 @@ class RankKind:
     ranks: tuple[int, ...]
     params: dict[tuple[str, torch.dtype], int]  # (part, dtype) -> elements on each of these ranks
     buffers: dict[torch.dtype, int]
+    pp_rank: int | None = None  # with pipeline parallelism, the pipeline rank (its stages) these ranks are
 
     def param_count(self, part: str | None = None) -> int:
         return sum(n for (p, _), n in self.params.items() if part in (None, p))
@@ -80,6 +92,12 @@ class PlanReport:
     distinct_params: dict[str, int]  # part -> elements summed over ranks with replicated copies divided out
     expected_params: int  # moe_models.count_parameters: total + MTP layers
     param_tensors: int = 0  # parameter tensors every rank holds (each, even an empty shard, gets optimizer state)
+    # pipeline parallelism: moe_parallel.stage_map's rows, each pipeline rank's micro-batches in flight (None: unknown)
+    # and the step's micro-batch count
+    stages: list[dict] | None = None
+    inflight: list[int] | None = None
+    microbatches: int = 1
+    schedule: str = "1F1B"
 
 
 def _fake_world(world_size: int) -> None:
@@ -162,17 +180,21 @@ def _rank_kinds(
     world_size: int,
     params: dict[tuple[str, torch.dtype], torch.Tensor],
     buffers: dict[torch.dtype, torch.Tensor],
+    pp_of_rank: torch.Tensor | None = None,
 ) -> list[RankKind]:
     columns = [*params, *buffers]
     if not columns:
         return [RankKind(tuple(range(world_size)), {}, {})]
-    table = torch.stack([*params.values(), *buffers.values()], dim=1)  # rank x (part, dtype)
+    # ranks of different pipeline ranks are different kinds even when their sizes agree: they run other layers
+    extra = [] if pp_of_rank is None else [pp_of_rank]
+    table = torch.stack([*params.values(), *buffers.values(), *extra], dim=1)  # rank x (part, dtype)
     rows, kind_of_rank = torch.unique(table, dim=0, return_inverse=True)
     kinds = []
     for index, row in enumerate(rows.tolist()):
         ranks = tuple((kind_of_rank == index).nonzero().flatten().tolist())
-        sizes = dict(zip(columns, row, strict=True))
-        kinds.append(RankKind(ranks, {k: sizes[k] for k in params}, {k: sizes[k] for k in buffers}))
+        sizes = dict(zip(columns, row[: len(columns)], strict=True))
+        pp_rank = None if pp_of_rank is None else row[-1]
+        kinds.append(RankKind(ranks, {k: sizes[k] for k in params}, {k: sizes[k] for k in buffers}, pp_rank))
     return sorted(kinds, key=lambda kind: kind.ranks[0])
 
 
@@ -191,37 +213,65 @@ def plan_report(
     if param_dtype != torch.float32:
         model.to(param_dtype)  # as the trainer does on the meta device; the routers' expert bias stays fp32
     _fake_world(world_size)
+    pp_of_rank = None
     try:
-        split = parallelize(model, build_meshes(layout, "cpu"), parallel_config, plan)
+        meshes = build_meshes(layout, "cpu")
+        if layout.pp == 1:
+            views = [(parallelize(model, meshes, parallel_config, plan), None)]
+        else:  # one process is rank 0: build every pipeline rank's stages in turn, each on a meta model of its own
+            pp_of_rank = torch.tensor([layout.coords(r, "attention")["pp"] for r in range(world_size)])
+            views = []
+            for pp_rank in range(layout.pp):
+                if pp_rank:
+                    _, model, plan = checked_meta_model(model_config, parallel_config, world_size)
+                    if param_dtype != torch.float32:
+                        model.to(param_dtype)
+                views.append((pipeline_parallelize(model, meshes, parallel_config, plan, pp_rank=pp_rank), pp_rank))
         local_numels = _local_numels(layout)
-        replicas = split.sync.replicas  # parameter id -> ranks holding each distinct piece of it
         expert_prefixes = tuple(f"{path}." for path in plan.experts_paths())
         params: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-        distinct = dict.fromkeys(PARTS, 0)
-        for name, param in model.named_parameters():
-            part = ROUTED_EXPERTS if name.startswith(expert_prefixes) else NON_EXPERT
-            per_rank = local_numels(param)
-            key = (part, param.dtype)
-            params[key] = params[key] + per_rank if key in params else per_rank
-            # each distinct piece is held by replicas[...] ranks (the count the gradient norm divides by)
-            distinct[part] += int(per_rank.sum()) // replicas[id(param)]
-        param_tensors = sum(1 for _ in model.parameters())
         buffers: dict[torch.dtype, torch.Tensor] = {}
-        for buffer in model.buffers():
-            per_rank = local_numels(buffer)
-            buffers[buffer.dtype] = buffers[buffer.dtype] + per_rank if buffer.dtype in buffers else per_rank
+        distinct = dict.fromkeys(PARTS, 0)
+        param_tensors = 0
+        for split, pp_rank in views:
+            replicas = split.sync.replicas  # parameter id -> ranks holding each distinct piece of it
+            mask = 1 if pp_rank is None else (pp_of_rank == pp_rank).long()  # the ranks holding these stages
+            held = split.model
+            for name, param in held.named_parameters():
+                name = name if pp_rank is None else split.global_name(name)
+                part = ROUTED_EXPERTS if name.startswith(expert_prefixes) else NON_EXPERT
+                per_rank = local_numels(param) * mask
+                key = (part, param.dtype)
+                params[key] = params[key] + per_rank if key in params else per_rank
+                # each distinct piece is held by replicas[...] ranks (the count the gradient norm divides by)
+                distinct[part] += int(per_rank.sum()) // replicas[id(param)]
+            param_tensors = max(param_tensors, sum(1 for _ in held.parameters()))
+            for buffer in held.buffers():
+                per_rank = local_numels(buffer) * mask
+                buffers[buffer.dtype] = buffers[buffer.dtype] + per_rank if buffer.dtype in buffers else per_rank
     finally:
         dist.destroy_process_group()
     counted = count_parameters(model_config)
+    stages = stage_map(plan.pipeline, parallel_config, layout) if layout.pp > 1 else None
     return PlanReport(
         layout=layout,
         family=model_config.family,
         num_experts=model_config.num_moe_experts,
-        kinds=_rank_kinds(world_size, params, buffers),
+        kinds=_rank_kinds(world_size, params, buffers, pp_of_rank),
         distinct_params=distinct,
         expected_params=counted.total + counted.mtp,
         param_tensors=param_tensors,
+        stages=stages,
     )
+
+
+def with_microbatches(report: PlanReport, schedule: str, microbatches: int) -> PlanReport:
+    """``report`` with a pipeline's micro-batches per step and how many of them each pipeline rank holds at once."""
+    if report.stages is None:
+        return report
+    pp = report.layout.pp
+    inflight = inflight_microbatches(schedule, pp, len(report.stages) // pp, microbatches)
+    return dataclasses.replace(report, microbatches=microbatches, inflight=inflight, schedule=schedule)
 
 
 def rank_ranges(ranks: tuple[int, ...], most: int = 6) -> str:
@@ -281,6 +331,8 @@ def format_report(report: PlanReport) -> str:
                 [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
             ).rstrip()
         )
+    if report.stages is not None:
+        lines += format_stage_map(report)
     total = sum(report.distinct_params.values())
     verdict = "matches" if total == report.expected_params else "DOES NOT MATCH"
     lines.append(
@@ -289,6 +341,39 @@ def format_report(report: PlanReport) -> str:
         + f"); {verdict} moe_models.count_parameters {report.expected_params:,} (MTP layers included)"
     )
     return "\n".join(lines)
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    return rank_ranges(tuple(layers)) if layers else "-"
+
+
+def format_stage_map(report: PlanReport) -> list[str]:
+    """The pipeline's stages: which pipeline rank runs each, its layers, what else it holds, its cost relative to the
+    most expensive stage's; then each pipeline rank's micro-batches in flight."""
+    layout, stages = report.layout, report.stages
+    lines = [
+        f"pipeline: {report.schedule}, pp={layout.pp} x {len(stages) // layout.pp} stages per rank = {len(stages)} "
+        f"stages, {report.microbatches} micro-batches a step; stages split by cost (training FLOPs per token):"
+    ]
+    rows = [["stage", "pp rank", "layers", "also holds", "cost"]]
+    rows += [
+        [
+            str(r["stage"]),
+            str(r["pp_rank"]),
+            _layer_ranges(r["layers"]),
+            ", ".join(r["modules"]) or "-",
+            f"{r['cost']:.2f}",
+        ]
+        for r in stages
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if report.inflight is not None:
+        lines.append(
+            "stage micro-batches whose activations each pipeline rank holds at once (from the schedule's action list): "
+            + ", ".join(f"pp rank {r}: {n}" for r, n in enumerate(report.inflight))
+        )
+    return lines
 
 
 # --- memory per rank kind -------------------------------------------------------------------------------------------
@@ -324,11 +409,22 @@ def memory_options(
     return MemoryOptions(recompute=recompute, offload=offload, skipped=skipped, **fields)  # type: ignore[arg-type]
 
 
+def plan_micro_batching(cfg: ExperimentConfig, layout: ParallelLayout) -> tuple[int, int]:
+    """The trainer's micro-batch size and count per data-parallel rank, or, for a global batch that does not split
+    over this (real-size) layout, at least one sequence and one micro-batch: the plan sizes layouts before the
+    batch is chosen for them."""
+    try:
+        return micro_batching(cfg.train, layout)
+    except ConfigError:
+        micro = cfg.train.micro_batch_size or max(cfg.train.global_batch_size // (layout.dp * layout.pp), 1)
+        return micro, max(cfg.train.global_batch_size // (micro * layout.dp), 1)
+
+
 def plan_memory_options(cfg: ExperimentConfig, layout: ParallelLayout) -> MemoryOptions:
     """The :class:`MemoryOptions` of an experiment config: ``train.micro_batch_size`` (0: the global batch over the
     data-parallel ranks, at least 1), ``data.seq_len``, ``run.dtype`` (auto: bf16, as on CUDA; fp32 only with
     ``run.device cpu``), the AdamW state and master-weight dtypes, the dispatcher, recompute and offload."""
-    micro = cfg.train.micro_batch_size or max(cfg.train.global_batch_size // layout.dp, 1)
+    micro, _ = plan_micro_batching(cfg, layout)
     on_cpu = cfg.run.device == "cpu"
     activation = {"fp32": 4, "bf16": 2}.get(cfg.run.dtype, 4 if on_cpu else 2)
     train, run = cfg.train, cfg.run
@@ -376,15 +472,34 @@ def memory_estimates(
             dispatcher=options.dispatcher,
             device=options.device,
         )
+        rank_shape, share = _pipeline_share(report, shape, kind)
         estimate = estimate_memory(
-            shape,
+            rank_shape,
             run,
             recompute=options.recompute,
             offload=options.offload,
             offload_min_tensor_bytes=options.offload_min_tensor_bytes,
+            pipeline=share,
         )
         out.append((kind, estimate))
     return out
+
+
+def _pipeline_share(report: PlanReport, shape: ModelShape, kind: RankKind) -> tuple[ModelShape, PipelineShare | None]:
+    """The part of the model a pipeline rank kind runs (its stages' layers; MTP with the last stage), and its share."""
+    if report.stages is None or kind.pp_rank is None:
+        return shape, None
+    mine = [row for row in report.stages if row["pp_rank"] == kind.pp_rank]
+    layers = sorted(i for row in mine for i in row["layers"])
+    first = any(row["stage"] == 0 for row in mine)
+    last = any(row["stage"] == len(report.stages) - 1 for row in mine)
+    inflight = 1
+    if report.inflight is not None:  # per stage: the rank's stages share its micro-batches in flight
+        inflight = math.ceil(report.inflight[kind.pp_rank] / len(mine))
+    rank_shape = dataclasses.replace(
+        shape, layers=tuple(shape.layers[i] for i in layers), mtp_depth=shape.mtp_depth if last else 0
+    )
+    return rank_shape, PipelineShare(first=first, last=last, inflight=inflight)
 
 
 def _bytes_name(n: int) -> str:

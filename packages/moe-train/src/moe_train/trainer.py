@@ -37,7 +37,7 @@ from moe_parallel import (
     parallelize,
 )
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
-from moe_train.config import ConfigError, ExperimentConfig, RunConfig, config_error
+from moe_train.config import ConfigError, ExperimentConfig, RunConfig, TrainConfig, config_error
 from moe_train.data import PreparedData, prepare_data
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
 from moe_train.loggers import RunLoggers, check_wandb_available
@@ -114,6 +114,22 @@ def memory_options(run: RunConfig) -> tuple[list[str], list[str], int]:
     return run.recompute_modules, run.offload_modules, run.offload_min_tensor_bytes
 
 
+def micro_batching(train_config: TrainConfig, layout: ParallelLayout) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per step) on each data-parallel rank: ``train.micro_batch_size``, or
+    by default the rank's whole share in one micro-batch (pp of them under pipeline parallelism, which needs
+    several)."""
+    global_batch = train_config.global_batch_size
+    micro = train_config.micro_batch_size or global_batch // layout.dp
+    if not train_config.micro_batch_size and layout.pp > 1:
+        micro = max(1, micro // layout.pp)
+    if micro == 0 or global_batch % (micro * layout.dp):
+        raise ConfigError(
+            f"train.global_batch_size={global_batch} is not a multiple of "
+            f"train.micro_batch_size ({micro}) x data-parallel size ({layout.dp})"
+        )
+    return micro, global_batch // (micro * layout.dp)
+
+
 def _check_trainer_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
     """What the trainer needs of a layout beyond the model fitting it."""
     if cfg.data.seq_len % layout.tp:
@@ -176,15 +192,7 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
         if source is not None:
             source.close()
         raise
-    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // layout.dp
-    if not cfg.train.micro_batch_size and layout.pp > 1:  # a pipeline needs micro-batches: pp of them by default
-        micro = max(1, micro // layout.pp)
-    if micro == 0 or cfg.train.global_batch_size % (micro * layout.dp):
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size ({micro}) x data-parallel size ({layout.dp})"
-        )
-    grad_accum = cfg.train.global_batch_size // (micro * layout.dp)
+    micro, grad_accum = micro_batching(cfg.train, layout)
     reason = microbatch_rule(cfg.parallel, layout, grad_accum)
     if reason is not None:
         raise ConfigError(
