@@ -18,6 +18,7 @@ PUBLIC_NAMES = [
     "ModelShape",
     "OFFLOAD_KINDS",
     "OUTPUT_DISCARDING_KINDS",
+    "PipelineShare",
     "RECOMPUTE_KINDS",
     "RunShape",
     "SavedTensor",
@@ -35,7 +36,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_memory.__version__ == "0.2.0"
+    assert moe_memory.__version__ == "0.3.0"
     assert importlib.metadata.version("moe-memory") == moe_memory.__version__
 
 

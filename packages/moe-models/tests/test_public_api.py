@@ -21,6 +21,7 @@ PUBLIC_NAMES = [
     "ModelConfig",
     "ModelConfigError",
     "ModelOutput",
+    "ModelStage",
     "MultiLatentAttention",
     "PRESETS",
     "PUBLISHED_PRESETS",
@@ -28,6 +29,7 @@ PUBLIC_NAMES = [
     "ParameterCount",
     "PublishedSize",
     "RMSNorm",
+    "StageRouting",
     "TINY_PRESETS",
     "__version__",
     "apply_rotary",
@@ -36,7 +38,9 @@ PUBLIC_NAMES = [
     "count_parameters",
     "hf",
     "memory",
+    "next_token_loss",
     "parallel_plan",
+    "pipeline_plan",
     "preset",
     "rotary_cos_sin",
     "training_flops_per_token",
@@ -44,7 +48,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_models.__version__ == "0.4.1"
+    assert moe_models.__version__ == "0.5.0"
     assert importlib.metadata.version("moe-models") == moe_models.__version__
 
 

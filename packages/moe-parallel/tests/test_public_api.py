@@ -19,12 +19,15 @@ PUBLIC_NAMES = [
     "ParallelModel",
     "ParallelPlan",
     "ParameterSource",
+    "PipelineParallelModel",
+    "PipelinePlan",
     "__version__",
     "all_reduce_mean",
     "apply_data_parallel",
     "apply_expert_parallel",
     "apply_fsdp",
     "apply_tensor_parallel",
+    "available_schedules",
     "build_meshes",
     "check_plan",
     "check_tensor_parallel",
@@ -33,17 +36,22 @@ PUBLIC_NAMES = [
     "local_box",
     "local_grad",
     "materialize",
+    "microbatch_rule",
     "moe_blocks",
     "parallelize",
+    "pipeline_parallelize",
     "replica_count",
     "restore_expert_checkpoint_pieces",
     "shard_experts",
     "shutdown_distributed",
+    "split_layers",
+    "stage_map",
+    "stage_split",
 ]
 
 
 def test_version_is_semver_0_3() -> None:
-    assert moe_parallel.__version__ == "0.3.2"
+    assert moe_parallel.__version__ == "0.4.0"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

@@ -264,3 +264,35 @@ def test_bf16_parameters_halve_the_shards_and_add_master_weights(capsys: pytest.
     rows = _memory_rows(out)
     assert rows["parameters"] == rows["gradients"] == "7.11 GiB"
     assert rows["master weights"] == "14.22 GiB"  # fp32 copies of the bf16 parameters
+
+
+def test_pipeline_ranks_hold_their_stages_and_their_micro_batches_in_flight() -> None:
+    """Qwen3-30B-A3B over pp=4 x ep=8 (32 ranks): each pipeline rank's routed experts are its stages' layers' share
+    by hand (16 of 128 experts of 3 x 2048 x 768 per layer), the shards still sum to the parameter count, and 1F1B
+    with 8 micro-batches keeps 4 - rank of them in flight, which the activation estimate counts."""
+    from moe_train.plan_report import with_microbatches
+
+    config = preset("qwen3-30b-a3b")
+    report = with_microbatches(plan_report(config, ParallelConfig(pp=4, ep=8), 32), "1F1B", 8)
+    counted = count_parameters(config)
+    assert sum(report.distinct_params.values()) == counted.total + counted.mtp
+    assert [i for row in report.stages for i in row["layers"]] == list(range(48))
+    assert report.stages[0]["modules"] == ["embed_tokens"] and report.stages[-1]["modules"] == ["norm", "lm_head"]
+    assert report.inflight == [4, 3, 2, 1]
+    per_layer = 16 * 3 * 2048 * 768
+    for row in report.stages:
+        kind = kind_of(report, 8 * row["pp_rank"])
+        assert kind.pp_rank == row["pp_rank"] and len(kind.ranks) == 8
+        assert kind.params[(ROUTED_EXPERTS, F32)] == len(row["layers"]) * per_layer
+    options = MemoryOptions(micro_batch=1, seq_len=4096)
+    estimates = {kind.pp_rank: estimate for kind, estimate in memory_estimates(report, config, options)}
+    norms = {r: e.activations_by_module()["attn_norm"] for r, e in estimates.items()}
+    layers = {row["pp_rank"]: len(row["layers"]) for row in report.stages}
+    for r in range(4):  # one attention norm input per layer and micro-batch in flight
+        assert norms[r] * layers[3] * 1 == norms[3] * layers[r] * (4 - r)
+    assert estimates[0].logits == 0 and estimates[3].logits > 0
+    assert (
+        estimates[1].activations_by_module().get("embedding", 0)
+        == 0
+        < estimates[0].activations_by_module()["embedding"]
+    )
