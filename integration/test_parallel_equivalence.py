@@ -1,10 +1,12 @@
 """Every parallel layout trains exactly as one process does (fp32, gloo, CPU).
 
 For the tiny Qwen3-MoE and DeepSeek-V3 proxies (MLA, a dense layer, a shared expert, MTP, sigmoid group routing,
-expert bias, sequence aux loss; 4-layer versions for pipeline parallelism), 6 optimizer steps on a fixed global batch of 8 sequences: loss, gradient norm and
-balancing loss at every step must equal the single-process run's to a relative 1e-4. Every run uses micro-batches
-of 2 sequences, so the single process accumulates 4 of them per step and each layout as many as its data-parallel
-size leaves: the micro-batches, and so the per-micro-batch balancing statistics, are the same in every run.
+expert bias, sequence aux loss; 4-layer versions of both for pipeline parallelism), 6 optimizer steps on a fixed
+global batch of 8 sequences: loss, gradient norm and balancing loss at every step (and, for the pipelines, the
+validation loss) must equal the single-process run's to a relative 1e-4. Every run uses micro-batches of 2
+sequences, so the single process accumulates 4 of them per step and each layout as many as its data-parallel size
+leaves (a pipeline schedule runs those same micro-batches): the micro-batches, and so the per-micro-batch balancing
+statistics, are the same in every run.
 
 One process group per world size (2 and 4 ranks) trains all its layouts in turn.
 """
@@ -132,7 +134,9 @@ def single_process(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _pipeline_overrides(preset: str) -> dict[str, str]:
-    return {**PIPELINE_MODELS[preset], "train.seed": PIPELINE_SEED}
+    # with a validation loss at steps 3 and 6: the pipeline's forward-only evaluation must match one process's too
+    evaluation = {"data.valid_fraction": "0.1", "train.eval_interval": "3", "train.eval_iters": "2"}
+    return {**PIPELINE_MODELS[preset], **evaluation, "train.seed": PIPELINE_SEED}
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +192,12 @@ def test_layout_equals_single_process(preset: str, layout: str, single_process, 
     ours = _records(parallel_runs / f"world{world}" / _case_dir(preset, layout))
     reference = single_process[preset + (" 4 layers" if pipelined else "")]
     diffs = {key: _max_rel_diff(ours, reference, key) for key in ("loss", "grad_norm", "aux_loss")}
+    if pipelined:
+        evaluated = [(a["val_loss"], b["val_loss"]) for a, b in zip(ours, reference, strict=True) if "val_loss" in b]
+        assert len(evaluated) == 2 and all(
+            "val_loss" in a for a, b in zip(ours, reference, strict=True) if "val_loss" in b
+        )
+        diffs["val_loss"] = max(abs(a - b) / b for a, b in evaluated)
     print(f"{preset} {layout}: max relative difference {diffs}")
     assert all(d < TOLERANCE for d in diffs.values()), diffs
     # the runs trained: a comparison of untrained runs would prove little
