@@ -71,7 +71,17 @@ PIPELINE_LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
     "pp=2 x vpp=2 (Interleaved1F1B)": (2, {"parallel.pp": "2", "parallel.pp_schedule": "Interleaved1F1B"}),
     # V-shaped: rank 0 holds the first and the last stage, and so both copies of the embedding MTP uses
     "pp=2 ZBVZeroBubble": (2, {"parallel.pp": "2", "parallel.pp_schedule": "ZBVZeroBubble"}),
-    "pp=2 DualPipeV": (2, {"parallel.pp": "2", "parallel.pp_schedule": "DualPipeV"}),
+    # recompute and offload by kind, per stage: DeepSeek-V3's first stage (its dense layer) has no MoE kinds
+    "pp=2 DualPipeV recomputing moe offloading core_attn": (
+        2,
+        {
+            "parallel.pp": "2",
+            "parallel.pp_schedule": "DualPipeV",
+            "run.recompute_modules": "moe",
+            "run.offload_modules": "core_attn",
+            "run.offload_min_tensor_bytes": "0",
+        },
+    ),
     "pp=2 x ep=2": (4, {"parallel.pp": "2", "parallel.ep": "2"}),
     "pp=2 x dp_shard=2 (FSDP2 per stage)": (4, {"parallel.pp": "2"}),
     "pp=2 x tp=2": (4, {"parallel.pp": "2", "parallel.tp": "2"}),
@@ -198,6 +208,8 @@ def test_layout_equals_single_process(preset: str, layout: str, single_process, 
             "val_loss" in a for a, b in zip(ours, reference, strict=True) if "val_loss" in b
         )
         diffs["val_loss"] = max(abs(a - b) / b for a, b in evaluated)
+        # router statistics: each stage's layers' expert loads, gathered into the whole model's rows
+        diffs["expert_load_max_over_mean"] = _max_rel_diff(ours, reference, "expert_load_max_over_mean")
     print(f"{preset} {layout}: max relative difference {diffs}")
     assert all(d < TOLERANCE for d in diffs.values()), diffs
     # the runs trained: a comparison of untrained runs would prove little

@@ -1,5 +1,5 @@
 """Checkpoints during a run and exact resume: in one process (bitwise), under dp_shard=2 and tp=2 x ep=2 (rel 1e-6),
-onto other layouts (tp=2 x ep=2 -> dp_shard=4 -> one process -> back to tp=2 x ep=2, with etp=2), after SIGTERM, and
+onto other layouts (tp=2 x ep=2 -> pp=2 -> one process -> back to tp=2 x ep=2, with etp=2), after SIGTERM, and
 after kill -9 at random moments, saves included. Each process start costs seconds: the runs are shared where they can
 be (an uninterrupted run's periodic checkpoints are what the others resume from)."""
 
@@ -46,7 +46,7 @@ COMMON = [
     "7",
 ]
 TP2_EP2 = ["--parallel.tp", "2", "--parallel.ep", "2", "--parallel.etp", "1"]
-DP_SHARD4 = ["--parallel.dp_shard", "4"]
+PP2 = ["--parallel.pp", "2"]
 
 
 def _records(out: Path) -> dict[int, dict]:
@@ -135,9 +135,10 @@ def test_tensor_and_expert_parallel_resume_and_onto_other_layouts(
     tmp_path: Path, data_cache: Path, run, single
 ) -> None:
     """tp=2 x ep=2 from its own step-10 checkpoint: steps 11-20 within 1e-6 of its uninterrupted run. Then from its
-    step-5 checkpoint onto other layouts: steps 6-10 under dp_shard=4, 11-15 in one process, 16-20 back on 4 ranks
-    under tp=2 x dp_shard=2 with the experts over ep=2 x etp=2 (expert tensor parallelism): every loss as the
-    uninterrupted single process's within 1e-5, optimizer state included (a lost moment would show at the next step).
+    step-5 checkpoint onto other layouts: steps 6-10 under pipeline parallelism (pp=2, 1F1B: a stage per rank, whose
+    checkpoint holds the whole model's names), 11-15 in one process, 16-20 back on 4 ranks under tp=2 x dp_shard=2
+    with the experts over ep=2 x etp=2 (expert tensor parallelism): every loss as the uninterrupted single
+    process's within 1e-5, optimizer state included (a lost moment would show at the next step).
 
     The seed (7) is one where the uninterrupted layouts agree with one process to 1.7e-6 in loss. The gradient norm
     is held to 1e-2 only across layouts: a token whose top-k choice is nearly a tie can change experts under another
@@ -153,7 +154,7 @@ def test_tensor_and_expert_parallel_resume_and_onto_other_layouts(
     chain = tmp_path / "chain"
     args = [*base, "--run.output_dir", str(chain), "--run.exit_interval", "5"]
     folded = ["--parallel.tp", "2", "--parallel.dp_shard", "2", "--parallel.ep", "2", "--parallel.etp", "2"]
-    legs = [(4, DP_SHARD4, str(whole / "checkpoints" / "step_5")), (1, [], "auto"), (4, folded, "auto")]
+    legs = [(2, PP2, str(whole / "checkpoints" / "step_5")), (1, [], "auto"), (4, folded, "auto")]
     for leg, (ranks, layout, resume) in enumerate(legs):
         if ranks == 1:
             _one_process([*args, *layout, "--run.resume", resume], tmp_path)

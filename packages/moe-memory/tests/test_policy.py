@@ -193,3 +193,14 @@ def test_unknown_name_lists_the_valid_kinds() -> None:
 def test_negative_threshold_is_an_error() -> None:
     with pytest.raises(MemoryConfigError, match="offload_min_tensor_bytes=-1: must be >= 0"):
         check_memory_options(Toy(), KINDS, [], [], -1)
+
+
+def test_a_pipeline_stage_skips_what_it_does_not_hold() -> None:
+    """A stage (checked as part of a whole) lacking a kind or a pattern's modules selects nothing for them; the
+    whole model is still refused them."""
+    recompute, offload = check_memory_options(Toy(), KINDS, ["moe_act", "mla_up_proj"], ["mtp.*"], part=True)
+    assert recompute == {"layers.0.act": "moe_act", "layers.1.act": "moe_act"} and offload == {}
+    with pytest.raises(MemoryConfigError):
+        check_memory_options(Toy(), KINDS, ["moe_act", "mla_up_proj"], [])
+    with pytest.raises(MemoryConfigError):
+        check_memory_options(Toy(), KINDS, [], ["mtp.*"])

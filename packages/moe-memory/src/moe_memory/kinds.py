@@ -38,14 +38,21 @@ class MemoryConfigError(ValueError):
 
 
 def resolve_modules(
-    model: nn.Module, module_kinds: ModuleKinds, entries: Iterable[str], *, field: str, valid_kinds: Sequence[str]
+    model: nn.Module,
+    module_kinds: ModuleKinds,
+    entries: Iterable[str],
+    *,
+    field: str,
+    valid_kinds: Sequence[str],
+    part: bool = False,
 ) -> dict[str, str]:
     """The modules ``entries`` select: each entry is a kind of ``valid_kinds`` (its modules from ``module_kinds``)
     or an fnmatch pattern over qualified module names (``layers.*.mlp``). Returns ``{module name: kind or pattern}``.
 
     A name that is neither a valid kind nor matches a module, or a valid kind this model has no module of
     (``mla_up_proj`` without multi-latent attention), is a :class:`MemoryConfigError` listing what would work. Works
-    on a meta-built model, so it can run before anything is allocated.
+    on a meta-built model, so it can run before anything is allocated. ``part=True``: ``model`` is one part (a
+    pipeline stage) of a whole already checked, and an entry that selects nothing in it selects nothing, silently.
     """
     entries = list(entries)
     names = [name for name, _ in model.named_modules() if name]
@@ -53,6 +60,8 @@ def resolve_modules(
     selected: dict[str, str] = {}
     for entry in entries:
         if entry in valid_kinds:
+            if entry not in present and part:
+                continue
             if entry not in present:
                 raise MemoryConfigError(
                     field, entries, f"this model has no {entry!r} modules; its kinds are {', '.join(present)}"
@@ -60,7 +69,7 @@ def resolve_modules(
             matched = list(module_kinds[entry])
         else:
             matched = [n for n in names if fnmatch.fnmatchcase(n, entry)]
-            if not matched:
+            if not matched and not part:
                 close = difflib.get_close_matches(entry, list(valid_kinds) + names, n=3)
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise MemoryConfigError(

@@ -63,14 +63,19 @@ def check_memory_options(
     recompute_modules: Sequence[str] = (),
     offload_modules: Sequence[str] = (),
     offload_min_tensor_bytes: int = 0,
+    *,
+    part: bool = False,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The modules to recompute and to offload (``{name: kind or pattern}``), every rule checked: unknown names,
     kinds the model lacks, a negative threshold, and offloaded modules inside recomputed ones (whose saved tensors
-    are recomputed, so there is nothing to offload) are :class:`MemoryConfigError`."""
+    are recomputed, so there is nothing to offload) are :class:`MemoryConfigError`. ``part=True``: ``model`` is one
+    pipeline stage of a whole model already checked; what selects nothing in it is skipped."""
     recompute = resolve_modules(
-        model, module_kinds, recompute_modules, field="recompute_modules", valid_kinds=RECOMPUTE_KINDS
+        model, module_kinds, recompute_modules, field="recompute_modules", valid_kinds=RECOMPUTE_KINDS, part=part
     )
-    offload = resolve_modules(model, module_kinds, offload_modules, field="offload_modules", valid_kinds=OFFLOAD_KINDS)
+    offload = resolve_modules(
+        model, module_kinds, offload_modules, field="offload_modules", valid_kinds=OFFLOAD_KINDS, part=part
+    )
     if offload_min_tensor_bytes < 0:
         raise MemoryConfigError("offload_min_tensor_bytes", offload_min_tensor_bytes, "must be >= 0")
     for name, kind in offload.items():
@@ -148,13 +153,16 @@ def apply_memory_policy(
     recompute_modules: Sequence[str] = (),
     offload_modules: Sequence[str] = (),
     offload_min_tensor_bytes: int = 0,
+    *,
+    part: bool = False,
 ) -> MemoryPolicy:
     """Recompute and offload the modules ``recompute_modules`` / ``offload_modules`` select (kinds of
     :data:`~moe_memory.kinds.RECOMPUTE_KINDS` / :data:`~moe_memory.kinds.OFFLOAD_KINDS`, or fnmatch patterns over
     qualified names; module docstring). Apply it to the modules that will run: after a parallel layout has swapped
-    modules in, before FSDP. Every choice is checked (:func:`check_memory_options`) before any module is wrapped."""
+    modules in, before FSDP. Every choice is checked (:func:`check_memory_options`) before any module is wrapped;
+    ``part=True`` for one pipeline stage of a model checked whole (what selects nothing in it is skipped)."""
     recompute, offload = check_memory_options(
-        model, module_kinds, recompute_modules, offload_modules, offload_min_tensor_bytes
+        model, module_kinds, recompute_modules, offload_modules, offload_min_tensor_bytes, part=part
     )
     discarding = {n for n, kind in recompute.items() if kind in OUTPUT_DISCARDING_KINDS}
     saved = SavedTensorPolicy(offload_min_tensor_bytes) if offload or discarding else None

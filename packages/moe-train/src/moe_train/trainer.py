@@ -218,7 +218,13 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
 
     def recompute_and_offload(modules: nn.Module) -> None:
         nonlocal memory
-        memory = apply_memory_policy(modules, modules.module_kinds(), *memory_options(cfg.run))
+        # with pp > 1, once per stage (checked on the whole model above): a stage may lack a kind, e.g. MoE layers
+        chosen = apply_memory_policy(modules, modules.module_kinds(), *memory_options(cfg.run), part=layout.pp > 1)
+        memory = MemoryPolicy(
+            saved=memory.saved or chosen.saved,
+            recomputed={**memory.recomputed, **chosen.recomputed},
+            offloaded={**memory.offloaded, **chosen.offloaded},
+        )
 
     parallel = parallelize(model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload)
     if build_on_meta or source is not None:
