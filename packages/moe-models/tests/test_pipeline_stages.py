@@ -59,6 +59,7 @@ def test_chained_stages_equal_the_whole_model(family: str, split) -> None:
     aux = sum(routing.aux_loss.values())
     torch.testing.assert_close(aux, whole.aux_loss, rtol=1e-6, atol=0)
     assert [r for s in stages for r in s.routers()] == model.routers()
+    assert [row for s in stages for row in s.router_rows()] == list(range(len(model.routers())))
 
     next_token_loss(logits, mtp, labels).total.backward()
     got: dict[str, torch.Tensor] = {}

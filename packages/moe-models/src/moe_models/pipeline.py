@@ -77,6 +77,13 @@ class ModelStage(nn.Module):
         """This stage's routers, in the order of its rows of :class:`StageRouting`'s loads."""
         return [layer.mlp.router for layer in self.moe_layers()]
 
+    def router_rows(self) -> list[int]:
+        """Where each of :meth:`routers` stands among the whole model's (``MoETransformer.routers``: the MoE layers
+        in order, then the MTP depths): its row of the whole model's ``tokens_per_expert_LE``."""
+        pattern = self.config.moe_layer_pattern()
+        rows = [sum(pattern[:i]) for i, layer in ((int(k), v) for k, v in self.layers.items()) if layer.is_moe]
+        return rows + ([sum(pattern) + k for k in range(len(self.mtp))] if self.last else [])
+
     def module_kinds(self) -> dict[str, list[str]]:
         from moe_models.module_kinds import module_kinds
 

@@ -84,7 +84,8 @@ def check_pipeline(plan: ParallelPlan, config: ParallelConfig, layout: ParallelL
         return
     if plan.pipeline is None:
         raise LayoutError("pp", layout.pp, "the model declares no pipeline plan; use pp=1")
-    for field, reason in plan.pipeline.unsupported.items():
+    if plan.pipeline.unsupported:
+        field, reason = next(iter(plan.pipeline.unsupported.items()))
         raise LayoutError("pp", layout.pp, f"model.{field}: {reason}")
     vpp = config.vpp
     if style == "single" and vpp not in (None, 1):
@@ -147,15 +148,13 @@ class PipelineParallelModel:
         meshes: ParallelMeshes,
         plan: ParallelPlan,
         config: ParallelConfig,
-        pp_rank: int,
     ) -> None:
         self.stages, self.stage_indices, self.parts, self.split = stages, stage_indices, parts, split
-        self.meshes, self.config, self.whole_plan = meshes, config, plan
+        self.meshes, self.config = meshes, config
         self.pipeline: PipelinePlan = plan.pipeline
         self.model = nn.ModuleList(stages)
         self.num_stages = len(split)
         self.pp_group = meshes.group("pp")
-        self.pp_rank = pp_rank
         # the plan over ``model``'s own (prefixed) names: what checkpoints find the experts by
         self.plan = ParallelPlan(
             moe_blocks=tuple(
@@ -327,10 +326,6 @@ class PipelineParallelModel:
                 dist.send(out.contiguous(), ranks[stage_rank(schedule, pp, index + 1)], group=self.pp_group)
         return out if self.is_last else None
 
-    def stage_map(self) -> list[dict[str, Any]]:
-        """Every stage: its index, pipeline rank, layers and the other modules it holds."""
-        return stage_map(self.pipeline, self.config, self.meshes.layout, self.split)
-
 
 def stage_map(
     plan: PipelinePlan, config: ParallelConfig, layout: ParallelLayout, split: list[tuple[int, ...]] | None = None
@@ -385,4 +380,4 @@ def pipeline_parallelize(
     last = len(split) - 1
     stages = [plan.pipeline.build_stage(i, split[i], i == 0, i == last) for i in indices]
     parts = [split_module(stage, meshes, config, restrict_plan(plan, stage), before_fsdp) for stage in stages]
-    return PipelineParallelModel(stages, indices, parts, split, meshes, plan, config, pp_rank)
+    return PipelineParallelModel(stages, indices, parts, split, meshes, plan, config)

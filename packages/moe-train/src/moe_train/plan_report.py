@@ -59,7 +59,7 @@ from moe_parallel import (
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS
 from moe_parallel.stage_split import inflight_microbatches
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig
-from moe_train.trainer import checked_meta_model, micro_batching
+from moe_train.setup import checked_meta_model, micro_batching
 
 NON_EXPERT = "non-expert"  # attention, norms, dense MLPs, routers, shared experts, embedding, head
 ROUTED_EXPERTS = "routed experts"

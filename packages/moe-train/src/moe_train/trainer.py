@@ -1,6 +1,7 @@
-"""The training loop: AdamW over any moe_parallel layout (FSDP2, expert, expert-tensor and tensor parallel), with
-metrics, evaluation, progress, periodic checkpoints and resume (:mod:`moe_train.resume`), preemption and non-finite
-steps handled (:mod:`moe_train.faults`)."""
+"""The training loop: AdamW over any moe_parallel layout (FSDP2, expert, expert-tensor, tensor and pipeline
+parallel), with metrics, evaluation, progress, periodic checkpoints and resume (:mod:`moe_train.resume`),
+preemption and non-finite steps handled (:mod:`moe_train.faults`). What it runs on is built by
+:mod:`moe_train.setup`."""
 
 from __future__ import annotations
 
@@ -10,61 +11,25 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from torch import nn
 
-from moe_experts import BackendUnavailableError
-from moe_memory import MemoryPolicy, apply_memory_policy, check_memory_options
-from moe_models import ModelConfig, StageRouting, build_model, causal_lm_loss, next_token_loss, training_flops_per_token
-from moe_models.hf import CheckpointSource
-from moe_parallel import (
-    DistributedContext,
-    ParallelConfig,
-    ParallelLayout,
-    ParallelModel,
-    ParallelPlan,
-    PipelineParallelModel,
-    all_reduce_mean,
-    build_meshes,
-    check_plan,
-    init_distributed,
-    local_grad,
-    microbatch_rule,
-    parallelize,
-)
+from moe_memory import MemoryPolicy
+from moe_models import StageRouting, causal_lm_loss, next_token_loss, training_flops_per_token
+from moe_parallel import PipelineParallelModel, all_reduce_mean, local_grad
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
-from moe_train.config import ConfigError, ExperimentConfig, RunConfig, TrainConfig, config_error
-from moe_train.data import PreparedData, prepare_data
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
-from moe_train.loggers import RunLoggers, check_wandb_available
+from moe_train.loggers import RunLoggers
 from moe_train.metrics import MetricsLog, peak_tflops
 from moe_train.optim import build_optimizer, lr_at, set_lr
 from moe_train.plots import heatmap_svg, line_chart_svg
-from moe_train.resume import ResumePoint, check_output_dir, checkpoint_dir, clear_output_dir, find_resume_point
+from moe_train.resume import checkpoint_dir, clear_output_dir
 
-
-@dataclass
-class Setup:
-    """Everything validated and built before anything is written to the output directory."""
-
-    cfg: ExperimentConfig
-    ctx: DistributedContext
-    layout: ParallelLayout
-    # split over the layout in place (with pp > 1: this rank's stages, ``parallel.model``); ``parallel`` holds what
-    # the training step needs
-    model: nn.Module
-    parallel: ParallelModel | PipelineParallelModel
-    dtype: torch.dtype
-    micro_batch: int
-    grad_accum: int
-    data: PreparedData
-    memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # what is recomputed and offloaded
-    resume: ResumePoint | None = None  # the checkpoint the run continues from
-    checkpoint_group: Any = None  # the process group asynchronous checkpoint writes talk over
+# what runs a training is built by moe_train.setup; ``from moe_train.trainer import prepare, train`` keeps working
+from moe_train.setup import Setup, prepare  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -78,180 +43,6 @@ class TrainSummary:
     checkpoint: str | None
     status: str = "completed"  # completed | stopped (signal, run.exit_interval) | diverged (non-finite)
     resumed_from: str | None = None
-
-
-def _resolve_device(cfg: ExperimentConfig) -> str:
-    if cfg.run.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device='cuda' but no CUDA device is visible; use run.device=cpu or auto")
-    if cfg.run.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.run.device
-
-
-def checked_meta_model(
-    model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int, run: RunConfig | None = None
-) -> tuple[ParallelLayout, nn.Module, ParallelPlan]:
-    """The layout, the model built on the meta device and its plan, checked against each other (``check_plan``) and,
-    with ``run``, against its recompute and offload settings, before anything is allocated; errors become
-    :class:`ConfigError`. Shared by ``train`` and ``plan``."""
-    try:
-        layout = parallel_config.layout(world_size)
-        with torch.device("meta"):
-            model = build_model(model_config)
-        plan = model.parallel_plan()
-        check_plan(model, plan, parallel_config, layout)
-        if run is not None:
-            check_memory_options(model, model.module_kinds(), *memory_options(run))
-    except BackendUnavailableError as err:
-        raise ConfigError(f"model.moe_expert_backend={model_config.moe_expert_backend!r}: {err}") from None
-    except ValueError as err:  # ModelConfigError, LayoutError, MemoryConfigError
-        raise config_error(err) from None
-    return layout, model, plan
-
-
-def memory_options(run: RunConfig) -> tuple[list[str], list[str], int]:
-    """The run's recompute and offload settings, as moe_memory's policy functions take them."""
-    return run.recompute_modules, run.offload_modules, run.offload_min_tensor_bytes
-
-
-def micro_batching(train_config: TrainConfig, layout: ParallelLayout) -> tuple[int, int]:
-    """(sequences per micro-batch, micro-batches per step) on each data-parallel rank: ``train.micro_batch_size``, or
-    by default the rank's whole share in one micro-batch (pp of them under pipeline parallelism, which needs
-    several)."""
-    global_batch = train_config.global_batch_size
-    micro = train_config.micro_batch_size or global_batch // layout.dp
-    if not train_config.micro_batch_size and layout.pp > 1:
-        micro = max(1, micro // layout.pp)
-    if micro == 0 or global_batch % (micro * layout.dp):
-        raise ConfigError(
-            f"train.global_batch_size={global_batch} is not a multiple of "
-            f"train.micro_batch_size ({micro}) x data-parallel size ({layout.dp})"
-        )
-    return micro, global_batch // (micro * layout.dp)
-
-
-def _check_trainer_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
-    """What the trainer needs of a layout beyond the model fitting it."""
-    if cfg.data.seq_len % layout.tp:
-        raise ConfigError(
-            f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp} (sequence parallel "
-            "splits every sequence over the tp ranks)"
-        )
-
-
-def _checkpoint_source(cfg: ExperimentConfig) -> CheckpointSource:
-    """The HuggingFace checkpoint the weights come from, its names and shapes checked against the model config."""
-    try:
-        return CheckpointSource(cfg.model_from_hf, cfg.model)
-    except (ValueError, OSError) as err:  # HFCheckpointError is a ValueError
-        hint = "; model.* overrides must not change the checkpoint's sizes" if "shape" in str(err) else ""
-        raise ConfigError(f"model.from_hf={cfg.model_from_hf!r}: {err}{hint}") from None
-
-
-def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = True) -> Setup:
-    """Validate the config against this launch, join the process group and build this rank's part of the model.
-
-    The model is built on the meta device, split over the layout (expert, tensor parallelism, recompute, FSDP), and
-    only then materialised: each rank allocates and fills its own shards, from fresh initial values or from the
-    HuggingFace checkpoint. ``build_on_meta=False`` builds the whole model with values first (as every rank did
-    before; the same values, kept to check that both ways train alike).
-    """
-    device_type = _resolve_device(cfg)
-    check_output_dir(cfg)
-    resume = find_resume_point(cfg)
-    if cfg.run.wandb_project:
-        try:
-            check_wandb_available(cfg.run.wandb_project)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-    data = prepare_data(
-        cfg.data, seed=cfg.train.seed, model_vocab_size=cfg.model.vocab_size, model_from_hf=cfg.model_from_hf
-    )
-    if (
-        data.valid is not None
-        and cfg.train.eval_interval
-        and len(data.valid.eval_offsets()) < cfg.train.global_batch_size
-    ):
-        raise ConfigError(
-            f"train.eval_interval={cfg.train.eval_interval}: the validation data holds "
-            f"{len(data.valid.eval_offsets())} windows of data.seq_len={cfg.data.seq_len}, fewer than one batch of "
-            f"train.global_batch_size={cfg.train.global_batch_size}; add validation data or raise data.valid_fraction"
-        )
-    if resume is not None and resume.meta.get("data", {}).get("fingerprint") not in (None, data.fingerprint):
-        # not refused: continuing a run on new data is a thing people do on purpose; but it is not a resume
-        print(
-            f"moe-train: note: {resume.checkpoint.path} was trained on other data than data.source={cfg.data.source!r} "
-            "(another token-file fingerprint); its batches from here on differ from the original run's",
-            file=sys.stderr,
-        )
-    source = _checkpoint_source(cfg) if cfg.model_from_hf else None  # names, shapes and file headers checked
-    try:
-        layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
-        _check_trainer_layout(cfg, layout)
-    except ConfigError:
-        if source is not None:
-            source.close()
-        raise
-    micro, grad_accum = micro_batching(cfg.train, layout)
-    reason = microbatch_rule(cfg.parallel, layout, grad_accum)
-    if reason is not None:
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size}: {grad_accum} micro-batches of "
-            f"train.micro_batch_size={micro} per data-parallel rank, and {reason}; raise the batch or lower the "
-            "micro-batch size"
-        )
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
-        cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
-    )
-    ctx = init_distributed(cfg.parallel.backend, device_type)
-    torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
-    if not build_on_meta:
-        with torch.device(ctx.device):
-            model = build_model(cfg.model, seed=cfg.train.seed)
-    if cfg.train.params_dtype == "bf16":
-        # cast while the model is still on the meta device (or right after the eager build): each rank only ever
-        # allocates bf16 shards, which materialize fills with the fp32 initial values rounded to nearest. The
-        # routers keep their expert_bias buffers in fp32 (TopKRouter._apply) and compute in their own router dtype
-        model.to(torch.bfloat16)
-    meshes = build_meshes(layout, ctx.device.type) if ctx.world_size > 1 else None
-    memory = MemoryPolicy()
-
-    def recompute_and_offload(modules: nn.Module) -> None:
-        nonlocal memory
-        # with pp > 1, once per stage (checked on the whole model above): a stage may lack a kind, e.g. MoE layers
-        chosen = apply_memory_policy(modules, modules.module_kinds(), *memory_options(cfg.run), part=layout.pp > 1)
-        memory = MemoryPolicy(
-            saved=memory.saved or chosen.saved,
-            recomputed={**memory.recomputed, **chosen.recomputed},
-            offloaded={**memory.offloaded, **chosen.offloaded},
-        )
-
-    parallel = parallelize(model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload)
-    if build_on_meta or source is not None:
-        try:
-            parallel.materialize(source or model.initial_weights(cfg.train.seed), ctx.device)
-        finally:
-            if source is not None:
-                source.close()
-    model = parallel.model  # with pp > 1, this rank's stages
-    checkpoint_group = None
-    if cfg.run.async_checkpoint and ctx.world_size > 1:
-        # background writes talk over a group of their own, never interleaved with the training step's collectives
-        checkpoint_group = torch.distributed.new_group(backend="gloo")
-    return Setup(
-        cfg,
-        ctx,
-        layout,
-        model,
-        parallel,
-        dtype,
-        micro,
-        grad_accum,
-        data,
-        memory,
-        resume=resume,
-        checkpoint_group=checkpoint_group,
-    )
 
 
 class Progress:
@@ -391,16 +182,9 @@ class _Loop:
         if self.pipeline is not None:
             self.routing = StageRouting()
             self.pipeline_loss = _PipelineLoss(cfg.model.mtp_loss_scaling_factor)
-            # each router's row among all MoE layers' (main layers, then MTP), for the expert-load metrics
-            layers = [i for stage in self.pipeline.split for i in stage]
-            moe = [i for i in layers if cfg.model.moe_layer_pattern()[i]]
-            rows = {layer: row for row, layer in enumerate(moe)}
-            self.load_rows = [
-                rows[int(name.split(".")[1])] if name.startswith("layers.") else len(moe) + int(name.split(".")[1])
-                for stage in self.pipeline.stages
-                for name in _moe_layer_names(stage)
-            ]
-            self.num_moe_layers = len(moe) + (cfg.model.mtp_num_layers or 0)
+            # each router's row among the whole model's, for the expert-load metrics
+            self.load_rows = [row for stage in self.pipeline.stages for row in stage.router_rows()]
+            self.num_moe_layers = sum(cfg.model.moe_layer_pattern()) + (cfg.model.mtp_num_layers or 0)
 
     def open_logs(self, out_dir: Path) -> None:
         cfg = self.cfg
@@ -641,12 +425,6 @@ class _PipelineLoss:
         if loss.mtp:
             self.mtp_sum = self.mtp_sum + torch.stack(loss.mtp).mean()
         return loss.total
-
-
-def _moe_layer_names(stage: nn.Module) -> list[str]:
-    """``layers.<i>`` / ``mtp.<k>`` of a pipeline stage's MoE layers, in its routers' order."""
-    names = [f"layers.{i}" for i, layer in stage.layers.items() if layer.is_moe]
-    return names + [f"mtp.{k}" for k in range(len(getattr(stage, "mtp", ())))]
 
 
 def _loss_text(value: float | None) -> str:

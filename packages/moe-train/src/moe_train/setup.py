@@ -1,0 +1,228 @@
+"""Everything checked and built before a run writes anything: the config against this launch, the meta-built model
+and its plan, the layout, the data, and this rank's part of the model split over the layout and materialised
+(:func:`prepare`). :mod:`moe_train.trainer` runs the loop on what this returns."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_experts import BackendUnavailableError
+from moe_memory import MemoryPolicy, apply_memory_policy, check_memory_options
+from moe_models import ModelConfig, build_model
+from moe_models.hf import CheckpointSource
+from moe_parallel import (
+    DistributedContext,
+    ParallelConfig,
+    ParallelLayout,
+    ParallelModel,
+    ParallelPlan,
+    PipelineParallelModel,
+    build_meshes,
+    check_plan,
+    init_distributed,
+    microbatch_rule,
+    parallelize,
+)
+from moe_train.config import ConfigError, ExperimentConfig, RunConfig, TrainConfig, config_error
+from moe_train.data import PreparedData, prepare_data
+from moe_train.loggers import check_wandb_available
+from moe_train.resume import ResumePoint, check_output_dir, find_resume_point
+
+
+@dataclass
+class Setup:
+    """Everything validated and built before anything is written to the output directory."""
+
+    cfg: ExperimentConfig
+    ctx: DistributedContext
+    layout: ParallelLayout
+    # split over the layout in place (with pp > 1: this rank's stages, ``parallel.model``); ``parallel`` holds what
+    # the training step needs
+    model: nn.Module
+    parallel: ParallelModel | PipelineParallelModel
+    dtype: torch.dtype
+    micro_batch: int
+    grad_accum: int
+    data: PreparedData
+    memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # what is recomputed and offloaded
+    resume: ResumePoint | None = None  # the checkpoint the run continues from
+    checkpoint_group: Any = None  # the process group asynchronous checkpoint writes talk over
+
+
+def _resolve_device(cfg: ExperimentConfig) -> str:
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device='cuda' but no CUDA device is visible; use run.device=cpu or auto")
+    if cfg.run.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.run.device
+
+
+def checked_meta_model(
+    model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int, run: RunConfig | None = None
+) -> tuple[ParallelLayout, nn.Module, ParallelPlan]:
+    """The layout, the model built on the meta device and its plan, checked against each other (``check_plan``) and,
+    with ``run``, against its recompute and offload settings, before anything is allocated; errors become
+    :class:`ConfigError`. Shared by ``train`` and ``plan``."""
+    try:
+        layout = parallel_config.layout(world_size)
+        with torch.device("meta"):
+            model = build_model(model_config)
+        plan = model.parallel_plan()
+        check_plan(model, plan, parallel_config, layout)
+        if run is not None:
+            check_memory_options(model, model.module_kinds(), *memory_options(run))
+    except BackendUnavailableError as err:
+        raise ConfigError(f"model.moe_expert_backend={model_config.moe_expert_backend!r}: {err}") from None
+    except ValueError as err:  # ModelConfigError, LayoutError, MemoryConfigError
+        raise config_error(err) from None
+    return layout, model, plan
+
+
+def memory_options(run: RunConfig) -> tuple[list[str], list[str], int]:
+    """The run's recompute and offload settings, as moe_memory's policy functions take them."""
+    return run.recompute_modules, run.offload_modules, run.offload_min_tensor_bytes
+
+
+def micro_batching(train_config: TrainConfig, layout: ParallelLayout) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per step) on each data-parallel rank: ``train.micro_batch_size``, or
+    by default the rank's whole share in one micro-batch (pp of them under pipeline parallelism, which needs
+    several)."""
+    global_batch = train_config.global_batch_size
+    micro = train_config.micro_batch_size or global_batch // layout.dp
+    if not train_config.micro_batch_size and layout.pp > 1:
+        micro = max(1, micro // layout.pp)
+    if micro == 0 or global_batch % (micro * layout.dp):
+        raise ConfigError(
+            f"train.global_batch_size={global_batch} is not a multiple of "
+            f"train.micro_batch_size ({micro}) x data-parallel size ({layout.dp})"
+        )
+    return micro, global_batch // (micro * layout.dp)
+
+
+def _check_trainer_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
+    """What the trainer needs of a layout beyond the model fitting it."""
+    if cfg.data.seq_len % layout.tp:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp} (sequence parallel "
+            "splits every sequence over the tp ranks)"
+        )
+
+
+def _checkpoint_source(cfg: ExperimentConfig) -> CheckpointSource:
+    """The HuggingFace checkpoint the weights come from, its names and shapes checked against the model config."""
+    try:
+        return CheckpointSource(cfg.model_from_hf, cfg.model)
+    except (ValueError, OSError) as err:  # HFCheckpointError is a ValueError
+        hint = "; model.* overrides must not change the checkpoint's sizes" if "shape" in str(err) else ""
+        raise ConfigError(f"model.from_hf={cfg.model_from_hf!r}: {err}{hint}") from None
+
+
+def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = True) -> Setup:
+    """Validate the config against this launch, join the process group and build this rank's part of the model.
+
+    The model is built on the meta device, split over the layout (expert, tensor parallelism, recompute, FSDP), and
+    only then materialised: each rank allocates and fills its own shards, from fresh initial values or from the
+    HuggingFace checkpoint. ``build_on_meta=False`` builds the whole model with values first (as every rank did
+    before; the same values, kept to check that both ways train alike).
+    """
+    device_type = _resolve_device(cfg)
+    check_output_dir(cfg)
+    resume = find_resume_point(cfg)
+    if cfg.run.wandb_project:
+        try:
+            check_wandb_available(cfg.run.wandb_project)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    data = prepare_data(
+        cfg.data, seed=cfg.train.seed, model_vocab_size=cfg.model.vocab_size, model_from_hf=cfg.model_from_hf
+    )
+    if (
+        data.valid is not None
+        and cfg.train.eval_interval
+        and len(data.valid.eval_offsets()) < cfg.train.global_batch_size
+    ):
+        raise ConfigError(
+            f"train.eval_interval={cfg.train.eval_interval}: the validation data holds "
+            f"{len(data.valid.eval_offsets())} windows of data.seq_len={cfg.data.seq_len}, fewer than one batch of "
+            f"train.global_batch_size={cfg.train.global_batch_size}; add validation data or raise data.valid_fraction"
+        )
+    if resume is not None and resume.meta.get("data", {}).get("fingerprint") not in (None, data.fingerprint):
+        # not refused: continuing a run on new data is a thing people do on purpose; but it is not a resume
+        print(
+            f"moe-train: note: {resume.checkpoint.path} was trained on other data than data.source={cfg.data.source!r} "
+            "(another token-file fingerprint); its batches from here on differ from the original run's",
+            file=sys.stderr,
+        )
+    source = _checkpoint_source(cfg) if cfg.model_from_hf else None  # names, shapes and file headers checked
+    try:
+        layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
+        _check_trainer_layout(cfg, layout)
+    except ConfigError:
+        if source is not None:
+            source.close()
+        raise
+    micro, grad_accum = micro_batching(cfg.train, layout)
+    reason = microbatch_rule(cfg.parallel, layout, grad_accum)
+    if reason is not None:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size}: {grad_accum} micro-batches of "
+            f"train.micro_batch_size={micro} per data-parallel rank, and {reason}; raise the batch or lower the "
+            "micro-batch size"
+        )
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
+        cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
+    )
+    ctx = init_distributed(cfg.parallel.backend, device_type)
+    torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
+    if not build_on_meta:
+        with torch.device(ctx.device):
+            model = build_model(cfg.model, seed=cfg.train.seed)
+    if cfg.train.params_dtype == "bf16":
+        # cast while the model is still on the meta device (or right after the eager build): each rank only ever
+        # allocates bf16 shards, which materialize fills with the fp32 initial values rounded to nearest. The
+        # routers keep their expert_bias buffers in fp32 (TopKRouter._apply) and compute in their own router dtype
+        model.to(torch.bfloat16)
+    meshes = build_meshes(layout, ctx.device.type) if ctx.world_size > 1 else None
+    memory = MemoryPolicy()
+
+    def recompute_and_offload(modules: nn.Module) -> None:
+        nonlocal memory
+        # with pp > 1, once per stage (checked on the whole model above): a stage may lack a kind, e.g. MoE layers
+        chosen = apply_memory_policy(modules, modules.module_kinds(), *memory_options(cfg.run), part=layout.pp > 1)
+        memory = MemoryPolicy(
+            saved=memory.saved or chosen.saved,
+            recomputed={**memory.recomputed, **chosen.recomputed},
+            offloaded={**memory.offloaded, **chosen.offloaded},
+        )
+
+    parallel = parallelize(model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload)
+    if build_on_meta or source is not None:
+        try:
+            parallel.materialize(source or model.initial_weights(cfg.train.seed), ctx.device)
+        finally:
+            if source is not None:
+                source.close()
+    model = parallel.model  # with pp > 1, this rank's stages
+    checkpoint_group = None
+    if cfg.run.async_checkpoint and ctx.world_size > 1:
+        # background writes talk over a group of their own, never interleaved with the training step's collectives
+        checkpoint_group = torch.distributed.new_group(backend="gloo")
+    return Setup(
+        cfg,
+        ctx,
+        layout,
+        model,
+        parallel,
+        dtype,
+        micro,
+        grad_accum,
+        data,
+        memory,
+        resume=resume,
+        checkpoint_group=checkpoint_group,
+    )
