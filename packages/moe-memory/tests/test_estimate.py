@@ -147,13 +147,13 @@ def test_offload_moves_large_tensors_of_offloaded_kinds_to_host() -> None:
         estimate_memory(DENSE, run(), offload=frozenset({"router"}))
 
 
-def test_mla_on_cpu_takes_the_math_path_and_on_cuda_the_fused_one() -> None:
+def test_mla_on_cpu_takes_the_blockwise_kernel_and_on_cuda_the_fused_one() -> None:
     mla = MLAShape(heads=2, q_lora_rank=4, kv_lora_rank=4, qk_nope_dim=4, qk_rope_dim=2, v_dim=4)
     model = ModelShape(8, 16, (LayerShape(mla, moe=False),), dense_ffn=12)
     cpu = estimate_memory(model, run(micro_batch=2)).activations_by_module()["core_attn"]
     cuda = estimate_memory(model, run(micro_batch=2, device="cuda")).activations_by_module()["core_attn"]
     n, s = 8, 4
-    assert cpu == 2 * n * 2 * 6 * 4 + 2 * 2 * s * s * 4 + n * 2 * 4 * 4  # scaled q and k, probabilities, v copy
+    assert cpu == 2 * n * 2 * 6 * 4 + n * 2 * 4 * 4 + 2 * 2 * s * 4 + n * 2 * 4 * 4  # q, k, v copy, lse, out
     assert cuda == 2 * n * 2 * 6 * 4 + n * 2 * 8 * 4 + 2 * 2 * s * 4 + n * 2 * 4 * 4  # q, k, k_nope|v, lse, out
 
 

@@ -231,7 +231,7 @@ class RunShape:
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
     dispatcher: str = "alltoall"  # with ep or etp > 1: alltoall | allgather | flex (estimated as alltoall)
-    device: str = "cuda"  # "cpu": SDPA's math path where q/k and v head dims differ
+    device: str = "cuda"  # "cpu": blockwise attention where q/k and v head dims differ (SDPA on CUDA)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "activation_bytes", "tp", "ep", "etp", "edp", "dp"):
@@ -482,19 +482,12 @@ def _gqa(f: _Forward, att: GQAShape, z: _Sizes, run: RunShape, attn_in: str) -> 
     k = f.tensor("k.rot", n * nkv * d * a, "k with rotary")
     core_inputs = (q, k, v)
     out = f.tensor("attn.out", n * nq * d * a, "attention output")
-    window = att.window is not None and att.window < s
-    if att.sinks:
-        k_rep = f.tensor("k.rep", n * nq * d * a, "k repeated to the query heads")
-        v_rep = f.tensor("v.rep", n * nq * d * a, "v repeated to the query heads")
-        mask = f.tensor("attn.mask", s * s * BOOL, "causal mask")
-        probs = f.tensor("attn.probs32", b * nq * s * (s + 1) * FP32, "fp32 probabilities with the sink column")
-        f.save("core_attn", q, k_rep, mask, probs, v_rep)
-        if a != FP32:
-            f.save("core_attn", f.tensor("attn.probs", b * nq * s * s * a, "probabilities in the activation dtype"))
+    lse = f.tensor("attn.lse", b * nq * s * FP32, "logsumexp")
+    if att.sinks or (att.window is not None and att.window < s):
+        # blockwise attention: v is a strided view of its projection, made contiguous
+        v_c = f.tensor("attn.v", n * nkv * d * a, "v (contiguous)")
+        f.save("core_attn", q, k, v_c, out, lse)
     else:
-        if window:
-            f.save("core_attn", f.tensor("attn.mask", s * s * a, "sliding-window mask"))
-        lse = f.tensor("attn.lse", b * nq * s * FP32, "logsumexp")
         f.save("core_attn", k, q, v, lse, out)
     f.scope("core_attn", "core_attn", (), core_inputs, (out,))
     merged = out if nq == 1 else f.tensor("attn.merged", n * nq * d * a, "attention output, heads merged")
@@ -530,15 +523,12 @@ def _mla(f: _Forward, att: MLAShape, z: _Sizes, run: RunShape, attn_in: str) -> 
     k = f.tensor("k", n * nq * dq * a, "k (nope | shared rope)")
     f.scope("mla_up_proj", "mla_up_proj", (), (q_in, kv_latent, kv_a), (q, k, kv_b))
     out = f.tensor("attn.out", n * nq * dv * a, "attention output")
-    if run.device == "cpu" and dq != dv:  # SDPA's math path, in fp32 on CPU whatever the inputs
-        q_s = f.tensor("attn.q_scaled", n * nq * dq * FP32, "scaled q")
-        k_s = f.tensor("attn.k_scaled", n * nq * dq * FP32, "scaled k")
-        probs = f.tensor("attn.probs", b * nq * s * s * FP32, "probabilities")
-        # v is a view into the k_nope | v projection: one fp32 sequence reshapes it in place, else it is copied
-        v_c = kv_b if b == 1 and a == FP32 else f.tensor("attn.v", n * nq * dv * FP32, "v (contiguous, fp32)")
-        f.save("core_attn", k_s, q_s, probs, v_c)
+    lse = f.tensor("attn.lse", b * nq * s * FP32, "logsumexp")
+    if run.device == "cpu" and dq != dv:  # blockwise attention (SDPA's CPU flash kernel needs equal head sizes)
+        # v is a strided view into the k_nope | v projection, made contiguous
+        f.save("core_attn", q, k, f.tensor("attn.v", n * nq * dv * a, "v (contiguous)"), out, lse)
     else:
-        f.save("core_attn", q, k, kv_b, f.tensor("attn.lse", b * nq * s * FP32, "logsumexp"), out)
+        f.save("core_attn", q, k, kv_b, lse, out)
     f.scope("core_attn", "core_attn", (), (q, k, kv_b), (out,))
     merged = out if nq == 1 else f.tensor("attn.merged", n * nq * dv * a, "attention output, heads merged")
     f.save("attn_proj", merged)

@@ -1,5 +1,7 @@
 """Causal grouped-query attention: QK-norm (Qwen3), biases and learned attention sinks (GPT-OSS), sliding windows
-(GPT-OSS, Mixtral). SDPA computes it, except with sinks, where the sink logit joins the softmax explicitly."""
+(GPT-OSS, Mixtral). Plain causal attention over a whole sequence goes to SDPA's fused kernels; sinks, windows, a
+value head size other than q/k's on CPU (MLA), and queries and keys at given positions (a context-parallel rank's)
+go to :func:`~moe_models.blockwise_attention.blockwise_attention`. Both keep memory linear in the sequence."""
 
 from __future__ import annotations
 
@@ -7,60 +9,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_models.blockwise_attention import blockwise_attention
 from moe_models.config import ModelConfig
 from moe_models.layers import RMSNorm
 from moe_models.rope import apply_rotary
 
 
-def causal_mask(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """bool ``[S, S]``, True where query i may attend key j: j <= i, and i - j < window when windowed."""
-    pos = torch.arange(seq_len, device=device)
-    delta_SS = pos[:, None] - pos[None, :]
-    allowed = delta_SS >= 0
-    return allowed & (delta_SS < window) if window is not None else allowed
-
-
-def attention_with_sinks(
-    q_BNSD: torch.Tensor,
-    k_BNSD: torch.Tensor,
-    v_BNSD: torch.Tensor,
-    mask_SS: torch.Tensor,
-    sinks_N: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Softmax attention where each head's softmax also holds a learned logit that attends to nothing (k, v
-    already repeated to the query heads). The sink takes probability mass away, so outputs can shrink to 0."""
-    logits_BNSS = (q_BNSD @ k_BNSD.transpose(-1, -2)) * scale
-    logits_BNSS = logits_BNSS.masked_fill(~mask_SS, float("-inf"))
-    b, n, s, _ = logits_BNSS.shape
-    sink_BNS1 = sinks_N.to(logits_BNSS.dtype).view(1, n, 1, 1).expand(b, n, s, 1)
-    probs = torch.softmax(torch.cat([logits_BNSS, sink_BNS1], dim=-1).float(), dim=-1)[..., :-1]
-    return probs.to(v_BNSD.dtype) @ v_BNSD
-
-
 class CoreAttention(nn.Module):
     """softmax(q k^T * scale + causal mask) v for one layer's heads (``[B, N, S, D]`` each, k/v with the query
     heads or fewer); with ``sinks_N`` the learned sink logits join the softmax. It holds no parameters (the sinks
-    stay on :class:`Attention`): a module so that memory policies can address it (Megatron's ``core_attn``)."""
+    stay on :class:`Attention`): a module so that memory policies can address it (Megatron's ``core_attn``), and so
+    that context parallelism can hand it the keys and values of the whole sequence (``k_pos_K``: their positions)."""
 
     def __init__(self, scale: float | None, window: int | None = None) -> None:
         super().__init__()
         self.scale, self.window = scale, window
 
     def forward(
-        self, q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, sinks_N: torch.Tensor | None = None
+        self,
+        q_BNSD: torch.Tensor,
+        k_BNKD: torch.Tensor,
+        v_BNKV: torch.Tensor,
+        sinks_N: torch.Tensor | None = None,
+        q_pos_S: torch.Tensor | None = None,
+        k_pos_K: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        s, n, n_kv = q_BNSD.shape[2], q_BNSD.shape[1], k_BNSD.shape[1]
-        if sinks_N is not None:
-            k, v = k_BNSD.repeat_interleave(n // n_kv, dim=1), v_BNSD.repeat_interleave(n // n_kv, dim=1)
-            return attention_with_sinks(q_BNSD, k, v, causal_mask(s, self.window, q_BNSD.device), sinks_N, self.scale)
-        gqa = n_kv != n
-        if self.window is None or self.window >= s:  # is_causal lets SDPA pick its fused kernels
+        """``q_pos_S`` / ``k_pos_K``: the positions of the queries and keys in the sequence (default 0..S-1 for both,
+        ``k_pos_K`` defaults to ``q_pos_S``); key j is seen by query i when it is not later (and within the window)."""
+        s, n, n_kv = q_BNSD.shape[2], q_BNSD.shape[1], k_BNKD.shape[1]
+        scale = self.scale if self.scale is not None else q_BNSD.shape[-1] ** -0.5
+        whole_sequence = q_pos_S is None and k_pos_K is None
+        # SDPA's CPU flash kernel needs equal q/k and v head sizes (else it falls back to the quadratic math path)
+        fused_kernel = q_BNSD.shape[-1] == v_BNKV.shape[-1] or q_BNSD.device.type != "cpu"
+        if whole_sequence and sinks_N is None and (self.window is None or self.window >= s) and fused_kernel:
             return F.scaled_dot_product_attention(
-                q_BNSD, k_BNSD, v_BNSD, is_causal=True, scale=self.scale, enable_gqa=gqa
+                q_BNSD, k_BNKD, v_BNKV, is_causal=True, scale=scale, enable_gqa=n_kv != n
             )
-        mask = causal_mask(s, self.window, q_BNSD.device)
-        return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        if k_pos_K is None:
+            k_pos_K = q_pos_S
+        return blockwise_attention(
+            q_BNSD, k_BNKD, v_BNKV, scale, q_pos_S=q_pos_S, k_pos_K=k_pos_K, window=self.window, sinks_N=sinks_N
+        )
 
 
 class Attention(nn.Module):
@@ -81,12 +70,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if c.softmax_type == "learnable" else None
 
-    def forward(self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, positions_S: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``positions_S``: where in the sequence the S tokens stand (None: 0..S-1), for the causal mask; ``cos_SF`` /
+        ``sin_SF`` are the rotary tables at those positions."""
         b, s, _ = x_BSH.shape
         # head counts come from the projections' widths, so a tensor-parallel rank computes its share of the heads
         q = self.q_norm(self.q_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSH).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_SF, sin_SF, self.interleaved), apply_rotary(k, cos_SF, sin_SF, self.interleaved)
-        out_BNSD = self.core_attention(q, k, v, self.sinks)
+        out_BNSD = self.core_attention(q, k, v, self.sinks, positions_S, positions_S)
         return self.o_proj(out_BNSD.transpose(1, 2).reshape(b, s, -1))

@@ -71,7 +71,10 @@ class MultiLatentAttention(nn.Module):
         self.up_proj = MLAUpProjection(self.nope_dim, self.rope_dim, self.v_dim, c.rotary_interleaved)
         self.core_attention = CoreAttention(c.softmax_scale)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, positions_S: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As :meth:`moe_models.attention.Attention.forward`."""
         b, s, _ = x_BSH.shape
         q_in_BSQ = self.q_a_norm(self.q_a_proj(x_BSH)) if self.q_latent else x_BSH
         latent_BSC, k_rope_BSR = self.kv_a_proj(x_BSH).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -79,5 +82,5 @@ class MultiLatentAttention(nn.Module):
         q, k, v_BNSV = self.up_proj(
             q_up, self.kv_b_proj, q_in_BSQ, self.kv_a_norm(latent_BSC), k_rope_BSR, cos_SF, sin_SF
         )
-        out_BNSV = self.core_attention(q, k, v_BNSV)
+        out_BNSV = self.core_attention(q, k, v_BNSV, None, positions_S, positions_S)
         return self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, -1))

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 class ModelOutput:
     """Logits plus the MoE side results the trainer needs (aux loss, expert load) and the MTP logits."""
 
-    logits: torch.Tensor  # [B, S, V]
+    logits: torch.Tensor  # [B, S, V] (S: the positions computed)
     # detached scalar for logging: the layers' load-balancing losses (coefficients applied); their
     # gradients are attached to the router probabilities, so the loss to backward is the LM loss alone
     aux_loss: torch.Tensor
@@ -74,9 +74,9 @@ class DecoderLayer(nn.Module):
         return isinstance(self.mlp, MoEBlock)
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
+        self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, positions_S: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, RoutingResult | None]:
-        x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos_SF, sin_SF)
+        x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos_SF, sin_SF, positions_S)
         mlp_out, routing = self.mlp(self.post_attention_norm(x_BSH))
         return x_BSH + mlp_out, routing
 
@@ -96,10 +96,15 @@ class MTPLayer(nn.Module):
         self.final_norm = RMSNorm(h, config.norm_epsilon)
 
     def forward(
-        self, hidden_BSH: torch.Tensor, next_embed_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor
+        self,
+        hidden_BSH: torch.Tensor,
+        next_embed_BSH: torch.Tensor,
+        cos_SF: torch.Tensor,
+        sin_SF: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoutingResult | None]:
         x_BSH = self.eh_proj(torch.cat([self.enorm(next_embed_BSH), self.hnorm(hidden_BSH)], dim=-1))
-        return self.layer(x_BSH, cos_SF, sin_SF)
+        return self.layer(x_BSH, cos_SF, sin_SF, positions_S)
 
 
 class MoETransformer(nn.Module):
@@ -160,23 +165,42 @@ class MoETransformer(nn.Module):
         """The router of every MoE layer, in :meth:`moe_layers` order (the rows of ``tokens_per_expert_LE``)."""
         return [layer.mlp.router for layer in self.moe_layers()]
 
-    def forward(self, input_ids_BS: torch.Tensor) -> ModelOutput:
-        x_BSH = self.embed_tokens(input_ids_BS)
-        cos_SF, sin_SF = rotary_cos_sin(self.config, input_ids_BS.shape[1], x_BSH.device)
+    def forward(self, input_ids_BS: torch.Tensor, positions_S: torch.Tensor | None = None) -> ModelOutput:
+        """Logits (and MTP logits) of the sequences ``input_ids_BS`` at ``positions_S`` (int64, ascending; None: every
+        position). Attention sees the keys of the positions computed, causally by position: a context-parallel rank
+        computes its positions, and moe_parallel hands its attention the other ranks' keys and values."""
+        x_BSH = self.embed_tokens(at_positions(input_ids_BS, positions_S))
+        cos_SF, sin_SF = rotary_cos_sin(self.config, _positions_or_length(input_ids_BS, positions_S), x_BSH.device)
         routings: list[RoutingResult | None] = []
-        x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings)
-        logits_BSV, mtp_logits = run_head(self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings)
+        x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings, positions_S)
+        logits_BSV, mtp_logits = run_head(self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S)
         kept = [r for r in routings if r is not None]
         return ModelOutput(
             logits_BSV, aux_loss_sum(kept, x_BSH), tokens_per_expert(kept, self.config, x_BSH), mtp_logits
         )
 
 
-def run_layers(layers, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, routings: list) -> torch.Tensor:
+def at_positions(ids_BS: torch.Tensor, positions_S: torch.Tensor | None) -> torch.Tensor:
+    """The tokens of ``ids_BS`` at ``positions_S`` (all of them for None)."""
+    return ids_BS if positions_S is None else ids_BS[:, positions_S]
+
+
+def _positions_or_length(ids_BS: torch.Tensor, positions_S: torch.Tensor | None) -> int | torch.Tensor:
+    return ids_BS.shape[1] if positions_S is None else positions_S
+
+
+def run_layers(
+    layers,
+    x_BSH: torch.Tensor,
+    cos_SF: torch.Tensor,
+    sin_SF: torch.Tensor,
+    routings: list,
+    positions_S: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x_BSH`` through decoder ``layers`` in order; each layer's routing (None for a dense one) goes to
     ``routings``."""
     for layer in layers:
-        x_BSH, routing = layer(x_BSH, cos_SF, sin_SF)
+        x_BSH, routing = layer(x_BSH, cos_SF, sin_SF, positions_S)
         routings.append(routing)
     return x_BSH
 
@@ -188,16 +212,20 @@ def run_head(
     cos_SF: torch.Tensor,
     sin_SF: torch.Tensor,
     routings: list,
+    positions_S: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The logits and the MTP depths' logits from the last layer's output; ``parts`` holds ``norm``, ``lm_head``,
-    ``mtp`` and (for MTP) ``embed_tokens``: the whole model, or the last pipeline stage."""
+    ``mtp`` and (for MTP) ``embed_tokens``: the whole model, or the last pipeline stage. ``input_ids_BS`` is the
+    whole sequences, ``positions_S`` the positions computed."""
     logits_BSV = parts.lm_head(parts.norm(x_BSH))
     mtp_logits = []
     hidden_BSH, ids_BS = x_BSH, input_ids_BS
     for mtp in parts.mtp:
-        # one token further on; the wrapped-around last position has no label and is left out of the loss
+        # one token further on (in the whole sequence); the wrapped-around last position has no label and is left
+        # out of the loss
         ids_BS = torch.roll(ids_BS, -1, dims=1)
-        hidden_BSH, routing = mtp(hidden_BSH, parts.embed_tokens(ids_BS), cos_SF, sin_SF)
+        next_embed_BSH = parts.embed_tokens(at_positions(ids_BS, positions_S))
+        hidden_BSH, routing = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S)
         routings.append(routing)
         mtp_logits.append(parts.lm_head(mtp.final_norm(hidden_BSH)))
     return logits_BSV, tuple(mtp_logits)

@@ -40,15 +40,21 @@ def _yarn_attention_factor(c: ModelConfig) -> float:
     return yarn_mscale(c.rotary_scaling_factor)
 
 
-def rotary_cos_sin(c: ModelConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[S, D/2]`` (one column per frequency) for positions 0..S-1, D = ``c.rotary_dim``."""
+def rotary_cos_sin(
+    c: ModelConfig, positions: int | torch.Tensor, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[S, D/2]`` (one column per frequency), D = ``c.rotary_dim``, for positions 0..S-1
+    (``positions`` an int S) or for the given positions of the sequence (an int tensor ``[S]``, on its device)."""
+    if isinstance(positions, torch.Tensor):
+        device = positions.device
     dim = c.rotary_dim
     if c.rope_type == "yarn":
         inv_freq, scale = _yarn_inv_freq(c, dim, device), _yarn_attention_factor(c)
     else:
         inv_freq = 1.0 / c.rotary_base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
         scale = 1.0
-    angles_SF = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    pos_S = positions.float() if isinstance(positions, torch.Tensor) else torch.arange(positions, device=device).float()
+    angles_SF = torch.outer(pos_S, inv_freq)
     return angles_SF.cos() * scale, angles_SF.sin() * scale
 
 

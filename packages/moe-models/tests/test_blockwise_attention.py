@@ -1,0 +1,109 @@
+"""Blockwise attention against the whole-score-matrix reference (fp64, outputs and every gradient), SDPA, and its
+memory: what it keeps for the backward grows linearly with the sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moe_models.blockwise_attention as blockwise_module
+from moe_memory import SavedTensorBytes
+from moe_models.attention import CoreAttention
+from moe_models.blockwise_attention import blockwise_attention, reference_attention
+
+
+@st.composite
+def problems(draw):
+    """Shapes, a window or none, sinks or none, and query / key positions: the whole sequence, or a subset of the
+    queries (a context-parallel rank's chunks) against every key."""
+    batch, n_kv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+    keys, d, dv = draw(st.integers(1, 40)), draw(st.sampled_from([2, 4, 8])), draw(st.sampled_from([2, 4, 6]))
+    window = draw(st.one_of(st.none(), st.integers(1, keys + 2)))
+    sinks = draw(st.booleans())
+    if draw(st.booleans()):
+        q_pos = torch.arange(keys)
+    else:
+        picked = draw(st.lists(st.integers(0, keys - 1), min_size=1, max_size=keys, unique=True))
+        q_pos = torch.tensor(sorted(picked))
+    block_scores = draw(st.sampled_from([1, 64, 1 << 23]))  # 1: blocks of 16 rows, several per sequence
+    return batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, block_scores
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.integers(0, 2**31 - 1))
+def test_matches_the_reference_with_gradients(problem, seed: int) -> None:
+    batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, block_scores = problem
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blockwise_module, "BLOCK_SCORES", block_scores)
+        _check_against_reference(batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, seed)
+
+
+def _check_against_reference(batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n = n_kv * groups
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    q, k, v = rand(batch, n, q_pos.numel(), d), rand(batch, n_kv, keys, d), rand(batch, n_kv, keys, dv)
+    sinks_N = rand(n) if sinks else None
+    kwargs = {"q_pos_S": q_pos, "k_pos_K": torch.arange(keys), "window": window, "sinks_N": sinks_N}
+    leaves = [q, k, v] + ([sinks_N] if sinks else [])
+    ours = blockwise_attention(q, k, v, 0.7, **kwargs)
+    grad_out = torch.randn(ours.shape, generator=gen, dtype=torch.float64)
+    ours_grads = torch.autograd.grad(ours, leaves, grad_out)
+    ref = reference_attention(q, k, v, 0.7, **kwargs)
+    ref_grads = torch.autograd.grad(ref, leaves, grad_out)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    for name, a, b in zip(("q", "k", "v", "sinks"), ours_grads, ref_grads, strict=False):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_rows_that_see_no_key_give_zeros_or_the_sink_alone() -> None:
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    early = torch.tensor([0, 1, 2])  # every key stands after every query
+    keys_later = torch.arange(10, 15)
+    out = blockwise_attention(q, k, v, 0.5, q_pos_S=early, k_pos_K=keys_later)
+    assert torch.equal(out, torch.zeros_like(out))
+    sinks = torch.zeros(2, requires_grad=True)
+    out = blockwise_attention(q, k, v, 0.5, q_pos_S=early, k_pos_K=keys_later, sinks_N=sinks)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(sinks.grad, torch.zeros(2))
+
+
+def test_plain_causal_equals_sdpa_and_core_attention_picks_the_fused_kernel_only_there() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 50, 8), torch.randn(2, 2, 50, 8), torch.randn(2, 2, 50, 8)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(blockwise_attention(q, k, v, 8**-0.5), sdpa, rtol=1e-5, atol=1e-6)
+    core = CoreAttention(None)
+    assert torch.equal(core(q, k, v), sdpa)  # the whole sequence, no sink, no window: SDPA itself
+    # positions given (a context-parallel rank's queries against all keys): the blockwise kernel, same values
+    positions = torch.arange(50)
+    torch.testing.assert_close(core(q, k, v, None, positions, positions), sdpa, rtol=1e-5, atol=1e-6)
+    windowed = CoreAttention(None, window=7)
+    torch.testing.assert_close(
+        windowed(q, k, v), reference_attention(q, k, v, 8**-0.5, window=7), rtol=1e-5, atol=1e-6
+    )
+
+
+def _saved_bytes(seq: int) -> int:
+    torch.manual_seed(0)
+    leaves = [torch.randn(1, heads, seq, 16, requires_grad=True) for heads in (4, 2, 2)]
+    sinks = torch.zeros(4, requires_grad=True)
+    with SavedTensorBytes([sinks]) as saved:
+        q, k, v = (leaf * 1.0 for leaf in leaves)  # activations, as a layer's projections are
+        blockwise_attention(q, k, v, 0.25, window=64, sinks_N=sinks)
+    return saved.total
+
+
+def test_saved_memory_is_linear_in_the_sequence() -> None:
+    """q, k, v, the output and one fp32 log-sum-exp per row and head: 4 * (4*16 + 2*16 + 2*16 + 4*16 + 4) bytes per
+    token, whatever the length (the whole-matrix path kept 4 * 4 * S fp32 probabilities per token)."""
+    per_token = 4 * (4 * 16 + 2 * 16 + 2 * 16 + 4 * 16 + 4)
+    for seq in (256, 1024):
+        assert _saved_bytes(seq) == per_token * seq
