@@ -86,9 +86,7 @@ def test_plain_causal_equals_sdpa_and_core_attention_picks_the_fused_kernel_only
     positions = torch.arange(50)
     torch.testing.assert_close(core(q, k, v, None, positions, positions), sdpa, rtol=1e-5, atol=1e-6)
     windowed = CoreAttention(None, window=7)
-    torch.testing.assert_close(
-        windowed(q, k, v), reference_attention(q, k, v, 8**-0.5, window=7), rtol=1e-5, atol=1e-6
-    )
+    torch.testing.assert_close(windowed(q, k, v), reference_attention(q, k, v, 8**-0.5, window=7), rtol=1e-5, atol=1e-6)
 
 
 def _saved_bytes(seq: int) -> int:

@@ -87,6 +87,11 @@ class TopKRouter(nn.Module):
     tokens), its gradients averaged over the data-parallel part only; the reported value is the loss
     summed over the sequence group. Costs one all-reduce of a small fp64 vector per training forward (plus
     ``global_aux_loss``'s own over ``stats_group``); None or a group of size 1 changes nothing.
+
+    ``sequence_grad_divisor`` (settable later too): how many ranks of the sequence group have their gradients
+    AVERAGED rather than summed (context parallelism: each rank's model loss is the mean over its own tokens and FSDP
+    averages the cp ranks). The balancing losses' attached gradients are multiplied by it, so that the average
+    leaves their sum; the reported values are unchanged.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class TopKRouter(nn.Module):
         self.config = config
         self.stats_group = stats_group
         self.sequence_group = sequence_group
+        self.sequence_grad_divisor = 1
         self.replay = replay
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.add_bias else None
@@ -226,7 +232,9 @@ class TopKRouter(nn.Module):
         losses = self._losses(logits_TE, seq_len) if self.training else {}
         total = sum(losses.values(), logits_TE.new_zeros(()))
         if losses and total.requires_grad and torch.is_grad_enabled():
-            probs_TK = attach_aux_loss(probs_TK, total)
+            probs_TK = attach_aux_loss(
+                probs_TK, total if self.sequence_grad_divisor == 1 else total * self.sequence_grad_divisor
+            )
         return RoutingResult(
             probs_TK,
             expert_idx_TK,

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from moe_models.model import ModelOutput
 
+IGNORE_INDEX = -100  # label of a position that has none (F.cross_entropy's default)
+
 
 @dataclass(frozen=True)
 class LMLoss:
@@ -19,11 +21,22 @@ class LMLoss:
     mtp: tuple[torch.Tensor, ...]  # one per MTP depth, unscaled
 
 
-def causal_lm_loss(output: ModelOutput, labels_BS: torch.Tensor, mtp_loss_scaling_factor: float = 0.1) -> LMLoss:
+def causal_lm_loss(
+    output: ModelOutput,
+    labels_BS: torch.Tensor,
+    mtp_loss_scaling_factor: float = 0.1,
+    positions_S: torch.Tensor | None = None,
+) -> LMLoss:
     """Mean cross-entropy of ``output.logits`` against ``labels_BS`` (the next tokens), plus, as Megatron,
     ``mtp_loss_scaling_factor`` times the mean over depths of the MTP losses: depth k (1-based) at position i
-    predicts ``labels[i + k]``, so its last k positions have no label and are left out."""
-    return next_token_loss(output.logits, output.mtp_logits, labels_BS, mtp_loss_scaling_factor)
+    predicts ``labels[i + k]``, so its last k positions have no label and are left out.
+
+    ``positions_S``: the positions the model computed (``model(ids, positions_S)``, a context-parallel rank's) of
+    the whole sequences ``labels_BS``. Each loss is then this rank's share of the whole sequences' mean: summed over
+    its positions and divided by the labelled positions of the whole sequences times its fraction of them, so that
+    the mean over ranks holding equal shares is the whole sequences' loss (the last positions, which MTP leaves out,
+    all sit on one rank)."""
+    return next_token_loss(output.logits, output.mtp_logits, labels_BS, mtp_loss_scaling_factor, positions_S)
 
 
 def next_token_loss(
@@ -31,12 +44,25 @@ def next_token_loss(
     mtp_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
     labels_BS: torch.Tensor,
     mtp_loss_scaling_factor: float = 0.1,
+    positions_S: torch.Tensor | None = None,
 ) -> LMLoss:
     """:func:`causal_lm_loss` from the logits themselves (a pipeline's last stage returns only those)."""
-    lm = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+    seq = labels_BS.shape[1]
+    local_labels_BS = labels_BS if positions_S is None else labels_BS[:, positions_S]
+    lm = F.cross_entropy(logits_BSV.float().flatten(0, 1), local_labels_BS.flatten())
     total, mtp = lm, []
     for depth, depth_logits_BSV in enumerate(mtp_logits, start=1):
-        loss = F.cross_entropy(depth_logits_BSV[:, :-depth].float().flatten(0, 1), labels_BS[:, depth:].flatten())
+        if positions_S is None:
+            loss = F.cross_entropy(depth_logits_BSV[:, :-depth].float().flatten(0, 1), labels_BS[:, depth:].flatten())
+        else:
+            target_S = positions_S + depth
+            ignored = target_S >= seq
+            targets_BS = labels_BS[:, target_S.clamp(max=seq - 1)].masked_fill(ignored, IGNORE_INDEX)
+            summed = F.cross_entropy(
+                depth_logits_BSV.float().flatten(0, 1), targets_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            share = positions_S.numel() / seq  # of the whole sequences' positions
+            loss = summed / (labels_BS.shape[0] * (seq - depth) * share)
         mtp.append(loss)
     if mtp:
         total = lm + mtp_loss_scaling_factor * torch.stack(mtp).mean()

@@ -51,9 +51,9 @@ def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dic
     """Add decoder layer ``prefix``'s entries to ``plan``'s tensor_parallel / partial / grad-column lists."""
     styles, partial = plan["tensor_parallel"], plan["tp_partial_grads"]
     styles[f"{prefix}.input_norm"] = SequenceParallel()
-    styles[f"{prefix}.attention"] = PrepareModuleInput(
-        input_layouts=(Shard(1), None, None),
-        desired_input_layouts=(Replicate(), None, None),
+    styles[f"{prefix}.attention"] = PrepareModuleInput(  # (x, cos, sin, positions)
+        input_layouts=(Shard(1), None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None),
         use_local_output=True,  # the MLA latents are plain Linears on the whole sequence
     )
     styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
@@ -120,5 +120,7 @@ def parallel_plan(model: MoETransformer) -> ParallelPlan:
         fsdp_units=tuple(prefix for prefix, _ in layers + depths),
         moe_blocks=tuple(MoEBlockPlan(f"{prefix}.mlp") for prefix, layer in layers + depths if layer.is_moe),
         tied_parameters=(("embed_tokens.weight", "lm_head.weight"),) if c.share_embeddings_and_output_weights else (),
+        # every attention: under context parallelism its core attention sees the keys and values of every cp rank
+        context_parallel=tuple(f"{prefix}.attention.core_attention" for prefix, _ in layers + depths),
         pipeline=pipeline_plan(model) if isinstance(model, MoETransformer) else None,
     )

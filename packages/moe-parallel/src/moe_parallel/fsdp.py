@@ -1,5 +1,5 @@
-"""FSDP2 (``fully_shard``) over both sides of a layout: dense parameters over the attention data-parallel mesh,
-routed experts over the expert data-parallel mesh only.
+"""FSDP2 (``fully_shard``) over both sides of a layout: dense parameters over the attention data-parallel mesh (the
+cp ranks included), routed experts over the expert data-parallel mesh only.
 
 Experts are wrapped first, as their own FSDP units on the ``edp`` mesh, so the enclosing layer's unit (on the
 ``dp`` mesh) leaves them alone: no parameter is sharded twice. When an edp group has more ranks than a rank has
@@ -58,7 +58,7 @@ def apply_fsdp(
             fully_shard(module, mesh=meshes.edp_mesh, mp_policy=mp, shard_placement_fn=_expert_placement(layout.edp))
     else:  # each rank's experts are its own: no data-parallel copy to shard over
         ignored = {p for module in experts for p in module.parameters()}
-    if layout.dp > 1:
+    if layout.dp_cp > 1:
         for path in plan.fsdp_units:
             fully_shard(submodule(model, path), mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)
         fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)

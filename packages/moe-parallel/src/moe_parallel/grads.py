@@ -9,9 +9,10 @@ What remains (:class:`GradientSync`):
 - parameters that stay whole on every tp rank but saw only its tokens or heads (routers, shared experts, q/k norms):
   their gradients are summed over tp;
 - the experts' down bias, added by etp rank 0 only: summed over etp;
-- routed experts: every token of every data-parallel replica reaches some copy of each expert, so the sum over an
-  expert's ``edp`` copies is ``dp`` times the gradient of the mean loss; FSDP divided by ``edp``, so the gradient is
-  scaled by ``edp / dp`` (as Megatron's expert gradient scaling and torchtitan's gradient divide factor).
+- routed experts: every token of every data-parallel replica (and context-parallel rank: each holds the mean loss of
+  its own tokens) reaches some copy of each expert, so the sum over an expert's ``edp`` copies is ``dp x cp`` times
+  the gradient of the mean loss; FSDP divided by ``edp``, so the gradient is scaled by ``edp / (dp cp)`` (as
+  Megatron's expert gradient scaling and torchtitan's gradient divide factor).
 
 The global norm sums each rank's squared local gradients divided by how many ranks hold an identical copy of
 that shard (:func:`replica_count`), in one all-reduce: a parameter replicated over dp, tp or edp counts once, a
@@ -69,7 +70,7 @@ class GradientSync:
     etp_partial: list[nn.Parameter] = field(default_factory=list)
     etp_group: dist.ProcessGroup | None = None
     experts: list[nn.Parameter] = field(default_factory=list)
-    expert_scale: float = 1.0  # edp / dp
+    expert_scale: float = 1.0  # edp / (dp cp)
     # replica_count of every parameter, by id
     replicas: dict[int, int] = field(default_factory=dict)
 

@@ -89,6 +89,12 @@ class ParallelLayout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_cp(self) -> int:
+        """Attention ranks of one tp group holding different tokens of a step (dp x cp): FSDP shards dense parameters
+        over them and averages their gradients."""
+        return self.dp * self.cp
+
+    @property
     def edp(self) -> int:
         """Expert data-parallel size: the ranks holding the same experts."""
         return self.world_size // (self.etp * self.ep * self.pp)

@@ -8,7 +8,8 @@ the DTensor parallel styles take their sub-meshes, the token dispatchers their p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ class ParallelMeshes:
     expert: DeviceMesh  # (pp, edp, ep, etp)
     # every rank of this rank's pipeline stage (all but the pp dimension); the world without pipeline parallelism
     stage_group: dist.ProcessGroup | None = None
+    # flattened dimensions of the attention mesh, kept as _flatten returned them: "dp_shard_cp", "cp_tp"
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -33,10 +36,18 @@ class ParallelMeshes:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """What FSDP2 shards dense parameters over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` (HSDP)."""
-        if self.layout.dp_replicate > 1:
-            return self.attention["dp_replicate", "dp_shard"]
-        return self.attention["dp_shard"]
+        """What FSDP2 shards dense parameters over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` (HSDP); with context
+        parallelism the cp ranks join the shard dimension (``dp_shard_cp``): they hold other tokens of the same
+        sequences, so their gradients are averaged as data-parallel ones are."""
+        if self.layout.cp == 1:
+            if self.layout.dp_replicate > 1:
+                return self.attention["dp_replicate", "dp_shard"]
+            return self.attention["dp_shard"]
+        if self.layout.dp_replicate == 1:
+            return self.flattened["dp_shard_cp"]
+        with warnings.catch_warnings():  # torch has no other way to a 2-D mesh holding a flattened dimension yet
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.attention["dp_replicate", "dp_shard_cp"]
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -52,6 +63,17 @@ class ParallelMeshes:
         expert (etp, ep, edp) mesh."""
         mesh = self.expert if dim in ("etp", "ep", "edp") else self.attention
         return mesh.get_group(dim)
+
+    @property
+    def sequence_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the other tokens of this rank's sequences (cp x tp; None when each rank holds whole
+        sequences): routers balance whole sequences over it."""
+        cp, tp = self.layout.cp, self.layout.tp
+        if cp > 1 and tp > 1:
+            return self.flattened["cp_tp"].get_group()
+        if cp > 1 or tp > 1:
+            return self.group("cp" if cp > 1 else "tp")
+        return None
 
     @property
     def token_group(self) -> dist.ProcessGroup:
@@ -84,6 +106,11 @@ def build_meshes(layout: ParallelLayout, device_type: str = "cpu") -> ParallelMe
     expert = DeviceMesh(
         device_type, ranks.view(*(layout.sizes("expert")[d] for d in expert_dims)), mesh_dim_names=expert_dims
     )
+    flattened = {}
+    if layout.cp > 1:  # FSDP's shard mesh and the routers' sequence group, on the attention mesh (FSDP needs TP's root)
+        flattened["dp_shard_cp"] = attention["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if layout.tp > 1:
+            flattened["cp_tp"] = attention["cp", "tp"]._flatten("cp_tp")
     stage_group = None
     if layout.pp > 1:
         rank = dist.get_rank()
@@ -91,4 +118,4 @@ def build_meshes(layout: ParallelLayout, device_type: str = "cpu") -> ParallelMe
             group = dist.new_group(members)  # every rank creates every group, in the same order
             if rank in members:
                 stage_group = group
-    return ParallelMeshes(layout, attention, expert, stage_group)
+    return ParallelMeshes(layout, attention, expert, stage_group, flattened)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_parallel.config import ParallelConfig
+from moe_parallel.context_parallel import apply_context_parallel, load_balanced_positions
 from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks
 from moe_parallel.fsdp import apply_fsdp
 from moe_parallel.grads import GradientSync, replica_count
@@ -73,18 +74,54 @@ class ParallelModel:
         """Which slice of the global batch this rank reads (0 in one process)."""
         return 0 if self.meshes is None else self.meshes.dp_index()
 
+    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """The positions of each ``seq_len``-token sequence this rank computes under context parallelism (its
+        load-balanced chunks, for the model's ``positions_S``); None without it (every position)."""
+        return context_positions(self.meshes, seq_len, device)
+
+
+def context_positions(
+    meshes: ParallelMeshes | None, seq_len: int, device: torch.device | str | None = None
+) -> torch.Tensor | None:
+    """This rank's positions of a ``seq_len``-token sequence under context parallelism; None without it."""
+    if meshes is None or meshes.layout.cp == 1:
+        return None
+    cp_rank = meshes.layout.coords(meshes.rank, "attention")["cp"]
+    return load_balanced_positions(seq_len, meshes.layout.cp, cp_rank, device)
+
 
 def _check_plan_names(model: nn.Module, plan: ParallelPlan) -> None:
     """Every module and parameter ``plan`` names exists (torch's parallelize_module would skip a wrong path with a
     warning and leave that module unsplit)."""
-    paths = [*(p for p in plan.tensor_parallel if "*" not in p), *plan.fsdp_units, *plan.tp_sum_grad_columns]
+    paths = [
+        *(p for p in plan.tensor_parallel if "*" not in p),
+        *plan.fsdp_units,
+        *plan.tp_sum_grad_columns,
+        *plan.context_parallel,
+    ]
     for path in paths:
         if path:
             submodule(model, path)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for name in [*plan.tp_partial_grads, *(n for pair in plan.tied_parameters for n in pair)]:
+    for name in [
+        *plan.tp_partial_grads,
+        *plan.tp_shard_parameters,
+        *(n for pair in plan.tied_parameters for n in pair),
+    ]:
         if name not in params:
             raise ValueError(f"the parallel plan names parameter {name!r}, which the model does not have")
+
+
+def check_context_parallel(plan: ParallelPlan, layout: ParallelLayout) -> None:
+    """Raise :class:`LayoutError` (field ``cp``) when the planned model cannot split its sequences over cp ranks."""
+    if layout.cp == 1:
+        return
+    if not plan.context_parallel:
+        raise LayoutError("cp", layout.cp, "the model declares no context-parallel attention; use cp=1")
+    if layout.pp > 1:
+        raise LayoutError(
+            "cp", layout.cp, "context parallelism does not combine with pipeline parallelism yet; use pp=1"
+        )
 
 
 def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, layout: ParallelLayout) -> None:
@@ -92,8 +129,7 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
     cannot be split as ``layout`` asks, and ``ValueError`` when the plan names what the model does not have. The one
     place these rules are checked; call it before any process group."""
     _check_plan_names(model, plan)
-    if layout.cp > 1:
-        raise LayoutError("cp", layout.cp, "context parallelism is not implemented yet; use 1")
+    check_context_parallel(plan, layout)
     check_pipeline(plan, config, layout)
     etp_default = " (etp defaults to tp)" if config.etp is None and layout.etp > 1 else ""
     for block in moe_blocks(model, plan):
@@ -115,7 +151,9 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
     if config.mixed_precision_param != "float32":
         # FSDP's policy casts the parameters of the modules it wraps, and it wraps nothing along a size-1 dimension
         whole = [
-            what for what, size in (("dense parameters (dp)", layout.dp), ("experts (edp)", layout.edp)) if size == 1
+            what
+            for what, size in (("dense parameters (dp x cp)", layout.dp_cp), ("experts (edp)", layout.edp))
+            if size == 1
         ]
         if whole:
             raise LayoutError(
@@ -182,10 +220,13 @@ def split_module(
     if layout.tp > 1:
         by_id = {id(p): n for n, p in model.named_parameters()}
         tp_partial = [by_id[id(p)] for p in apply_tensor_parallel(model, meshes.tp_mesh, plan)]
+    if layout.cp > 1:
+        apply_context_parallel(model, plan.context_parallel, meshes.group("cp"))
     for block in moe_blocks(model, plan):
         block.router.stats_group = meshes.token_group
-        if layout.tp > 1:
-            block.router.sequence_group = meshes.group("tp")
+        block.router.sequence_group = meshes.sequence_group
+        # FSDP averages the cp ranks' gradients: the balancing losses of whole sequences need their sum
+        block.router.sequence_grad_divisor = layout.cp
     if before_fsdp is not None:
         before_fsdp(model)
     # FSDP replaces parameters by new (DTensor) ones, and materialize by allocated ones: ParallelModel.sync looks
@@ -214,6 +255,6 @@ def _gradient_sync(parallel: ParallelModel) -> GradientSync:
         etp_partial=[e.b_down_EH for e in experts if e.b_down_EH is not None] if layout.etp > 1 else [],
         etp_group=meshes.group("etp") if layout.etp > 1 else None,
         experts=[p for e in experts for p in e.parameters()],
-        expert_scale=layout.edp / layout.dp,
+        expert_scale=layout.edp / layout.dp_cp,
         replicas=replicas,
     )

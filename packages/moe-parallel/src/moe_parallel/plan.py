@@ -94,6 +94,12 @@ class ParallelPlan:
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     # model field -> why this model cannot run with tp > 1
     tp_unsupported: Mapping[str, str] = field(default_factory=dict)
+    # parameter path -> dimension it is split along over tp (a per-head parameter beside column-parallel heads, such
+    # as attention sinks): distributed as Shard(dim); the module using it takes its local piece
+    tp_shard_parameters: Mapping[str, int] = field(default_factory=dict)
+    # core-attention modules called as (q, k, v, sinks, q_positions, k_positions): with cp > 1 each gets the keys
+    # and values of the whole sequence (moe_parallel.context_parallel); empty: the model cannot take cp > 1
+    context_parallel: tuple[str, ...] = ()
     # FSDP2 units on the data-parallel mesh, innermost first; the root is always a unit after them
     fsdp_units: tuple[str, ...] = ()
     moe_blocks: tuple[MoEBlockPlan, ...] = ()

@@ -106,6 +106,14 @@ def micro_batching(train_config: TrainConfig, layout: ParallelLayout) -> tuple[i
 
 def _check_trainer_layout(cfg: ExperimentConfig, layout: ParallelLayout) -> None:
     """What the trainer needs of a layout beyond the model fitting it."""
+    if layout.cp > 1 and cfg.data.seq_len % (2 * layout.cp * layout.tp):
+        sp = f" x parallel.tp={layout.tp}" if layout.tp > 1 else ""
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is not divisible by 2 x parallel.cp={layout.cp}{sp} = "
+            f"{2 * layout.cp * layout.tp} (context parallelism cuts every sequence into 2 x cp load-balanced chunks"
+            + (", sequence parallelism each rank's share into tp" if layout.tp > 1 else "")
+            + ")"
+        )
     if cfg.data.seq_len % layout.tp:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp} (sequence parallel "

@@ -168,6 +168,12 @@ class _Loop:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.per_rank = setup.micro_batch * setup.grad_accum
         self.params = [p for p in setup.model.parameters() if p.requires_grad]
+        # under context parallelism the positions of every sequence this rank computes (None: all of them)
+        self.positions = (
+            None
+            if isinstance(setup.parallel, PipelineParallelModel)
+            else setup.parallel.positions(cfg.data.seq_len, ctx.device)
+        )
         self.autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.log: MetricsLog | None = None
@@ -220,8 +226,8 @@ class _Loop:
             batch = self.stream.batch(step, cfg.train.global_batch_size, first, setup.micro_batch)
             inputs, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
             with self.autocast:
-                out = setup.model(inputs)
-            loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor)
+                out = setup.model(inputs, self.positions)
+            loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor, self.positions)
             loss.total.backward()  # the routers' balancing losses ride along on their probabilities
             lm_sum += loss.lm.detach()
             if loss.mtp:
@@ -360,7 +366,8 @@ class _Loop:
                     ids, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
                     with self.autocast:
                         if self.pipeline is None:
-                            total += causal_lm_loss(model(ids), labels, 0.0).lm.float()
+                            out = model(ids, self.positions)
+                            total += causal_lm_loss(out, labels, 0.0, self.positions).lm.float()
                         else:  # the last stage's rank alone has logits
                             out = self.pipeline.forward(ids, self.hidden_dtype)
                             if out is not None:

@@ -1,0 +1,98 @@
+"""Context parallelism: every sequence of a data-parallel replica is split over its ``cp`` ranks.
+
+Load balancing: the sequence is cut into ``2 cp`` equal chunks and rank r holds chunks r and ``2 cp - 1 - r``
+(:func:`load_balanced_positions`), so under a causal mask every rank has the same attention work. A rank runs the
+model on its own positions (the model takes ``positions_S``: rotary angles and the causal mask come from the global
+positions); everything but attention is per token. Attention needs the keys and values of the whole sequence: each
+core-attention module the plan names (``ParallelPlan.context_parallel``) gets them all-gathered over the cp ranks,
+sorted by position, before it runs (:class:`GatherKeysValues`), and computes its own queries exactly against them;
+the backward reduce-scatters the key / value gradients back to their ranks. All-gather (rather than a ring) keeps
+sliding windows, sinks and MLA's value head size exact with one kernel, as Transformer Engine does for windows.
+
+What the rest of the layout does with it: dense parameters are averaged by FSDP over ``dp_shard x cp`` (each rank's
+loss is the mean over its tokens, all ranks hold as many), experts are scaled by ``edp / (dp cp)``, and routers
+balance whole sequences (their sequence group is ``cp x tp``), their balancing gradients multiplied by ``cp`` so that
+FSDP's average over the cp ranks leaves the sum a whole-sequence loss needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_parallel.plan import submodule
+
+
+def load_balanced_positions(seq_len: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 positions rank ``rank`` of ``cp`` holds of a ``seq_len``-token sequence: chunks ``rank`` and
+    ``2 cp - 1 - rank`` of ``2 cp``, ascending."""
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} of cp={cp}: need 0 <= rank < cp")
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len={seq_len} is not divisible by 2 x cp = {2 * cp} (two chunks per cp rank)")
+    chunk = seq_len // (2 * cp)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([head, tail])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` over ``group`` (rank order); backward: each rank gets the sum of every rank's
+    gradient for its own slice (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.dim, ctx.group = dim, group
+        size = dist.get_world_size(group)
+        x0 = x.movedim(dim, 0).contiguous()
+        out = x0.new_empty((size * x0.shape[0], *x0.shape[1:]))
+        dist.all_gather_into_tensor(out, x0, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        size = dist.get_world_size(ctx.group)
+        g0 = grad.movedim(ctx.dim, 0).contiguous()
+        out = g0.new_empty((g0.shape[0] // size, *g0.shape[1:]))
+        dist.reduce_scatter_tensor(out, g0, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` of every rank of ``group`` concatenated along ``dim`` (differentiable: gradients return to their rank)."""
+    return _GatherSequence.apply(x, dim, group)
+
+
+class GatherKeysValues:
+    """Forward pre-hook of a core-attention module called as ``(q_BNSD, k_BNKD, v_BNKV, sinks, q_pos_S, k_pos_K)``:
+    replaces ``k``, ``v`` and ``k_pos`` by those of every cp rank, in ascending position order. One all-gather of
+    keys and values together and one of the positions per call."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if len(args) != 6 or kwargs:
+            raise TypeError(
+                "context parallelism calls core attention as (q, k, v, sinks, q_positions, k_positions), positionally"
+            )
+        q, k, v, sinks, q_pos, k_pos = args
+        if q_pos is None or k_pos is None:
+            raise ValueError(
+                "context parallelism needs the positions of the rank's tokens: call the model with positions_S "
+                "(moe_parallel.load_balanced_positions)"
+            )
+        kv_all = gather_sequence(torch.cat([k, v], dim=-1), 2, self.group)
+        pos_all = k_pos.new_empty(k_pos.numel() * dist.get_world_size(self.group))
+        dist.all_gather_into_tensor(pos_all, k_pos.contiguous(), group=self.group)
+        order = torch.argsort(pos_all)
+        k_all, v_all = kv_all.index_select(2, order).split([k.shape[-1], v.shape[-1]], dim=-1)
+        return (q, k_all, v_all, sinks, q_pos, pos_all[order]), kwargs
+
+
+def apply_context_parallel(model: nn.Module, paths: tuple[str, ...], group: dist.ProcessGroup) -> None:
+    """Give every core-attention module at ``paths`` the keys and values of the whole sequence (module docstring)."""
+    hook = GatherKeysValues(group)
+    for path in paths:
+        submodule(model, path).register_forward_pre_hook(hook, with_kwargs=True)
