@@ -25,13 +25,24 @@ import torch.distributed as dist
 from _toy_plan_model import PLAN, ToyMoE, loss_fn
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
 
 from moe_experts import GroupedExperts
 from moe_memory import apply_activation_checkpointing
 from moe_models import build_model, causal_lm_loss
+from moe_models.attention import CoreAttention
 from moe_models.presets import preset
-from moe_parallel import ParallelConfig, build_meshes, init_distributed, local_box, materialize, parallelize
+from moe_parallel import (
+    ParallelConfig,
+    apply_context_parallel,
+    build_meshes,
+    full_value,
+    init_distributed,
+    load_balanced_positions,
+    local_box,
+    materialize,
+    parallelize,
+)
 
 LAYOUTS = [
     {"tp": 2, "ep": 2, "etp": 1},
@@ -72,9 +83,10 @@ def _placements(model) -> dict[str, tuple]:
 
 def _step(model, config, ids_BS) -> float:
     out = model(ids_BS[:, :-1])
-    loss = causal_lm_loss(out, ids_BS[:, 1:], config.mtp_loss_scaling_factor).total
-    loss.backward()
-    return loss.item()
+    with loss_parallel():  # tp splits the logits over the vocabulary (nothing changes for whole logits)
+        loss = causal_lm_loss(out, ids_BS[:, 1:], config.mtp_loss_scaling_factor).total
+        loss.backward()
+    return full_value(loss).item()
 
 
 def _accumulated_reference(model: nn.Module, loss_of, ids_BS: torch.Tensor, dp: int) -> list[float]:
@@ -175,6 +187,9 @@ META_CASES = {
     "dp_replicate=2 x ep=2": ("tiny-qwen3-moe", {"dp_replicate": 2, "ep": 2}, {}),
     "etp=2 x ep=2, GPT-OSS biases": ("tiny-gpt-oss", {"etp": 2, "ep": 2}, {}),
     "dp_shard=4, tied embeddings": ("tiny-qwen3-moe", {}, {"share_embeddings_and_output_weights": True}),
+    # sinks split with the heads, and tied embeddings one vocabulary-parallel parameter again after the styles
+    "tp=2, GPT-OSS sinks": ("tiny-gpt-oss", {"tp": 2}, {}),
+    "tp=2, tied embeddings": ("tiny-qwen3-moe", {"tp": 2}, {"share_embeddings_and_output_weights": True}),
 }
 
 
@@ -212,6 +227,39 @@ def meta_equals_eager(world: int) -> dict:
         case["norms"] = tuple(norms)
         case["grads_differ"] = [n for n in grads[0] if not torch.equal(grads[0][n], grads[1][n])]
         out[name] = case
+    return out
+
+
+def context_parallel_attention(world: int) -> dict:
+    """Core attention over cp=world ranks, each holding its load-balanced positions and handed every rank's keys and
+    values: its output rows and q / k / v gradients equal one process's at its positions, and the sinks' gradients
+    sum to one process's. GQA, a value head size of its own, sinks, with and without a sliding window."""
+    cfg = ParallelConfig(cp=world)
+    meshes = build_meshes(cfg.layout(world), "cpu")
+    rank, seq = meshes.rank, 32
+    positions = load_balanced_positions(seq, world, meshes.layout.coords(rank, "attention")["cp"])
+    gen = torch.Generator().manual_seed(11)  # the same tensors on every rank
+    q, k = torch.randn(2, 4, seq, 8, generator=gen), torch.randn(2, 2, seq, 8, generator=gen)
+    v = torch.randn(2, 2, seq, 6, generator=gen)
+    sinks, grad_out = torch.randn(4, generator=gen), torch.randn(2, 4, seq, 6, generator=gen)
+    out = {}
+    for window in (None, 5):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        reference = CoreAttention(0.3, window)(*leaves)
+        ref_grads = torch.autograd.grad(reference, leaves, grad_out)
+        holder = nn.ModuleDict({"core": CoreAttention(0.3, window)})
+        apply_context_parallel(holder, ("core",), meshes.group("cp"))
+        mine = [t[:, :, positions].clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+        got = holder["core"](*mine, positions, positions)
+        grads = list(torch.autograd.grad(got, mine, grad_out[:, :, positions]))
+        dist.all_reduce(grads[3])  # each rank's sinks saw its own queries
+        out[f"window={window}"] = {
+            "out": (got - reference[:, :, positions]).abs().max().item(),
+            **{
+                f"d{name}": (g - (r[:, :, positions] if name != "sinks" else r)).abs().max().item()
+                for name, g, r in zip(("q", "k", "v", "sinks"), grads, ref_grads, strict=True)
+            },
+        }
     return out
 
 
@@ -394,6 +442,7 @@ def main(out_dir: Path) -> None:
     result["bad_plans"] = bad_plans(world)
     result["meta"] = meta_equals_eager(world)
     result["expert_scale"] = expert_gradient_scale(world)
+    result["context_parallel"] = context_parallel_attention(world)
     result["recompute"] = recompute(world)
     result["bytes"] = materialised_bytes(world)
     result["checkpoint"] = from_checkpoint(world, out_dir)

@@ -118,6 +118,14 @@ def _check(config: ModelConfig, **parallel) -> None:
     check_plan(model, model.parallel_plan(), cfg, cfg.layout(48))  # 48 ranks fit every layout here
 
 
+def test_a_plan_without_context_parallel_attention_refuses_cp() -> None:
+    model, cfg = _meta_model(preset("tiny-qwen3-moe")), ParallelConfig(cp=2)
+    plan = dataclasses.replace(model.parallel_plan(), context_parallel=())
+    with pytest.raises(LayoutError, match="cp=2: the model declares no context-parallel attention; use cp=1"):
+        check_plan(model, plan, cfg, cfg.layout(4))
+    check_plan(model, model.parallel_plan(), cfg, cfg.layout(4))  # moe_models' plan lists every core attention
+
+
 @pytest.mark.parametrize(
     ("changes", "parallel", "field", "message"),
     [
@@ -140,14 +148,7 @@ def _check(config: ModelConfig, **parallel) -> None:
             "tp=8: the model's num_attention_heads=4 is not divisible by it; tp can be one of [1, 2]",
         ),
         ({}, {"tp": 4}, "tp", "tp=4: the model's num_query_groups=2 is not divisible by it; tp can be one of [1, 2]"),
-        ({"softmax_type": "learnable"}, {"tp": 2}, "tp", "tp=2: the model's softmax_type: attention sinks"),
-        (
-            {"share_embeddings_and_output_weights": True},
-            {"tp": 2},
-            "tp",
-            "tp=2: the model's share_embeddings_and_output_weights: tied embeddings",
-        ),
-        ({}, {"cp": 2}, "cp", "cp=2: context parallelism is not implemented yet; use 1"),
+        ({}, {"cp": 2, "pp": 2}, "cp", "cp=2: context parallelism does not combine with pipeline parallelism yet"),
         (
             {},
             {"tp": 2, "moe_token_dispatcher_type": "flex"},
@@ -171,7 +172,7 @@ def test_layouts_a_model_cannot_take_name_the_field(changes: dict, parallel: dic
 
 
 @pytest.mark.parametrize(
-    ("sizes", "unsharded"), [({"ep": 2}, "experts (edp)"), ({"tp": 2, "etp": 1}, "dense parameters (dp)")]
+    ("sizes", "unsharded"), [({"ep": 2}, "experts (edp)"), ({"tp": 2, "etp": 1}, "dense parameters (dp x cp)")]
 )
 def test_fsdp_mixed_precision_needs_fsdp_on_both_sides(sizes: dict, unsharded: str) -> None:
     model, cfg = _meta_model(preset("tiny-qwen3-moe")), ParallelConfig(**sizes, mixed_precision_param="bfloat16")

@@ -1,7 +1,7 @@
 """On 4 gloo ranks (one process group for the module): meshes, parameter placement, and one training step under
 several layouts against the same model in one process: a few-experts FSDP step, a model declaring its own parallel
-plan, the experts' gradient scale with ep and dp > 1, and recompute applied before FSDP. Also: a meta build
-materialised equals an eager build, tensor for tensor."""
+plan, the experts' gradient scale with ep and dp > 1, recompute applied before FSDP, and context-parallel attention.
+Also: a meta build materialised equals an eager build, tensor for tensor."""
 
 from __future__ import annotations
 
@@ -80,6 +80,12 @@ def test_a_model_with_its_own_plan_trains_as_one_process(ranks, layout: str) -> 
     # each data-parallel replica read its own slice of the batch (rank 1 is dp 1 under ep=2, dp 0 under tp=2)
     losses = [r["protocol"][layout]["loss"] for r in ranks]
     assert (losses[0] != losses[1]) == (layout == "ep=2") and losses[0] != losses[2]
+
+
+def test_context_parallel_attention_equals_one_process(ranks) -> None:
+    for rank, result in enumerate(ranks):
+        for case, diffs in result["context_parallel"].items():
+            assert all(d < 1e-5 for d in diffs.values()), (case, rank, diffs)
 
 
 def test_a_plan_naming_a_missing_parameter_or_unit_is_a_clear_error(ranks) -> None:

@@ -23,6 +23,7 @@ PUBLIC_NAMES = [
     "PipelinePlan",
     "__version__",
     "all_reduce_mean",
+    "apply_context_parallel",
     "apply_data_parallel",
     "apply_expert_parallel",
     "apply_fsdp",
@@ -32,7 +33,10 @@ PUBLIC_NAMES = [
     "check_plan",
     "check_tensor_parallel",
     "expert_checkpoint_pieces",
+    "full_value",
+    "gather_sequence",
     "init_distributed",
+    "load_balanced_positions",
     "local_box",
     "local_grad",
     "materialize",
@@ -47,6 +51,7 @@ PUBLIC_NAMES = [
     "split_layers",
     "stage_map",
     "stage_split",
+    "vocab_parallel_loss",
 ]
 
 

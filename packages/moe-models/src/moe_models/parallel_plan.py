@@ -11,7 +11,11 @@ Parameters that stay whole but see only part of the data get part of their gradi
 tp after the backward: routers and shared experts of MoE blocks (local tokens), Qwen3's q/k norms (local heads),
 the MTP input projections (local tokens). MLA's ``kv_a_proj`` output feeds both the column-parallel ``kv_b_proj``
 (whose input gradient DTensor already sums) and the rotary key every local head shares: the gradient of that rotary
-slice is summed over tp in the backward.
+slice is summed over tp in the backward. GPT-OSS's attention sinks (one per head) are split with the heads. The
+embedding and the head both split the vocabulary (rows of the same ``[V, H]`` weight), so tied embeddings stay one
+parameter; the logits stay split over the vocabulary (the loss runs under torch's ``loss_parallel``).
+
+Context parallelism: every core attention is listed, to be handed the keys and values of the whole sequence.
 """
 
 from __future__ import annotations
@@ -58,6 +62,14 @@ def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dic
     )
     styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
     styles.update(_attention_styles(f"{prefix}.attention", layer, config.multi_latent_attention))
+    if getattr(layer.attention, "sinks", None) is not None:
+        # one sink per head: split like the heads, and the core attention takes its local piece
+        plan["tp_shard_parameters"][f"{prefix}.attention.sinks"] = 0
+        styles[f"{prefix}.attention.core_attention"] = PrepareModuleInput(  # (q, k, v, sinks, q_pos, k_pos)
+            input_layouts=(None, None, None, Shard(0), None, None),
+            desired_input_layouts=(None, None, None, Shard(0), None, None),
+            use_local_output=True,
+        )
     if config.multi_latent_attention:
         plan["tp_sum_grad_columns"][f"{prefix}.attention.kv_a_proj"] = config.kv_lora_rank
     else:  # per-head norms over this rank's heads
@@ -83,10 +95,13 @@ def parallel_plan(model: MoETransformer) -> ParallelPlan:
         "tensor_parallel": {
             "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            # vocabulary-parallel logits: each rank holds its slice of the vocabulary (a DTensor sharded on its last
+            # dimension); the loss runs under torch's loss_parallel
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         },
         "tp_partial_grads": [],
         "tp_sum_grad_columns": {},
+        "tp_shard_parameters": {},
     }
     layers = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
     depths = [(f"mtp.{k}.layer", mtp.layer) for k, mtp in enumerate(model.mtp)]
@@ -104,17 +119,12 @@ def parallel_plan(model: MoETransformer) -> ParallelPlan:
         tp_divides["num_query_groups"] = c.num_query_groups
     if not all(layer.is_moe for layer in model.layers):  # only dense layers split their FFN width
         tp_divides["ffn_hidden_size"] = c.ffn_hidden_size
-    tp_unsupported = {}
-    if c.softmax_type != "vanilla":
-        tp_unsupported["softmax_type"] = "attention sinks do not support tensor parallelism yet"
-    if c.share_embeddings_and_output_weights:
-        tp_unsupported["share_embeddings_and_output_weights"] = "tied embeddings do not support tensor parallelism yet"
     return ParallelPlan(
         tensor_parallel=plan["tensor_parallel"],
         tp_partial_grads=tuple(plan["tp_partial_grads"]),
         tp_sum_grad_columns=plan["tp_sum_grad_columns"],
         tp_divides=tp_divides,
-        tp_unsupported=tp_unsupported,
+        tp_shard_parameters=plan["tp_shard_parameters"],
         # an MTP depth's final norm runs outside its forward (the model applies it before the shared head), so the
         # depth's decoder layer is the unit and its small input/output parts stay with the root
         fsdp_units=tuple(prefix for prefix, _ in layers + depths),

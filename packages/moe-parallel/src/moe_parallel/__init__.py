@@ -1,11 +1,12 @@
 """moe-parallel: parallel layouts (incl. folding), device meshes, FSDP2, expert / expert-tensor / tensor parallelism
 applied to a model from outside as its parallel plan declares, materialisation of a meta-built model shard by shard,
-the gradient bookkeeping a training step needs across them, pipeline parallelism on torch.distributed.pipelining,
-and a checkpoint form of routed experts that is the
-same under every layout."""
+the gradient bookkeeping a training step needs across them, context parallelism (load-balanced sequence chunks,
+keys and values gathered into each attention), pipeline parallelism on torch.distributed.pipelining, and a checkpoint
+form of routed experts that is the same under every layout."""
 
 from moe_parallel.checkpoint_layout import expert_checkpoint_pieces, restore_expert_checkpoint_pieces
 from moe_parallel.config import ParallelConfig
+from moe_parallel.context_parallel import apply_context_parallel, gather_sequence, load_balanced_positions
 from moe_parallel.distributed import (
     DistributedContext,
     all_reduce_mean,
@@ -30,7 +31,7 @@ from moe_parallel.pipeline import (
 )
 from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan, PipelinePlan
 from moe_parallel.stage_split import split_layers
-from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, full_value, vocab_parallel_loss
 
 __version__ = "0.4.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "PipelinePlan",
     "__version__",
     "all_reduce_mean",
+    "apply_context_parallel",
     "apply_data_parallel",
     "apply_expert_parallel",
     "apply_fsdp",
@@ -61,8 +63,11 @@ __all__ = [
     "check_plan",
     "check_tensor_parallel",
     "expert_checkpoint_pieces",
+    "full_value",
+    "gather_sequence",
     "init_distributed",
     "local_box",
+    "load_balanced_positions",
     "local_grad",
     "materialize",
     "microbatch_rule",
@@ -76,4 +81,5 @@ __all__ = [
     "split_layers",
     "stage_map",
     "stage_split",
+    "vocab_parallel_loss",
 ]

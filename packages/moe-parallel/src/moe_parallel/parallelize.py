@@ -9,6 +9,7 @@ to do with the gradients is in the returned :class:`ParallelModel` (``finalize_g
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -25,7 +26,7 @@ from moe_parallel.materialize import ParameterSource, materialize
 from moe_parallel.mesh import ParallelMeshes
 from moe_parallel.pipeline import PipelineParallelModel, check_pipeline, pipeline_parallelize
 from moe_parallel.plan import LayoutError, ParallelPlan, submodule
-from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, vocab_parallel_loss
 
 
 class ParallelModel:
@@ -73,6 +74,12 @@ class ParallelModel:
     def dp_index(self) -> int:
         """Which slice of the global batch this rank reads (0 in one process)."""
         return 0 if self.meshes is None else self.meshes.dp_index()
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What the loss of the model's logits, and its backward, run under: torch's ``loss_parallel`` with tp > 1,
+        where each rank holds its slice of the vocabulary (:func:`~moe_parallel.tensor_parallel.vocab_parallel_loss`).
+        A fresh context each call."""
+        return vocab_parallel_loss(1 if self.meshes is None else self.meshes.layout.tp)
 
     def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor | None:
         """The positions of each ``seq_len``-token sequence this rank computes under context parallelism (its

@@ -21,6 +21,7 @@ the other stages are at other micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,6 +35,7 @@ from moe_parallel.layout import ParallelLayout
 from moe_parallel.mesh import ParallelMeshes
 from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan, PipelinePlan
 from moe_parallel.stage_split import SCHEDULE_STYLES, rank_stages, split_layers, stage_rank, stages_per_rank
+from moe_parallel.tensor_parallel import vocab_parallel_loss
 
 
 def _schedule_classes() -> dict[str, type]:
@@ -129,6 +131,8 @@ def restrict_plan(plan: ParallelPlan, module: nn.Module) -> ParallelPlan:
         tp_sum_grad_columns={p: c for p, c in plan.tp_sum_grad_columns.items() if p in modules},
         tp_divides=plan.tp_divides,
         tp_unsupported=plan.tp_unsupported,
+        tp_shard_parameters={n: d for n, d in plan.tp_shard_parameters.items() if n in params},
+        context_parallel=tuple(p for p in plan.context_parallel if p in modules),
         fsdp_units=tuple(p for p in plan.fsdp_units if p in modules),
         moe_blocks=tuple(b for b in plan.moe_blocks if b.path in modules),
         tied_parameters=tuple(pair for pair in plan.tied_parameters if all(n in params for n in pair)),
@@ -181,6 +185,10 @@ class PipelineParallelModel:
     @property
     def dp_index(self) -> int:
         return self.meshes.dp_index()
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What the loss (and its backward) of the last stage's logits runs under (:func:`vocab_parallel_loss`)."""
+        return vocab_parallel_loss(self.meshes.layout.tp)
 
     @staticmethod
     def global_name(name: str) -> str:

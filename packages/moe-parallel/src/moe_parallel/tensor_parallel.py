@@ -7,16 +7,21 @@ input preparation); :func:`apply_tensor_parallel` applies them and the two thing
   norms) get only part of their gradient on each rank: they are returned, and the training step sums their
   gradients over tp (:class:`~moe_parallel.grads.GradientSync`);
 - an output slice that every tp rank uses whole, computed by a module whose other columns feed split heads (MLA's
-  rotary key beside the kv latent): the gradient of that slice is summed over tp in the backward.
+  rotary key beside the kv latent): the gradient of that slice is summed over tp in the backward;
+- per-head parameters outside a linear layer (attention sinks) are split along the plan's dimension
+  (``tp_shard_parameters``), and parameters the plan ties share one DTensor again after the styles split each.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from moe_parallel.layout import divisors
 from moe_parallel.plan import LayoutError, ParallelPlan, submodule
@@ -58,6 +63,26 @@ def check_tensor_parallel(plan: ParallelPlan, tp: int) -> None:
             raise LayoutError("tp", tp, f"the model's {field}={size} is not divisible by it; tp can be one of {fits}")
 
 
+def _retie(model: nn.Module, plan: ParallelPlan) -> None:
+    """Share each tied pair's parameter again: the styles distributed each module's own (once shared) parameter.
+    Both must have been split alike (the embedding's and the head's vocabulary rows)."""
+    for name, tied in plan.tied_parameters:
+        source = model.get_parameter(name)
+        owner, _, attr = tied.rpartition(".")
+        target_module = submodule(model, owner) if owner else model
+        target = getattr(target_module, attr)
+        if source is target:
+            continue
+        if isinstance(source, DTensor) != isinstance(target, DTensor) or (
+            isinstance(source, DTensor) and source.placements != target.placements
+        ):
+            raise ValueError(
+                f"the parallel plan ties {name!r} and {tied!r} but splits them differently over tp "
+                f"({getattr(source, 'placements', 'whole')} vs {getattr(target, 'placements', 'whole')})"
+            )
+        setattr(target_module, attr, source)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan) -> list[nn.Parameter]:
     """Split ``model`` over ``tp_mesh`` in place as ``plan`` says (tensor + sequence parallel).
 
@@ -73,7 +98,27 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelP
             raise ValueError(f"the parallel plan names parameter {name!r}, which the model does not have")
         partial.append(named[name])
     parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
+    for name, dim in plan.tp_shard_parameters.items():
+        owner, _, attr = name.rpartition(".")
+        module = submodule(model, owner) if owner else model
+        param = getattr(module, attr)
+        module.register_parameter(
+            attr, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(dim)]), requires_grad=param.requires_grad)
+        )
+    _retie(model, plan)
     group = tp_mesh.get_group()
     for path, start in plan.tp_sum_grad_columns.items():
         submodule(model, path).register_forward_hook(_sum_grad_columns_from(start, group))
     return partial
+
+
+def vocab_parallel_loss(tp: int) -> contextlib.AbstractContextManager:
+    """The context a loss over vocabulary-parallel logits (a DTensor split along its last dimension, as the head's
+    ``ColwiseParallel(output_layouts=Shard(-1))`` leaves them) and its backward must run in: torch's
+    ``loss_parallel`` when ``tp > 1``, nothing otherwise. Each rank then holds ``1/tp`` of the logits."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``t``'s whole value (a loss computed under :func:`vocab_parallel_loss` is a DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -19,7 +19,7 @@ import torch
 
 from moe_memory import MemoryPolicy
 from moe_models import StageRouting, causal_lm_loss, next_token_loss, training_flops_per_token
-from moe_parallel import PipelineParallelModel, all_reduce_mean, local_grad
+from moe_parallel import PipelineParallelModel, all_reduce_mean, full_value, local_grad
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
 from moe_train.loggers import RunLoggers
@@ -227,11 +227,12 @@ class _Loop:
             inputs, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
             with self.autocast:
                 out = setup.model(inputs, self.positions)
-            loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor, self.positions)
-            loss.total.backward()  # the routers' balancing losses ride along on their probabilities
-            lm_sum += loss.lm.detach()
-            if loss.mtp:
-                mtp_sum += torch.stack(loss.mtp).mean().detach()
+            with setup.parallel.loss_context():  # vocabulary-parallel logits under tp
+                loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor, self.positions)
+                loss.total.backward()  # the routers' balancing losses ride along on their probabilities
+                lm_sum += full_value(loss.lm)
+                if loss.mtp:
+                    mtp_sum += full_value(torch.stack(loss.mtp).mean())
             aux_sum += out.aux_loss.detach()
             load_LE = out.tokens_per_expert_LE if load_LE is None else load_LE + out.tokens_per_expert_LE
         return lm_sum, aux_sum, mtp_sum, load_LE
@@ -249,7 +250,7 @@ class _Loop:
         labels = torch.cat([b.labels_BS for b in batches]).to(device)
         self.routing.clear()
         self.pipeline_loss.reset(device)
-        with self.autocast:
+        with self.autocast, self.pipeline.loss_context():
             self.pipeline.step(
                 inputs, labels, setup.grad_accum, self.pipeline_loss, self.hidden_dtype, routing=self.routing
             )
@@ -367,12 +368,14 @@ class _Loop:
                     with self.autocast:
                         if self.pipeline is None:
                             out = model(ids, self.positions)
-                            total += causal_lm_loss(out, labels, 0.0, self.positions).lm.float()
+                            with setup.parallel.loss_context():
+                                total += full_value(causal_lm_loss(out, labels, 0.0, self.positions).lm.float())
                         else:  # the last stage's rank alone has logits
                             out = self.pipeline.forward(ids, self.hidden_dtype)
                             if out is not None:
                                 logits = out[0] if isinstance(out, tuple) else out
-                                total += next_token_loss(logits, (), labels).lm.float()
+                                with setup.parallel.loss_context():
+                                    total += full_value(next_token_loss(logits, (), labels).lm.float())
                     batches += 1
         finally:
             model.train()
@@ -428,9 +431,9 @@ class _PipelineLoss:
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels_BS: torch.Tensor) -> torch.Tensor:
         logits, *mtp = output if isinstance(output, tuple) else (output,)
         loss = next_token_loss(logits, mtp, labels_BS, self.factor)
-        self.lm_sum = self.lm_sum + loss.lm
+        self.lm_sum = self.lm_sum + full_value(loss.lm)
         if loss.mtp:
-            self.mtp_sum = self.mtp_sum + torch.stack(loss.mtp).mean()
+            self.mtp_sum = self.mtp_sum + full_value(torch.stack(loss.mtp).mean())
         return loss.total
 
 
