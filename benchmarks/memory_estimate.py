@@ -92,6 +92,10 @@ LAYOUTS = {
         },
     ),
     "tiny-deepseek-v3 tp=2 recompute moe": ("tiny-deepseek-v3", {"parallel.tp": "2", "run.recompute_modules": "moe"}),
+    # context parallelism: half the positions of every sequence a rank, attention over the keys of all of them
+    "tiny-qwen3-moe cp=2": ("tiny-qwen3-moe", {"parallel.cp": "2"}),
+    "tiny-gpt-oss cp=2 (sinks, windows)": ("tiny-gpt-oss", {"parallel.cp": "2"}),
+    "tiny-deepseek-v3 cp=2 (MLA, MTP)": ("tiny-deepseek-v3", {"parallel.cp": "2"}),
     "tiny-mixtral ep=2 capacity 1.0 padded": (
         "tiny-mixtral",
         {
@@ -190,11 +194,14 @@ def _rank(out: Path) -> None:
         model, layout = setup.model, setup.layout
         torch.manual_seed(1000 + dist.get_rank())
         ids = torch.randint(0, cfg.model.vocab_size, (setup.micro_batch, cfg.data.seq_len))
-        if layout.tp > 1:
+        if layout.tp * layout.cp > 1:  # the ranks of a tensor- or context-parallel group read the same sequences
             dist.broadcast(ids, src=0)
-        with SavedTensorBytes(model=model) as saved:
-            loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), cfg.model.mtp_loss_scaling_factor)
-        loss.total.backward()
+        positions = setup.parallel.positions(cfg.data.seq_len)
+        with setup.parallel.loss_context():
+            with SavedTensorBytes(model=model) as saved:
+                out = model(ids, positions)
+                loss = causal_lm_loss(out, ids.roll(-1, dims=1), cfg.model.mtp_loss_scaling_factor, positions)
+            loss.total.backward()
         setup.parallel.finalize_grads()
         optimizer = build_optimizer(model, cfg.train)
         optimizer.step()
@@ -217,7 +224,7 @@ def _rank(out: Path) -> None:
             offload_min_tensor_bytes=cfg.run.offload_min_tensor_bytes,
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        layout_sizes = {k: getattr(layout, k) for k in ("tp", "ep", "etp", "edp", "dp")}
+        layout_sizes = {k: getattr(layout, k) for k in ("tp", "cp", "ep", "etp", "edp", "dp")}
         results[name] = {"layout": layout_sizes, **_record(estimate, saved, model, params, states)}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()

@@ -55,13 +55,15 @@ def run_case(case: dict, world: int) -> dict:
     model, layout = setup.model, setup.layout
     torch.manual_seed(1000 + dist.get_rank())  # each data-parallel rank its own tokens (as it would read)
     ids = torch.randint(0, cfg.model.vocab_size, (setup.micro_batch, cfg.data.seq_len))
-    if layout.tp > 1:  # the ranks of one tensor-parallel group read the same sequences
+    if layout.tp * layout.cp > 1:  # the ranks of one tensor- or context-parallel group read the same sequences
         dist.broadcast(ids, src=0)
+    positions = setup.parallel.positions(cfg.data.seq_len)  # under cp: this rank's share of every sequence
     dense = {n for n, m in model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
-    with SavedTensorBytes(model=model) as saved:
-        out = model(ids)
-        loss = causal_lm_loss(out, ids.roll(-1, dims=1), cfg.model.mtp_loss_scaling_factor)
-    loss.total.backward()
+    with setup.parallel.loss_context():  # vocabulary-parallel logits under tp
+        with SavedTensorBytes(model=model) as saved:
+            out = model(ids, positions)
+            loss = causal_lm_loss(out, ids.roll(-1, dims=1), cfg.model.mtp_loss_scaling_factor, positions)
+        loss.total.backward()
     setup.parallel.finalize_grads()  # as the trainer does before its step: gradients completed over the layout
     optimizer = build_optimizer(model, cfg.train)
     optimizer.step()
@@ -88,7 +90,7 @@ def run_case(case: dict, world: int) -> dict:
         module = estimate_module(storage.module, storage.module in dense)
         measured_by_module[module] = measured_by_module.get(module, 0) + storage.nbytes
     return {
-        "layout": {"tp": layout.tp, "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "dp": layout.dp},
+        "layout": {k: getattr(layout, k) for k in ("tp", "cp", "ep", "etp", "edp", "dp")},
         "measured_activations": saved.total,
         "measured_by_module": measured_by_module,
         "estimated_activations": estimate.activation_bytes,

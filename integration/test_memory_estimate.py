@@ -4,8 +4,9 @@ train`` builds it (meta build, parallelize, materialize), one forward + backward
 Per rank, the estimate's parameter, gradient and optimizer-state bytes (moe-train's AdamW, states in fp32 and in
 bf16) equal what the rank allocated, and its activations are within 10% of the bytes ``SavedTensorBytes`` measured:
 expert parallelism (all-to-all and all-gather dispatchers, FSDP over the data-parallel ranks), tensor + sequence
-parallelism with expert tensor parallelism (also with bf16 parameters and fp32 master weights), and tp x ep on
-DeepSeek-V3's proxy (MLA, shared expert, dense layer, MTP).
+parallelism with expert tensor parallelism (also with bf16 parameters and fp32 master weights), tp x ep on
+DeepSeek-V3's proxy (MLA, shared expert, dense layer, MTP), and context parallelism (GQA, GPT-OSS's sinks and windows,
+MLA with MTP).
 Routing decides how many rows each rank's experts get: the estimate's is the expected share, so the mean over the
 ranks is held closer (2%) than each rank.
 """
@@ -43,6 +44,10 @@ CASES = {
         "tiny-deepseek-v3",
         {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"},
     ),
+    # context parallelism: half the positions a rank, the keys and values of all of them in attention
+    "qwen3-moe cp=2": ("tiny-qwen3-moe", {"parallel.cp": "2"}),
+    "gpt-oss cp=2 (sinks, sliding windows)": ("tiny-gpt-oss", {"parallel.cp": "2"}),
+    "deepseek-v3 cp=2 (MLA, MTP)": ("tiny-deepseek-v3", {"parallel.cp": "2"}),
 }
 
 
@@ -67,6 +72,7 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact(ranks: list[dict], nam
 def test_activations_within_tolerance_on_every_rank(ranks: list[dict], name: str) -> None:
     expected = {"tp": 2} if "tp=2" in name else {}
     expected.update({"ep": 2} if "ep=2" in name else {})
+    expected.update({"cp": 2} if "cp=2" in name else {})
     for rank, results in enumerate(ranks):
         r = results[name]
         assert {k: r["layout"][k] for k in expected} == expected
@@ -78,10 +84,19 @@ def test_activations_within_tolerance_on_every_rank(ranks: list[dict], name: str
     assert abs(estimated - mean) <= MEAN_TOLERANCE * mean
 
 
-def test_tensor_parallel_is_exact_module_by_module(ranks: list[dict]) -> None:
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3-moe tp=2 (sequence parallel, etp=2)",
+        "qwen3-moe cp=2",
+        "gpt-oss cp=2 (sinks, sliding windows)",
+        "deepseek-v3 cp=2 (MLA, MTP)",
+    ],
+)
+def test_tensor_and_context_parallel_are_exact_module_by_module(ranks: list[dict], name: str) -> None:
     """Without expert parallelism the rows are known exactly: the estimate matches every module of both ranks."""
-    for results in ranks:
-        r = results["qwen3-moe tp=2 (sequence parallel, etp=2)"]
+    for rank, results in enumerate(ranks):
+        r = results[name]
         estimated = dict(r["estimated_by_module"])
         estimated["dispatch"] = estimated.get("dispatch", 0) + estimated.pop("combine", 0)
-        assert estimated == r["measured_by_module"]
+        assert estimated == r["measured_by_module"], f"rank {rank}"

@@ -56,6 +56,20 @@ def test_hand_counted_dense_layer_in_fp32() -> None:
     assert estimate.dispatcher_buffers == 0 and estimate.recompute_bytes == 0 and estimate.offloaded == ()
 
 
+def test_context_parallel_halves_the_tokens_and_keeps_the_whole_sequences_keys() -> None:
+    """The hand-counted dense layer at cp=2 (seq 8: each rank holds 4 positions, as the layer above): per-token items as
+    there, but attention keeps k and v of all 8 positions; at tp=2 as well the logits split over the vocabulary."""
+    one, two = estimate_memory(DENSE, run()).activations_by_module(), estimate_memory(DENSE, run(seq_len=8, cp=2))
+    t = 4
+    q_out_lse = t * 2 * 4 * 4 * 2 + 2 * t * 4  # the rank's own q and output (2 heads of 4), logsumexp
+    assert two.activations_by_module() == {**one, "core_attn": q_out_lse + 2 * (2 * t) * 1 * 4 * 4}
+    assert two.logits == t * 16 * 4
+    both = estimate_memory(DENSE, run(seq_len=16, cp=2, tp=2))  # 8 positions a rank, half of them per tp rank
+    assert both.logits == 8 * 8 * 4 and both.activations_by_module()["loss"] == 8 * 8 * 4 + 8 * 8 + 4
+    with pytest.raises(ValueError, match="2 x cp x tp = 8"):
+        run(seq_len=12, cp=2, tp=2)
+
+
 def test_parameter_gradient_optimizer_and_master_bytes() -> None:
     fp32 = estimate_memory(DENSE, run())
     # AdamW: a 4-byte step per tensor, exp_avg and exp_avg_sq; fp32 parameters have no master copy
@@ -86,7 +100,8 @@ def test_sequence_parallel_splits_tokens_outside_attention_and_heads_inside() ->
     assert two["attn_norm"] * 2 == one["attn_norm"]  # the local half of the sequence
     assert two["qkv_linear"] == one["qkv_linear"]  # the gathered input, whole
     assert two["attn_proj"] * 2 == one["attn_proj"]  # half the heads
-    assert two["loss"] == one["loss"]  # logits gathered whole on every tp rank
+    # vocabulary-parallel logits: half the fp32 log-probabilities, the same labels and total weight
+    assert two["loss"] == one["loss"] - 8 * 8 * 4
     assert two["dense_mlp"] == 8 * 8 * 4 + 4 * 8 * 6 * 4  # the gathered input, half the FFN width
     with pytest.raises(ValueError, match="seq_len=6 is not divisible by tp=4"):
         run(seq_len=6, tp=4)

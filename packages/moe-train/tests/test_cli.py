@@ -69,6 +69,35 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert not Path(micro_overrides["run.output_dir"]).exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (
+            ["--parallel.cp", "2", "--data.seq_len", "30"],
+            "data.seq_len=30 is not divisible by 2 x parallel.cp=2 = 4 (context parallelism cuts every sequence into "
+            "2 x cp load-balanced chunks)",
+        ),
+        (
+            ["--parallel.cp", "2", "--parallel.tp", "2", "--model.num_query_groups", "2", "--data.seq_len", "36"],
+            "data.seq_len=36 is not divisible by 2 x parallel.cp=2 x parallel.tp=2 = 8",
+        ),
+    ],
+)
+def test_a_sequence_context_parallelism_cannot_split_is_one_line_exit_2(
+    micro_overrides: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    extra: list[str],
+    expected: str,
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun would launch it: refused before joining a process group
+    code = cli.main(["train", *_args(micro_overrides), *extra])
+    assert code == cli.EXIT_USAGE
+    assert expected in _error_line(capsys)
+    assert not Path(micro_overrides["run.output_dir"]).exists()
+    assert not torch.distributed.is_initialized()
+
+
 def test_env_prints_the_capability_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
@@ -211,6 +240,10 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
             "parallel.pp=2: model.share_embeddings_and_output_weights: tied embeddings do not support pipeline",
         ),
         ({"parallel.pp_first_stage_layers": "1"}, "parallel.pp_first_stage_layers=1: applies to pipeline parallelism"),
+        (
+            {"model.num_layers": "4", "parallel.pp": "2", "parallel.cp": "2"},
+            "parallel.cp=2: context parallelism does not combine with pipeline parallelism yet; use pp=1",
+        ),
         ({"parallel.tp": "2"}, "parallel.tp=2: the model's num_query_groups=1 is not divisible by it"),
         (
             {"parallel.ep": "4", "model.num_moe_experts": "6"},

@@ -7,7 +7,7 @@ Inputs are plain frozen values (no torch, nothing of the other packages):
   the routed experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not, biases, router scoring and
   losses), the shared-expert and dense FFN widths, the MTP depth;
 - :class:`RunShape`: micro-batch and sequence length, the byte sizes of activations, parameters, gradients, optimizer
-  states and master weights, the layout (tp, ep, etp, edp, dp), the capacity factor (None = dropless), the token
+  states and master weights, the layout (tp, ep, etp, edp, dp, cp), the capacity factor (None = dropless), the token
   dispatcher, and this rank's parameter element counts (:class:`LocalParameters`, given: the caller knows them exactly,
   e.g. from the split model or ``moe-train plan``).
 
@@ -25,23 +25,25 @@ operations, or views of one storage, count once, under the first module that sav
 - Linear layers save their input; SwiGLU MLPs (dense, shared expert) the gate/up projection, ``silu(gate)`` and the
   product; rotary embeddings the cos/sin tables (fp32 and shared by every layer with fp32 activations, one
   activation-dtype copy per call otherwise).
-- Fused attention (SDPA's flash / memory-efficient kernels; on CPU, its flash kernel when q/k and v head dims are
-  equal) saves q, k, v (k/v with their own heads under GQA), the output and an fp32 logsumexp per row, plus the mask
-  of a sliding window shorter than the sequence. On CPU with differing head dims (MLA) SDPA runs its math path and
-  saves scaled q and k, the probabilities and a contiguous v instead (``RunShape.device``). Attention with sinks
-  (GPT-OSS) saves q, k and v repeated to the query heads, the boolean mask and the fp32 probability matrix with its
-  sink column. The output projection saves a copy of the output with heads merged.
+- Attention saves q, k, v (k/v with their own heads under GQA), the output and an fp32 logsumexp per row: SDPA's
+  fused kernels for causal attention over whole sequences (on CPU its flash kernel when q/k and v head dims are
+  equal), moe_models' blockwise kernel for sinks, sliding windows shorter than the sequence and MLA on CPU
+  (``RunShape.device``), where v is a contiguous copy. Under context parallelism k and v are those of the whole
+  sequence (all-gathered, copied in position order), q, the output and the logsumexp the rank's own. The output
+  projection saves a copy of the output with heads merged.
 - The router saves its input (an fp32 copy with 2-byte activations), its fp32 logits / scores and probabilities as its
   score function needs them (softmax over the top-k logits: the logits, top-k ids and probabilities; sigmoid: the
   sigmoid scores, ids and, renormalised, the picked scores and their sum), the balancing losses' scores and fractions,
   the capacity mask; the dispatcher saves int64 row indices, the kept-pair mask and the per-row combine weights; the
   grouped experts save their input rows, the first projection's output and the row probabilities (the fused weighted
-  activation), the activation output and the int32 group offsets; cross-entropy saves fp32 log-probabilities and the
-  int64 labels.
+  activation), the activation output and the int32 group offsets; cross-entropy saves fp32 log-probabilities (of the
+  rank's vocabulary slice under tp) and the int64 labels.
 
-Layouts: sequence parallelism (tp) splits the tokens by tp outside attention and the dense MLP (norms, router,
-shared expert, MoE routing) and gathers them inside, where heads and the dense FFN width are split by tp; the
-embedding and the loss see the whole sequence (the head's logits are gathered whole on every tp rank). A rank's
+Layouts: context parallelism (cp) gives each rank ``seq_len / cp`` positions of every sequence (attention sees the
+keys and values of all of them); sequence parallelism (tp) splits the rank's tokens by tp outside attention and the
+dense MLP (norms, router, shared expert, MoE routing) and gathers them inside, where heads and the dense FFN width
+are split by tp; the embedding and the loss see the rank's whole share of the sequence, the logits split over the
+vocabulary by tp. A rank's
 experts receive the routed rows of its ep group: ``tokens x topk`` rows expected when dropless (uniform routing,
 tokens = the rank's sequence-parallel share), all-gathered over etp, each expert's FFN width split by etp; with a
 capacity factor the worst case (every source rank fills every local expert's capacity; exactly that with
@@ -228,17 +230,22 @@ class RunShape:
     etp: int = 1
     edp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallel: each rank holds seq_len / cp positions of every sequence, attends to all of them
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
     dispatcher: str = "alltoall"  # with ep or etp > 1: alltoall | allgather | flex (estimated as alltoall)
     device: str = "cuda"  # "cpu": blockwise attention where q/k and v head dims differ (SDPA on CUDA)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "activation_bytes", "tp", "ep", "etp", "edp", "dp"):
+        for name in ("micro_batch", "seq_len", "activation_bytes", "tp", "ep", "etp", "edp", "dp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be at least 1")
         if self.seq_len % self.tp:
             raise ValueError(f"seq_len={self.seq_len} is not divisible by tp={self.tp} (sequence parallelism)")
+        if self.cp > 1 and self.seq_len % (2 * self.cp * self.tp):
+            raise ValueError(
+                f"seq_len={self.seq_len} is not divisible by 2 x cp x tp = {2 * self.cp * self.tp} (context parallelism)"
+            )
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher={self.dispatcher!r}: choose one of {DISPATCHERS}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
@@ -435,10 +442,11 @@ class _Sizes:
     """Token and row counts of one rank."""
 
     b: int
-    s: int
-    tokens: int  # B x S: inside attention / dense MLP, the embedding and the loss
-    local: int  # B x S / tp: the sequence-parallel share (norms, MoE routing)
+    s: int  # positions of each sequence the rank computes: S / cp
+    tokens: int  # B x S / cp: inside attention / dense MLP, the embedding and the loss
+    local: int  # B x S / (cp tp): the sequence-parallel share (norms, MoE routing)
     a: int  # activation bytes
+    cp: int = 1  # under context parallelism attention sees the keys of all cp ranks: cp x tokens
 
 
 def _norm(f: _Forward, module: str, prefix: str, x: str, rows: int, dim: int, a: int, path: tuple[str, ...] = ()):
@@ -483,7 +491,11 @@ def _gqa(f: _Forward, att: GQAShape, z: _Sizes, run: RunShape, attn_in: str) -> 
     core_inputs = (q, k, v)
     out = f.tensor("attn.out", n * nq * d * a, "attention output")
     lse = f.tensor("attn.lse", b * nq * s * FP32, "logsumexp")
-    if att.sinks or (att.window is not None and att.window < s):
+    if z.cp > 1:  # blockwise attention on the keys and values of every cp rank (all-gathered, sorted, made contiguous)
+        k_all = f.tensor("attn.k_all", z.cp * n * nkv * d * a, "k of the whole sequence")
+        v_all = f.tensor("attn.v_all", z.cp * n * nkv * d * a, "v of the whole sequence")
+        f.save("core_attn", q, k_all, v_all, out, lse)
+    elif att.sinks or (att.window is not None and att.window < s):
         # blockwise attention: v is a strided view of its projection, made contiguous
         v_c = f.tensor("attn.v", n * nkv * d * a, "v (contiguous)")
         f.save("core_attn", q, k, v_c, out, lse)
@@ -524,7 +536,11 @@ def _mla(f: _Forward, att: MLAShape, z: _Sizes, run: RunShape, attn_in: str) -> 
     f.scope("mla_up_proj", "mla_up_proj", (), (q_in, kv_latent, kv_a), (q, k, kv_b))
     out = f.tensor("attn.out", n * nq * dv * a, "attention output")
     lse = f.tensor("attn.lse", b * nq * s * FP32, "logsumexp")
-    if run.device == "cpu" and dq != dv:  # blockwise attention (SDPA's CPU flash kernel needs equal head sizes)
+    if z.cp > 1:  # blockwise attention on the keys and values of every cp rank (all-gathered, sorted, made contiguous)
+        k_all = f.tensor("attn.k_all", z.cp * n * nq * dq * a, "k of the whole sequence")
+        v_all = f.tensor("attn.v_all", z.cp * n * nq * dv * a, "v of the whole sequence")
+        f.save("core_attn", q, k_all, v_all, out, lse)
+    elif run.device == "cpu" and dq != dv:  # blockwise attention (SDPA's CPU flash kernel needs equal head sizes)
         # v is a strided view into the k_nope | v projection, made contiguous
         f.save("core_attn", q, k, f.tensor("attn.v", n * nq * dv * a, "v (contiguous)"), out, lse)
     else:
@@ -690,7 +706,8 @@ def _layer(model: ModelShape, layer: LayerShape, z: _Sizes, run: RunShape) -> tu
 def _model_level(model: ModelShape, z: _Sizes, run: RunShape, share: PipelineShare | None = None) -> _Forward:
     """Embedding, rotary tables (fp32), final norm, head, loss and the MTP depths' parts outside their layer (of a
     pipeline rank: the parts its stages hold)."""
-    a, h, v, n = z.a, model.hidden, model.vocab, z.tokens
+    a, h, n = z.a, model.hidden, z.tokens
+    v = model.vocab // run.tp  # vocabulary-parallel logits: each tp rank its slice
     f = _Forward()
     if share is None or share.first:
         f.save("embedding", f.tensor("ids", n * INDEX, "input ids"))
@@ -719,10 +736,14 @@ def _model_level(model: ModelShape, z: _Sizes, run: RunShape, share: PipelineSha
         final = _norm(f, "mtp_final_norm", f"{p}.final_norm", hidden, z.local, h, a)
         head_in = f.tensor(f"{p}.head_in", n * h * a, "head input, gathered over tp") if run.tp > 1 else final
         f.save("lm_head", head_in)
-        rows = z.b * (z.s - depth)
-        f.save("loss", f.tensor(f"{p}.logprobs", rows * v * FP32, "fp32 log-probabilities"))
-        if z.b > 1:  # one sequence: the shifted labels are a view of the labels
-            f.save("loss", f.tensor(f"{p}.labels", rows * INDEX, "shifted labels"))
+        if z.cp > 1:  # every local position, those past the end ignored: a label tensor of its own
+            f.save("loss", f.tensor(f"{p}.logprobs", n * v * FP32, "fp32 log-probabilities"))
+            f.save("loss", f.tensor(f"{p}.labels", n * INDEX, "shifted labels, the last ignored"))
+        else:
+            rows = z.b * (z.s - depth)
+            f.save("loss", f.tensor(f"{p}.logprobs", rows * v * FP32, "fp32 log-probabilities"))
+            if z.b > 1:  # one sequence: the shifted labels are a view of the labels
+                f.save("loss", f.tensor(f"{p}.labels", rows * INDEX, "shifted labels"))
         f.save("loss", f.tensor(f"{p}.weight", FP32, "total weight"))
     return f
 
@@ -811,8 +832,9 @@ def estimate_memory(
     rank's, ``model`` holding its stages' layers: its saved activations count ``pipeline.inflight`` times."""
     recompute, offload = frozenset(recompute), frozenset(offload)
     _check_kinds(recompute, offload)
-    tokens = run.micro_batch * run.seq_len
-    z = _Sizes(run.micro_batch, run.seq_len, tokens, tokens // run.tp, run.activation_bytes)
+    seq = run.seq_len // run.cp
+    tokens = run.micro_batch * seq
+    z = _Sizes(run.micro_batch, seq, tokens, tokens // run.tp, run.activation_bytes, run.cp)
     # the same layer shape counts once, times its layers; MTP depths run a MoE layer of the model's attention
     kinds: dict[tuple[LayerShape, bool], int] = {}
     for layer in model.layers:
@@ -844,7 +866,7 @@ def estimate_memory(
     working = max(working, recomputed)
     p = run.params
     states, master = optimizer_state_bytes(p.numel, p.tensors, run)
-    logits = (1 + model.mtp_depth) * z.tokens * model.vocab * z.a
+    logits = (1 + model.mtp_depth) * z.tokens * (model.vocab // run.tp) * z.a  # vocabulary-parallel under tp
     notes = []
     if pipeline is not None:
         # every micro-batch in flight keeps its own saved tensors; the logits live only while the loss runs

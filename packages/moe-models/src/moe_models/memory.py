@@ -107,8 +107,8 @@ def run_shape(
 ) -> RunShape:
     """One rank's :class:`~moe_memory.estimate.RunShape`; the capacity factor and capacity padding come from
     ``config`` (``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity``), the sizes ``tp``, ``ep``,
-    ``etp``, ``edp``, ``dp`` from ``layout`` (a ``moe_parallel.ParallelLayout``; None: one rank)."""
-    tp, ep, etp, edp, dp = (getattr(layout, k, 1) for k in ("tp", "ep", "etp", "edp", "dp"))
+    ``etp``, ``edp``, ``dp``, ``cp`` from ``layout`` (a ``moe_parallel.ParallelLayout``; None: one rank)."""
+    tp, ep, etp, edp, dp, cp = (getattr(layout, k, 1) for k in ("tp", "ep", "etp", "edp", "dp", "cp"))
     return RunShape(
         micro_batch=micro_batch,
         seq_len=seq_len,
@@ -123,6 +123,7 @@ def run_shape(
         etp=etp,
         edp=edp,
         dp=dp,
+        cp=cp,
         capacity_factor=config.moe_expert_capacity_factor,
         pad_to_capacity=config.moe_pad_expert_input_to_capacity,
         dispatcher=dispatcher,

@@ -1,0 +1,365 @@
+"""Long context on CPU: attention memory linear in the sequence, vocabulary-parallel logits, context parallelism.
+
+Three measurements, each against a named baseline in the same run (fp32, CPU):
+
+1. **Attention memory** (issue 15, item 2): one training forward + backward of the GPT-OSS proxy (learned sinks,
+   sliding windows) and the DeepSeek-V3 proxy (MLA: a value head size of its own) on one sequence of 2k, 4k and 8k
+   tokens, with moe_models' attention against the attention it replaced (``previous_core_attention`` below: the
+   sink logit concatenated to an explicit ``[S, S]`` softmax; SDPA with a boolean window mask; SDPA's math path for
+   MLA on CPU). Reported: activation bytes saved for backward (``SavedTensorBytes``), the peak of tensor bytes live
+   during the step (``LiveTensorBytes``: activations, transients and parameter gradients), and the step time
+   ratio (median of interleaved repetitions).
+2. **Logits per rank** (item 3): the tiny Qwen3-MoE with a 32k vocabulary at tp=2 on 2 gloo ranks: the bytes of the
+   logits each rank holds, and of the loss's saved log-probabilities, against tp=1.
+3. **Long-context training** (item 4): the tiny Qwen3-MoE trains on 32,768-token sequences under ``moe-train`` at
+   cp=4 (4 gloo ranks on this 2-core machine) and in one process; tokens/s of each, and the activation bytes each
+   rank saves for backward in one training forward at that length, cp=4 against cp=1.
+
+    uv run python benchmarks/long_context.py [--quick] [--out benchmarks/results/long_context.json]
+
+``--quick`` (the nox benchmarks session) runs each part at small sizes (256 tokens, 2 ranks at 512 tokens) over
+the same code paths, and writes a file only where ``--out`` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_OUT = ROOT / "results" / "long_context.json"
+REPEATS = 7
+
+
+def previous_core_attention(self, q_BNSD, k_BNSD, v_BNSD, sinks_N=None, q_pos_S=None, k_pos_K=None):
+    """``CoreAttention.forward`` as it was before the blockwise kernel (positions were not supported)."""
+    s, n, n_kv = q_BNSD.shape[2], q_BNSD.shape[1], k_BNSD.shape[1]
+    pos = torch.arange(s, device=q_BNSD.device)
+    delta_SS = pos[:, None] - pos[None, :]
+    mask_SS = (delta_SS >= 0) & (delta_SS < self.window) if self.window is not None else delta_SS >= 0
+    if sinks_N is not None:
+        k, v = k_BNSD.repeat_interleave(n // n_kv, dim=1), v_BNSD.repeat_interleave(n // n_kv, dim=1)
+        logits_BNSS = (q_BNSD @ k.transpose(-1, -2)) * self.scale
+        logits_BNSS = logits_BNSS.masked_fill(~mask_SS, float("-inf"))
+        b = logits_BNSS.shape[0]
+        sink_BNS1 = sinks_N.to(logits_BNSS.dtype).view(1, n, 1, 1).expand(b, n, s, 1)
+        probs = torch.softmax(torch.cat([logits_BNSS, sink_BNS1], dim=-1).float(), dim=-1)[..., :-1]
+        return probs.to(v.dtype) @ v
+    if self.window is None or self.window >= s:
+        return F.scaled_dot_product_attention(
+            q_BNSD, k_BNSD, v_BNSD, is_causal=True, scale=self.scale, enable_gqa=n_kv != n
+        )
+    return F.scaled_dot_product_attention(
+        q_BNSD, k_BNSD, v_BNSD, attn_mask=mask_SS, scale=self.scale, enable_gqa=n_kv != n
+    )
+
+
+# --- 1. attention memory ------------------------------------------------------------------------------------------
+
+
+def _attention_step(preset_name: str, seq: int, previous: bool) -> dict:
+    """One forward + loss + backward on one sequence of ``seq`` tokens: saved bytes, peak live bytes, seconds."""
+    from moe_memory import LiveTensorBytes
+    from moe_memory.measure import SavedTensorBytes
+    from moe_models import build_model, causal_lm_loss
+    from moe_models.attention import CoreAttention
+    from moe_models.presets import preset
+
+    config = preset(preset_name, max_position_embeddings=seq)
+    model = build_model(config, seed=0)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    current = CoreAttention.forward
+    if previous:
+        CoreAttention.forward = previous_core_attention
+    try:
+        start = time.perf_counter()
+        with LiveTensorBytes() as live:
+            with SavedTensorBytes(model=model) as saved:
+                loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
+            loss.total.backward()
+        seconds = time.perf_counter() - start
+    finally:
+        CoreAttention.forward = current
+    core = sum(n for name, n in saved.by_module.items() if name.endswith("core_attention"))
+    return {"saved_bytes": saved.total, "core_attention_saved_bytes": core, "peak_live_bytes": live.peak, "s": seconds}
+
+
+def _timed(preset_name: str, seq: int, previous: bool) -> float:
+    from moe_models import build_model, causal_lm_loss
+    from moe_models.attention import CoreAttention
+    from moe_models.presets import preset
+
+    config = preset(preset_name, max_position_embeddings=seq)
+    model = build_model(config, seed=0)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    current = CoreAttention.forward
+    if previous:
+        CoreAttention.forward = previous_core_attention
+    try:
+        start = time.perf_counter()
+        causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor).total.backward()
+        return time.perf_counter() - start
+    finally:
+        CoreAttention.forward = current
+
+
+def attention_memory(lengths: tuple[int, ...], repeats: int) -> dict:
+    out = {}
+    for preset_name in ("tiny-gpt-oss", "tiny-deepseek-v3"):
+        for seq in lengths:
+            before, after = _attention_step(preset_name, seq, True), _attention_step(preset_name, seq, False)
+            ratios = []
+            for _ in range(repeats):  # interleaved: previous, current
+                ratios.append(_timed(preset_name, seq, True) / _timed(preset_name, seq, False))
+            out[f"{preset_name} S={seq}"] = {
+                "preset": preset_name,
+                "seq_len": seq,
+                "previous": before,
+                "blockwise": after,
+                "saved_ratio": after["saved_bytes"] / before["saved_bytes"],
+                "peak_ratio": after["peak_live_bytes"] / before["peak_live_bytes"],
+                "speedup_median": statistics.median(ratios),
+                "speedup_range": [min(ratios), max(ratios)],
+            }
+            print(
+                f"{preset_name} S={seq}: saved {before['saved_bytes'] / 2**20:,.1f} -> "
+                f"{after['saved_bytes'] / 2**20:,.1f} MiB, peak {before['peak_live_bytes'] / 2**20:,.1f} -> "
+                f"{after['peak_live_bytes'] / 2**20:,.1f} MiB, step time previous / blockwise "
+                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+                flush=True,
+            )
+    return out
+
+
+# --- 2 and 3: several ranks ---------------------------------------------------------------------------------------
+
+
+def _rank_logits(out: Path, seq: int, vocab: int) -> None:
+    """tp=2 and tp=1 (a lone rank) of the tiny Qwen3-MoE: the logits and the loss's saved log-probabilities."""
+    import torch.distributed as dist
+
+    from moe_memory.measure import SavedTensorBytes
+    from moe_models import build_model, causal_lm_loss
+    from moe_models.presets import preset
+    from moe_parallel import ParallelConfig, build_meshes, init_distributed, parallelize, vocab_parallel_loss
+
+    ctx = init_distributed("gloo", "cpu")
+    config = preset("tiny-qwen3-moe", vocab_size=vocab, max_position_embeddings=seq)
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+    result = {}
+    for tp in (1, 2):
+        model = build_model(config, seed=0)
+        if tp > 1:
+            cfg = ParallelConfig(tp=tp)
+            parallelize(model, build_meshes(cfg.layout(ctx.world_size), "cpu"), cfg)
+        with vocab_parallel_loss(tp), SavedTensorBytes(model=model) as saved:
+            output = model(ids)
+            loss = causal_lm_loss(output, ids.roll(-1, dims=1), 0.0)
+        logits = output.logits
+        local = logits.to_local() if hasattr(logits, "to_local") else logits
+        with vocab_parallel_loss(tp):
+            loss.total.backward()
+        result[f"tp={tp}"] = {
+            "logits_shape_local": list(local.shape),
+            "logits_bytes_per_rank": local.untyped_storage().nbytes(),
+            "loss_saved_bytes": saved.by_module.get("<outside>", 0),
+        }
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _rank_activations(out: Path, seq: int, cp: int) -> None:
+    """One training forward of the tiny Qwen3-MoE at ``seq`` tokens, built as moe-train builds it under cp: the
+    bytes this rank saves for backward, and the estimate's."""
+    import torch.distributed as dist
+
+    from moe_memory.estimate import estimate_memory
+    from moe_memory.measure import SavedTensorBytes
+    from moe_models import causal_lm_loss
+    from moe_models.memory import local_parameters, model_shape, run_shape
+    from moe_train.config import load_config
+    from moe_train.setup import prepare
+
+    overrides = {
+        "run.dtype": "fp32",
+        "run.device": "cpu",
+        "run.output_dir": str(out / "unused"),
+        "run.save_checkpoint": "false",
+        "data.seq_len": str(seq),
+        "data.cache_dir": str(out / "cache"),
+        "train.global_batch_size": "1",
+        "model.max_position_embeddings": str(seq),
+        "parallel.cp": str(cp),
+    }
+    cfg = load_config("tiny-qwen3-moe", overrides)
+    setup = prepare(cfg, cp)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    positions = setup.parallel.positions(seq)
+    with SavedTensorBytes(model=setup.model) as saved:
+        loss = causal_lm_loss(setup.model(ids, positions), ids.roll(-1, dims=1), 0.0, positions)
+    loss.total.backward()
+    run = run_shape(
+        cfg.model, local_parameters(setup.model), micro_batch=1, seq_len=seq, activation_bytes=4, layout=setup.layout
+    )
+    estimate = estimate_memory(model_shape(cfg.model), run)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    result = {"saved_bytes": saved.total, "estimated_bytes": estimate.activation_bytes}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _launch(world: int, tmp: Path, *args: str) -> list[dict]:
+    """This script as ``world`` gloo ranks (``--rank-dir tmp *args``); what each rank wrote."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-dir", str(tmp), *args], env=env))
+    if any(p.wait(timeout=3600) for p in procs):
+        raise SystemExit("a rank failed")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def logits_per_rank(seq: int, vocab: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = _launch(2, Path(tmp), "--part", "logits", "--seq", str(seq), "--vocab", str(vocab))
+    one, two = ranks[0]["tp=1"], ranks[0]["tp=2"]
+    result = {
+        "seq_len": seq,
+        "vocab_size": vocab,
+        "per_rank": ranks,
+        "logits_ratio": two["logits_bytes_per_rank"] / one["logits_bytes_per_rank"],
+        "loss_saved_ratio": two["loss_saved_bytes"] / one["loss_saved_bytes"],
+    }
+    print(
+        f"logits per rank, {seq} tokens x vocab {vocab}: tp=1 {one['logits_bytes_per_rank'] / 2**20:,.1f} MiB, "
+        f"tp=2 {two['logits_bytes_per_rank'] / 2**20:,.1f} MiB ({result['logits_ratio']:.2f}x); loss saved "
+        f"{one['loss_saved_bytes'] / 2**20:,.1f} -> {two['loss_saved_bytes'] / 2**20:,.1f} MiB",
+        flush=True,
+    )
+    return result
+
+
+def _train(world: int, seq: int, steps: int, tmp: Path) -> dict:
+    """``moe-train train`` of the tiny Qwen3-MoE on ``seq``-token sequences at cp=world: tokens/s per step."""
+    out = tmp / f"cp{world}"
+    args = [
+        "train",
+        "--config",
+        "tiny-qwen3-moe",
+        "--data.seq_len",
+        str(seq),
+        "--model.max_position_embeddings",
+        str(seq),
+        "--data.cache_dir",
+        str(tmp / "cache"),
+        "--train.global_batch_size",
+        "1",
+        "--train.steps",
+        str(steps),
+        "--run.dtype",
+        "fp32",
+        "--run.save_checkpoint",
+        "false",
+        "--run.log_interval",
+        "1",
+        "--run.output_dir",
+        str(out),
+        "--parallel.cp",
+        str(world),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if world > 1 else "2"}
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(world), "-m", "moe_train"]
+    command = [sys.executable, *(launcher if world > 1 else ["-m", "moe_train"]), *args]
+    subprocess.run(command, env=env, check=True)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in records[1:]]  # the first step pays one-off costs
+    return {
+        "steps": len(records),
+        "tokens_per_s_median": statistics.median(rates),
+        "tokens_per_s": rates,
+        "losses": [r["loss"] for r in records],
+    }
+
+
+def long_context(seq: int, cp: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        one = _launch(1, Path(tmp) / "a1", "--part", "activations", "--seq", str(seq), "--cp", "1")[0]
+        many = _launch(cp, Path(tmp) / f"a{cp}", "--part", "activations", "--seq", str(seq), "--cp", str(cp))
+        trained = {"cp=1": _train(1, seq, steps, Path(tmp)), f"cp={cp}": _train(cp, seq, steps, Path(tmp))}
+    result = {
+        "seq_len": seq,
+        "cp": cp,
+        "activation_bytes": {"cp=1": one, f"cp={cp}": many},
+        "activation_ratio_worst_rank": max(r["saved_bytes"] for r in many) / one["saved_bytes"],
+        "training": trained,
+    }
+    print(
+        f"{seq} tokens: activations per rank cp=1 {one['saved_bytes'] / 2**20:,.1f} MiB, cp={cp} "
+        f"{max(r['saved_bytes'] for r in many) / 2**20:,.1f} MiB (worst rank, "
+        f"{result['activation_ratio_worst_rank']:.3f}x); tokens/s cp=1 {trained['cp=1']['tokens_per_s_median']:,.0f}, "
+        f"cp={cp} {trained[f'cp={cp}']['tokens_per_s_median']:,.0f}",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help=f"JSON to write (full runs default to {DEFAULT_OUT})")
+    parser.add_argument("--quick", action="store_true", help="small sizes over the same code paths (nox benchmarks)")
+    parser.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)  # set when launched as one rank
+    parser.add_argument("--part", choices=("logits", "activations"), help=argparse.SUPPRESS)
+    parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cp", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_dir is not None:
+        args.rank_dir.mkdir(parents=True, exist_ok=True)
+        if args.part == "logits":
+            _rank_logits(args.rank_dir, args.seq, args.vocab)
+        else:
+            _rank_activations(args.rank_dir, args.seq, args.cp)
+        return
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    quick = args.quick
+    result = {
+        "benchmark": "long_context",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "device": "cpu",
+        "dtype": "float32",
+        "quick": quick,
+        "attention_memory": attention_memory((256,) if quick else (2048, 4096, 8192), 1 if quick else REPEATS),
+        "logits_per_rank": logits_per_rank(64, 1024) if quick else logits_per_rank(2048, 32768),
+        "long_context": long_context(512, 2, 2) if quick else long_context(32768, 4, 3),
+    }
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    out = args.out if args.out is not None else (None if quick else DEFAULT_OUT)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
