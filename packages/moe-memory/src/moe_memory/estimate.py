@@ -244,7 +244,8 @@ class RunShape:
             raise ValueError(f"seq_len={self.seq_len} is not divisible by tp={self.tp} (sequence parallelism)")
         if self.cp > 1 and self.seq_len % (2 * self.cp * self.tp):
             raise ValueError(
-                f"seq_len={self.seq_len} is not divisible by 2 x cp x tp = {2 * self.cp * self.tp} (context parallelism)"
+                f"seq_len={self.seq_len} is not divisible by 2 x cp x tp = {2 * self.cp * self.tp} "
+                "(context parallelism)"
             )
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher={self.dispatcher!r}: choose one of {DISPATCHERS}")
