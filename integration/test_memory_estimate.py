@@ -94,7 +94,8 @@ def test_activations_within_tolerance_on_every_rank(ranks: list[dict], name: str
     ],
 )
 def test_tensor_and_context_parallel_are_exact_module_by_module(ranks: list[dict], name: str) -> None:
-    """Without expert parallelism the rows are known exactly: the estimate matches every module of both ranks."""
+    """Without expert parallelism the rows are known exactly: the estimate matches every module of both ranks (under
+    cp with FSDP sharding over the cp ranks)."""
     for rank, results in enumerate(ranks):
         r = results[name]
         estimated = dict(r["estimated_by_module"])

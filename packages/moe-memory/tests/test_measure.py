@@ -98,6 +98,41 @@ def test_parameters_a_module_holds_while_it_runs_do_not_count() -> None:
     assert without_model.total == N * K * FP32 + M * K * FP32
 
 
+class ReshardsAfterForward(nn.Module):
+    """FSDP2's order: a pre-hook swaps the unsharded weight in, a post-hook (registered first, so it runs before the
+    measurement's) swaps the sharded one back; the unsharded weight's memory is then free for activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = self.sharded = nn.Parameter(torch.randn(M, K))
+        self.freed: torch.Tensor | None = None
+        self.register_forward_pre_hook(self._unshard)
+        self.register_forward_hook(self._reshard)
+
+    @staticmethod
+    def _unshard(module: nn.Module, args) -> None:
+        module.weight = nn.Parameter(module.sharded.detach().clone())
+
+    @staticmethod
+    def _reshard(module: nn.Module, args, output) -> None:
+        module.freed, module.weight = module.weight.detach(), module.sharded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def test_memory_a_module_held_as_parameters_counts_again_after_it_returns() -> None:
+    model = ReshardsAfterForward()
+    x = torch.randn(N, K, requires_grad=True)
+    scale = torch.ones(M, K, requires_grad=True)
+    with SavedTensorBytes(model=model) as saved:
+        y = model(x).sum()
+        # an activation in the memory the unsharded weight held (as the allocator may hand it out again)
+        z = (scale * model.freed).sum()
+    (y + z).backward()
+    assert saved.total == N * K * FP32 + M * K * FP32  # x, and the activation: the old weight is no parameter now
+
+
 def test_checkpointed_module_counts_its_inputs_only() -> None:
     net = Net()
     x = torch.randn(N, K, requires_grad=True)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_parallel import load_balanced_positions
+from moe_parallel.context_parallel import ascending_runs
 
 
 def test_rank_r_holds_chunks_r_and_2cp_minus_1_minus_r() -> None:
@@ -33,3 +34,11 @@ def test_chunks_tile_the_sequence_with_equal_causal_work(cp: int, chunk: int) ->
 def test_lengths_and_ranks_that_do_not_fit_are_refused(seq: int, cp: int, rank: int) -> None:
     with pytest.raises(ValueError, match="seq_len|rank"):
         load_balanced_positions(seq, cp, rank)
+
+
+def test_ascending_runs_sort_the_gathered_chunks() -> None:
+    gathered = torch.cat([load_balanced_positions(16, 2, r) for r in range(2)])  # [0..3, 12..15, 4..11]
+    runs = ascending_runs(gathered)
+    assert runs == [(0, 4), (8, 8), (4, 4)]
+    assert torch.equal(torch.cat([gathered.narrow(0, s, n) for s, n in runs]), torch.arange(16))
+    assert ascending_runs(torch.tensor([5, 3, 9])) == [(1, 1), (0, 1), (2, 1)]

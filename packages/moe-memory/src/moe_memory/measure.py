@@ -87,7 +87,8 @@ class SavedTensorBytes:
         self._excluded: set[int] = set()  # storages of the parameters passed in and of the model's at entry
         self._running: dict[int, int] = {}  # storages of the parameters of the modules running -> how many hold it
         self._seen: dict[int, SavedStorage] = {}  # data pointer -> the storage saved there
-        self._stack: list[str] = []
+        self._stack: list[str] = []  # the modules running, innermost last
+        self._held: list[list[int]] = []  # beside each: the pointers of its parameters when it started
         self._handles: list = []
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -127,24 +128,27 @@ class SavedTensorBytes:
     def _pre_hook(self, name: str):
         def hook(module: nn.Module, args) -> None:
             # the parameters the module holds now (FSDP2's unsharded ones during the forward); forgotten when it
-            # returns, since FSDP2 frees them after the forward and their memory may then hold activations
-            for pointer in self._pointers(module.parameters(recurse=False)):
+            # returns, since FSDP2 frees them after the forward and their memory may then hold activations. The
+            # pointers are kept with the call: by the post-hook FSDP2 may have swapped the sharded ones back
+            pointers = self._pointers(module.parameters(recurse=False))
+            for pointer in pointers:
                 self._running[pointer] = self._running.get(pointer, 0) + 1
             self._stack.append(name)
+            self._held.append(pointers)
 
         return hook
 
     def _post_hook(self, name: str):
         def hook(module: nn.Module, args, output) -> None:
-            for pointer in self._pointers(module.parameters(recurse=False)):
-                if self._running.get(pointer, 0) > 1:
-                    self._running[pointer] -= 1
-                else:
-                    self._running.pop(pointer, None)
             # pop this module's entry (the innermost with its name: hooks of a module re-entered run in pairs)
             for i in range(len(self._stack) - 1, -1, -1):
                 if self._stack[i] == name:
                     del self._stack[i]
+                    for pointer in self._held.pop(i):
+                        if self._running.get(pointer, 0) > 1:
+                            self._running[pointer] -= 1
+                        else:
+                            self._running.pop(pointer, None)
                     break
 
         return hook
@@ -167,4 +171,5 @@ class SavedTensorBytes:
             handle.remove()
         self._handles.clear()
         self._stack.clear()
+        self._held.clear()
         self._running.clear()

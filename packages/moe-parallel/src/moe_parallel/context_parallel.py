@@ -64,10 +64,20 @@ def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torc
     return _GatherSequence.apply(x, dim, group)
 
 
+def ascending_runs(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, length)`` of the runs of consecutive positions in ``positions`` (distinct ints), in the order that
+    sorts them: the load-balanced chunks of every cp rank, gathered rank by rank, are 2 cp such runs."""
+    pos = positions.tolist()
+    starts = [i for i in range(len(pos)) if i == 0 or pos[i] != pos[i - 1] + 1]
+    runs = [(start, end - start) for start, end in zip(starts, [*starts[1:], len(pos)], strict=True)]
+    return sorted(runs, key=lambda run: pos[run[0]])
+
+
 class GatherKeysValues:
     """Forward pre-hook of a core-attention module called as ``(q_BNSD, k_BNKD, v_BNKV, sinks, q_pos_S, k_pos_K)``:
     replaces ``k``, ``v`` and ``k_pos`` by those of every cp rank, in ascending position order. One all-gather of
-    keys and values together and one of the positions per call."""
+    keys and values together and one of the positions per call; what it keeps for the backward is nothing (the
+    attention keeps the gathered keys and values)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -86,9 +96,13 @@ class GatherKeysValues:
         kv_all = gather_sequence(torch.cat([k, v], dim=-1), 2, self.group)
         pos_all = k_pos.new_empty(k_pos.numel() * dist.get_world_size(self.group))
         dist.all_gather_into_tensor(pos_all, k_pos.contiguous(), group=self.group)
-        order = torch.argsort(pos_all)
-        k_all, v_all = kv_all.index_select(2, order).split([k.shape[-1], v.shape[-1]], dim=-1)
-        return (q, k_all, v_all, sinks, q_pos, pos_all[order]), kwargs
+        runs = ascending_runs(pos_all)
+        # the runs of consecutive positions in ascending order: slices and a cat, which keep nothing for the backward
+        # (an index_select would keep its index)
+        kv_sorted = torch.cat([kv_all.narrow(2, start, length) for start, length in runs], dim=2)
+        pos_sorted = torch.cat([pos_all.narrow(0, start, length) for start, length in runs])
+        k_all, v_all = kv_sorted.split([k.shape[-1], v.shape[-1]], dim=-1)
+        return (q, k_all, v_all, sinks, q_pos, pos_sorted), kwargs
 
 
 def apply_context_parallel(model: nn.Module, paths: tuple[str, ...], group: dist.ProcessGroup) -> None:
