@@ -48,7 +48,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_models.__version__ == "0.5.0"
+    assert moe_models.__version__ == "0.6.0"
     assert importlib.metadata.version("moe-models") == moe_models.__version__
 
 

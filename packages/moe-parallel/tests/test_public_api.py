@@ -55,8 +55,8 @@ PUBLIC_NAMES = [
 ]
 
 
-def test_version_is_semver_0_3() -> None:
-    assert moe_parallel.__version__ == "0.4.0"
+def test_version() -> None:
+    assert moe_parallel.__version__ == "0.5.0"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

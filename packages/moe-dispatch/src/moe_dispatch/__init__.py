@@ -32,7 +32,7 @@ from moe_dispatch.router import RoutingResult, TopKRouter
 from moe_dispatch.scores import group_limited_topk
 from moe_dispatch.stats import routing_stats
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "DISPATCHERS",
