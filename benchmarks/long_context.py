@@ -25,10 +25,10 @@ the same code paths, and writes a file only where ``--out`` says.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _ranks import launch_ranks  # benchmarks/_ranks.py, beside this script
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "results" / "long_context.json"
@@ -70,50 +71,58 @@ def previous_core_attention(self, q_BNSD, k_BNSD, v_BNSD, sinks_N=None, q_pos_S=
 # --- 1. attention memory ------------------------------------------------------------------------------------------
 
 
-def _attention_step(preset_name: str, seq: int, previous: bool) -> dict:
-    """One forward + loss + backward on one sequence of ``seq`` tokens: saved bytes, peak live bytes, seconds."""
-    from moe_memory import LiveTensorBytes
-    from moe_memory.measure import SavedTensorBytes
-    from moe_models import build_model, causal_lm_loss
+@contextlib.contextmanager
+def _attention(previous: bool):
+    """moe_models' attention, or (``previous``) the one it replaced, for the duration."""
     from moe_models.attention import CoreAttention
-    from moe_models.presets import preset
 
-    config = preset(preset_name, max_position_embeddings=seq)
-    model = build_model(config, seed=0)
-    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
     current = CoreAttention.forward
     if previous:
         CoreAttention.forward = previous_core_attention
     try:
+        yield
+    finally:
+        CoreAttention.forward = current
+
+
+def _model_and_ids(preset_name: str, seq: int):
+    from moe_models import build_model
+    from moe_models.presets import preset
+
+    config = preset(preset_name, max_position_embeddings=seq)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    return build_model(config, seed=0), ids
+
+
+def _step(model, ids: torch.Tensor):
+    from moe_models import causal_lm_loss
+
+    return causal_lm_loss(model(ids), ids.roll(-1, dims=1), model.config.mtp_loss_scaling_factor)
+
+
+def _attention_step(preset_name: str, seq: int, previous: bool) -> dict:
+    """One forward + loss + backward on one sequence of ``seq`` tokens: saved bytes, peak live bytes, seconds."""
+    from moe_memory import LiveTensorBytes
+    from moe_memory.measure import SavedTensorBytes
+
+    model, ids = _model_and_ids(preset_name, seq)
+    with _attention(previous):
         start = time.perf_counter()
         with LiveTensorBytes() as live:
             with SavedTensorBytes(model=model) as saved:
-                loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
+                loss = _step(model, ids)
             loss.total.backward()
         seconds = time.perf_counter() - start
-    finally:
-        CoreAttention.forward = current
     core = sum(n for name, n in saved.by_module.items() if name.endswith("core_attention"))
     return {"saved_bytes": saved.total, "core_attention_saved_bytes": core, "peak_live_bytes": live.peak, "s": seconds}
 
 
 def _timed(preset_name: str, seq: int, previous: bool) -> float:
-    from moe_models import build_model, causal_lm_loss
-    from moe_models.attention import CoreAttention
-    from moe_models.presets import preset
-
-    config = preset(preset_name, max_position_embeddings=seq)
-    model = build_model(config, seed=0)
-    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    current = CoreAttention.forward
-    if previous:
-        CoreAttention.forward = previous_core_attention
-    try:
+    model, ids = _model_and_ids(preset_name, seq)
+    with _attention(previous):
         start = time.perf_counter()
-        causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor).total.backward()
+        _step(model, ids).total.backward()
         return time.perf_counter() - start
-    finally:
-        CoreAttention.forward = current
 
 
 def train_gpt_oss(seq: int, steps: int) -> dict:
@@ -235,18 +244,8 @@ def _rank_activations(out: Path, seq: int, cp: int) -> None:
 
 
 def _launch(world: int, tmp: Path, *args: str) -> list[dict]:
-    """This script as ``world`` gloo ranks (``--rank-dir tmp *args``); what each rank wrote."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-dir", str(tmp), *args], env=env))
-    if any(p.wait(timeout=3600) for p in procs):
-        raise SystemExit("a rank failed")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+    tmp.mkdir(parents=True, exist_ok=True)
+    return launch_ranks(__file__, world, tmp, *args, timeout=3600)
 
 
 def logits_per_rank(seq: int, vocab: int) -> dict:

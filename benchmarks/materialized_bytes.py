@@ -20,13 +20,10 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from _ranks import launch_ranks  # benchmarks/_ranks.py, beside this script
 
 ROOT = Path(__file__).resolve().parent
 WORLD = 4
@@ -98,18 +95,7 @@ def _rank(quick: bool, out: Path) -> None:
 
 
 def _launch(quick: bool, tmp: Path) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-        cmd = [sys.executable, __file__, "--rank-dir", str(tmp), *(["--quick"] if quick else [])]
-        procs.append(subprocess.Popen(cmd, env=env))
-    if any(p.wait(timeout=600) for p in procs):
-        raise SystemExit("a rank failed")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return launch_ranks(__file__, WORLD, tmp, *(["--quick"] if quick else []))
 
 
 def main() -> None:

@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _ranks import launch_ranks  # benchmarks/_ranks.py, beside this script
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "results" / "memory_estimate.json"
@@ -199,8 +196,8 @@ def _rank(out: Path) -> None:
         positions = setup.parallel.positions(cfg.data.seq_len)
         with setup.parallel.loss_context():
             with SavedTensorBytes(model=model) as saved:
-                out = model(ids, positions)
-                loss = causal_lm_loss(out, ids.roll(-1, dims=1), cfg.model.mtp_loss_scaling_factor, positions)
+                output = model(ids, positions)
+                loss = causal_lm_loss(output, ids.roll(-1, dims=1), cfg.model.mtp_loss_scaling_factor, positions)
             loss.total.backward()
         setup.parallel.finalize_grads()
         optimizer = build_optimizer(model, cfg.train)
@@ -232,17 +229,7 @@ def _rank(out: Path) -> None:
 
 
 def _launch(tmp: Path) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD)}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-dir", str(tmp)], env=env))
-    if any(p.wait(timeout=600) for p in procs):
-        raise SystemExit("a rank failed")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return launch_ranks(__file__, WORLD, tmp)
 
 
 def main() -> None:

@@ -89,6 +89,8 @@ PIPELINE_LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
     "pp=2 x dp_shard=2 (FSDP2 per stage)": (4, {"parallel.pp": "2"}),
     "pp=2 x tp=2": (4, {"parallel.pp": "2", "parallel.tp": "2"}),
     "pp=4": (4, {"parallel.pp": "4"}),
+    # context parallelism inside each stage: the stages pass the rank's share of every sequence
+    "pp=2 x cp=2": (4, {"parallel.pp": "2", "parallel.cp": "2"}),
 }
 # context parallelism (and the tensor-parallel cases it brought): model name -> (preset, model overrides)
 CONTEXT_MODELS: dict[str, tuple[str, dict[str, str]]] = {

@@ -33,6 +33,7 @@ PUBLIC_NAMES = [
     "TINY_PRESETS",
     "__version__",
     "apply_rotary",
+    "blockwise_attention",
     "build_model",
     "causal_lm_loss",
     "count_parameters",
@@ -42,6 +43,7 @@ PUBLIC_NAMES = [
     "parallel_plan",
     "pipeline_plan",
     "preset",
+    "reference_attention",
     "rotary_cos_sin",
     "training_flops_per_token",
 ]

@@ -148,7 +148,6 @@ def test_a_plan_without_context_parallel_attention_refuses_cp() -> None:
             "tp=8: the model's num_attention_heads=4 is not divisible by it; tp can be one of [1, 2]",
         ),
         ({}, {"tp": 4}, "tp", "tp=4: the model's num_query_groups=2 is not divisible by it; tp can be one of [1, 2]"),
-        ({}, {"cp": 2, "pp": 2}, "cp", "cp=2: context parallelism does not combine with pipeline parallelism yet"),
         (
             {},
             {"tp": 2, "moe_token_dispatcher_type": "flex"},

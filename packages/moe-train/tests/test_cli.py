@@ -240,10 +240,6 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
             "parallel.pp=2: model.share_embeddings_and_output_weights: tied embeddings do not support pipeline",
         ),
         ({"parallel.pp_first_stage_layers": "1"}, "parallel.pp_first_stage_layers=1: applies to pipeline parallelism"),
-        (
-            {"model.num_layers": "4", "parallel.pp": "2", "parallel.cp": "2"},
-            "parallel.cp=2: context parallelism does not combine with pipeline parallelism yet; use pp=1",
-        ),
         ({"parallel.tp": "2"}, "parallel.tp=2: the model's num_query_groups=1 is not divisible by it"),
         (
             {"parallel.ep": "4", "model.num_moe_experts": "6"},

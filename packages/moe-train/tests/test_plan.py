@@ -296,3 +296,22 @@ def test_pipeline_ranks_hold_their_stages_and_their_micro_batches_in_flight() ->
         == 0
         < estimates[0].activations_by_module()["embedding"]
     )
+
+
+def test_context_parallel_ranks_shard_with_the_data_parallel_ones_and_hold_their_share_of_the_tokens() -> None:
+    """Qwen3-30B-A3B at 32k tokens over cp=4 x ep=8 (32 ranks): FSDP shards the dense parameters over the 32
+    dp_shard x cp ranks, as over 32 data-parallel ranks; the shards sum to the parameter count; a rank keeps a
+    quarter of the token-wise activations, and its attention the keys and values of the whole sequence."""
+    config = preset("qwen3-30b-a3b", max_position_embeddings=32768)
+    with_cp = plan_report(config, ParallelConfig(cp=4, ep=8), 32)
+    without = plan_report(config, ParallelConfig(ep=8), 32)
+    counted = count_parameters(config)
+    assert sum(with_cp.distinct_params.values()) == counted.total + counted.mtp
+    assert [k.params for k in with_cp.kinds] == [k.params for k in without.kinds]
+    options = MemoryOptions(micro_batch=1, seq_len=32768)
+    (_, cp4), (_, cp1) = memory_estimates(with_cp, config, options)[0], memory_estimates(without, config, options)[0]
+    a, b = cp4.activations_by_module(), cp1.activations_by_module()
+    assert a["attn_norm"] * 4 == b["attn_norm"] and a["lm_head"] * 4 == b["lm_head"] and cp4.logits * 4 == cp1.logits
+    # q, the output and the log-sum-exp are the rank's quarter; k and v (4 of 32 heads of 128) the whole sequence's
+    kv_whole = 48 * 2 * 32768 * 4 * 128 * 2  # 48 layers, k and v, bf16
+    assert (a["core_attn"] - kv_whole) * 4 == b["core_attn"] - kv_whole > 0

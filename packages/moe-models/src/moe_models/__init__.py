@@ -3,6 +3,7 @@
 
 from moe_models import hf, memory
 from moe_models.attention import Attention, CoreAttention
+from moe_models.blockwise_attention import blockwise_attention, reference_attention
 from moe_models.config import FAMILIES, ModelConfig, ModelConfigError
 from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
 from moe_models.init import InitialWeights
@@ -54,10 +55,12 @@ __all__ = [
     "RMSNorm",
     "__version__",
     "apply_rotary",
+    "blockwise_attention",
     "build_model",
     "causal_lm_loss",
     "next_token_loss",
     "pipeline_plan",
+    "reference_attention",
     "ModelStage",
     "StageRouting",
     "count_parameters",

@@ -52,10 +52,13 @@ class StageRouting:
 class ModelStage(nn.Module):
     """Decoder layers ``layers`` of ``model``, with the embedding (``first``) and the head and MTP (``last``).
 
-    ``forward(x, input_ids_BS, routing)``: ``x`` is the token ids on the first stage and the previous stage's hidden
-    states otherwise; ``input_ids_BS`` (every stage gets it) gives the sequence length for the rotary positions and
-    the tokens MTP embeds; the MoE layers' results go to ``routing``. Returns the hidden states, or on the last stage
-    the logits (a tuple with the MTP depths' logits after them when the model has MTP).
+    ``forward(x, input_ids_BS, routing, positions_BS)``: ``x`` is the token ids the stage computes (at the positions
+    given, all of them by default) on the first stage and the previous stage's hidden states otherwise;
+    ``input_ids_BS`` (every stage gets it: the whole sequences) gives the sequence length for the rotary positions and
+    the tokens MTP embeds; ``positions_BS`` (a context-parallel rank's positions, one row per sequence, all rows
+    equal: a pipeline schedule cuts keyword tensors into micro-batches along the first dimension); the MoE layers'
+    results go to ``routing``. Returns the hidden states, or on the last stage the logits (a tuple with the MTP
+    depths' logits after them when the model has MTP).
     """
 
     def __init__(self, model: MoETransformer, index: int, layers: tuple[int, ...], first: bool, last: bool) -> None:
@@ -90,15 +93,21 @@ class ModelStage(nn.Module):
         return module_kinds(self)
 
     def forward(
-        self, x: torch.Tensor, input_ids_BS: torch.Tensor, routing: StageRouting | None = None
+        self,
+        x: torch.Tensor,
+        input_ids_BS: torch.Tensor,
+        routing: StageRouting | None = None,
+        positions_BS: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        positions_S = None if positions_BS is None else positions_BS[0]
         x_BSH = self.embed_tokens(x) if self.first else x
-        cos_SF, sin_SF = rotary_cos_sin(self.config, input_ids_BS.shape[1], x_BSH.device)
+        where = input_ids_BS.shape[1] if positions_S is None else positions_S
+        cos_SF, sin_SF = rotary_cos_sin(self.config, where, x_BSH.device)
         routings: list[RoutingResult | None] = []
-        x_BSH = run_layers(self.layers.values(), x_BSH, cos_SF, sin_SF, routings)
+        x_BSH = run_layers(self.layers.values(), x_BSH, cos_SF, sin_SF, routings, positions_S)
         out: torch.Tensor | tuple[torch.Tensor, ...] = x_BSH
         if self.last:
-            logits_BSV, mtp_logits = run_head(self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings)
+            logits_BSV, mtp_logits = run_head(self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S)
             out = (logits_BSV, *mtp_logits) if mtp_logits else logits_BSV
         if routing is not None:
             routing.add(self.index, [r for r in routings if r is not None], self.config, x_BSH)
@@ -108,8 +117,9 @@ class ModelStage(nn.Module):
 def stage_io(
     stage: ModelStage, batch: int, seq_len: int, tp: int, dtype: torch.dtype
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Example (meta) input and output of ``stage`` for ``batch`` sequences of ``seq_len`` tokens: hidden states
-    between stages are split along the sequence over ``tp`` (sequence parallelism), logits are whole."""
+    """Example (meta) input and output of ``stage`` for ``batch`` sequences of ``seq_len`` tokens (a context-parallel
+    rank's share): hidden states between stages are split along the sequence over ``tp`` (sequence parallelism),
+    logits are of the whole vocabulary (a DTensor's global shape under tp)."""
     c = stage.config
     with torch.device("meta"):
         # the hidden states carry gradients back: torch's stage makes its receive buffers as these say

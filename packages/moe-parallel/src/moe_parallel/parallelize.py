@@ -125,10 +125,6 @@ def check_context_parallel(plan: ParallelPlan, layout: ParallelLayout) -> None:
         return
     if not plan.context_parallel:
         raise LayoutError("cp", layout.cp, "the model declares no context-parallel attention; use cp=1")
-    if layout.pp > 1:
-        raise LayoutError(
-            "cp", layout.cp, "context parallelism does not combine with pipeline parallelism yet; use pp=1"
-        )
 
 
 def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, layout: ParallelLayout) -> None:

@@ -186,6 +186,12 @@ class PipelineParallelModel:
     def dp_index(self) -> int:
         return self.meshes.dp_index()
 
+    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """As :meth:`moe_parallel.ParallelModel.positions`: this rank's positions under context parallelism."""
+        from moe_parallel.parallelize import context_positions
+
+        return context_positions(self.meshes, seq_len, device)
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         """What the loss (and its backward) of the last stage's logits runs under (:func:`vocab_parallel_loss`)."""
         return vocab_parallel_loss(self.meshes.layout.tp)
@@ -291,12 +297,16 @@ class PipelineParallelModel:
         microbatches: int,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         dtype: torch.dtype,
+        positions_S: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> None:
         """Forward and backward ``microbatches`` equal slices of the rank's batch under the schedule; every stage
         forward gets ``input_ids_BS`` (its micro-batch's slice) and ``kwargs``; the last stage's output and labels go
-        to ``loss_fn``. Gradients are accumulated, not scaled."""
-        micro, seq_len = input_ids_BS.shape[0] // microbatches, input_ids_BS.shape[1]
+        to ``loss_fn``. Gradients are accumulated, not scaled. ``positions_S``: under context parallelism the positions
+        this rank computes of every sequence (the first stage gets the tokens there, every stage the positions as
+        ``positions_BS``)."""
+        local_ids_BS, kwargs = _at_positions(input_ids_BS, positions_S, kwargs)
+        micro, seq_len = input_ids_BS.shape[0] // microbatches, local_ids_BS.shape[1]
         key = (microbatches, micro, seq_len, dtype, id(loss_fn))
         if self._schedule is None or key != self._schedule_key:
             classes = _schedule_classes()
@@ -305,16 +315,19 @@ class PipelineParallelModel:
             single = SCHEDULE_STYLES[self.config.pp_schedule] == "single"
             self._schedule = cls(stages[0] if single else stages, microbatches, loss_fn=loss_fn, scale_grads=False)
             self._schedule_key = key
-        args = (input_ids_BS,) if self.is_first else ()
+        args = (local_ids_BS,) if self.is_first else ()
         self._schedule.step(*args, target=labels_BS if self.is_last else None, input_ids_BS=input_ids_BS, **kwargs)
 
     @torch.no_grad()
-    def forward(self, input_ids_BS: torch.Tensor, dtype: torch.dtype, **kwargs: Any) -> Any:
+    def forward(
+        self, input_ids_BS: torch.Tensor, dtype: torch.dtype, positions_S: torch.Tensor | None = None, **kwargs: Any
+    ) -> Any:
         """Forward only, one micro-batch through the stages in order (evaluation): the last stage's output on the
         rank holding it, None elsewhere."""
         ranks = dist.get_process_group_ranks(self.pp_group)
         schedule, pp, tp = self.config.pp_schedule, self.meshes.layout.pp, self.meshes.layout.tp
-        batch, seq_len = input_ids_BS.shape
+        local_ids_BS, kwargs = _at_positions(input_ids_BS, positions_S, kwargs)
+        batch, seq_len = local_ids_BS.shape
         out = None
         held = dict(zip(self.stage_indices, self.stages, strict=True))
         for index in range(self.num_stages):
@@ -322,7 +335,7 @@ class PipelineParallelModel:
             if stage is None:
                 continue
             if index == 0:
-                x = input_ids_BS
+                x = local_ids_BS
             elif index - 1 in held:
                 x = out
             else:
@@ -333,6 +346,17 @@ class PipelineParallelModel:
             if index + 1 < self.num_stages and index + 1 not in held:
                 dist.send(out.contiguous(), ranks[stage_rank(schedule, pp, index + 1)], group=self.pp_group)
         return out if self.is_last else None
+
+
+def _at_positions(
+    input_ids_BS: torch.Tensor, positions_S: torch.Tensor | None, kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The tokens the first stage embeds, and the stage keyword arguments with the positions (one row per sequence:
+    the schedule cuts keyword tensors into micro-batches along their first dimension)."""
+    if positions_S is None:
+        return input_ids_BS, kwargs
+    positions_BS = positions_S.expand(input_ids_BS.shape[0], -1).contiguous()
+    return input_ids_BS[:, positions_S], {**kwargs, "positions_BS": positions_BS}
 
 
 def stage_map(

@@ -117,6 +117,10 @@ def _coordinates_by_dim(layout: ParallelLayout) -> dict[str, torch.Tensor]:
             for dim in dims:
                 if dim != "pp" or side == "attention":
                     by_dim[dim].append(coords[dim])
+        # the flattened dimensions context parallelism adds (row-major: the first named is the slower)
+        attention = layout.coords(rank, "attention")
+        by_dim["dp_shard_cp"].append(attention["dp_shard"] * layout.cp + attention["cp"])
+        by_dim["cp_tp"].append(attention["cp"] * layout.tp + attention["tp"])
     return {dim: torch.tensor(values) for dim, values in by_dim.items()}
 
 
@@ -321,7 +325,9 @@ def format_report(report: PlanReport) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     per_ep_rank = report.num_experts // layout.ep
     lines = [
-        f"parameter shards per rank, split as training splits them (dp={layout.dp} tp={layout.tp} | ep={layout.ep} "
+        f"parameter shards per rank, split as training splits them (dp={layout.dp} "
+        + (f"cp={layout.cp} " if layout.cp > 1 else "")
+        + f"tp={layout.tp} | ep={layout.ep} "
         f"etp={layout.etp} edp={layout.edp}; {per_ep_rank} expert{'s' if per_ep_rank > 1 else ''} per ep rank), "
         "elements = bytes:"
     ]

@@ -169,11 +169,7 @@ class _Loop:
         self.per_rank = setup.micro_batch * setup.grad_accum
         self.params = [p for p in setup.model.parameters() if p.requires_grad]
         # under context parallelism the positions of every sequence this rank computes (None: all of them)
-        self.positions = (
-            None
-            if isinstance(setup.parallel, PipelineParallelModel)
-            else setup.parallel.positions(cfg.data.seq_len, ctx.device)
-        )
+        self.positions = setup.parallel.positions(cfg.data.seq_len, ctx.device)
         self.autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.log: MetricsLog | None = None
@@ -187,7 +183,7 @@ class _Loop:
         self.routers = parallel.routers() if self.pipeline is not None else setup.model.routers()
         if self.pipeline is not None:
             self.routing = StageRouting()
-            self.pipeline_loss = _PipelineLoss(cfg.model.mtp_loss_scaling_factor)
+            self.pipeline_loss = _PipelineLoss(cfg.model.mtp_loss_scaling_factor, self.positions)
             # each router's row among the whole model's, for the expert-load metrics
             self.load_rows = [row for stage in self.pipeline.stages for row in stage.router_rows()]
             self.num_moe_layers = sum(cfg.model.moe_layer_pattern()) + (cfg.model.mtp_num_layers or 0)
@@ -252,7 +248,13 @@ class _Loop:
         self.pipeline_loss.reset(device)
         with self.autocast, self.pipeline.loss_context():
             self.pipeline.step(
-                inputs, labels, setup.grad_accum, self.pipeline_loss, self.hidden_dtype, routing=self.routing
+                inputs,
+                labels,
+                setup.grad_accum,
+                self.pipeline_loss,
+                self.hidden_dtype,
+                positions_S=self.positions,
+                routing=self.routing,
             )
         held = self.pipeline.stage_indices
         aux_sum = sum((self.routing.aux_loss[i] for i in held), torch.zeros((), device=device))
@@ -371,11 +373,12 @@ class _Loop:
                             with setup.parallel.loss_context():
                                 total += full_value(causal_lm_loss(out, labels, 0.0, self.positions).lm.float())
                         else:  # the last stage's rank alone has logits
-                            out = self.pipeline.forward(ids, self.hidden_dtype)
+                            out = self.pipeline.forward(ids, self.hidden_dtype, positions_S=self.positions)
                             if out is not None:
                                 logits = out[0] if isinstance(out, tuple) else out
                                 with setup.parallel.loss_context():
-                                    total += full_value(next_token_loss(logits, (), labels).lm.float())
+                                    loss = next_token_loss(logits, (), labels, 0.0, self.positions)
+                                    total += full_value(loss.lm.float())
                     batches += 1
         finally:
             model.train()
@@ -419,10 +422,11 @@ class _Loop:
 
 class _PipelineLoss:
     """The loss the pipeline's last stage computes per micro-batch (the schedule calls it with the stage's output
-    and the micro-batch's labels); keeps the step's LM and MTP loss sums for the metrics."""
+    and the micro-batch's labels: the whole sequences'; ``positions_S``, those the rank computes under context
+    parallelism); keeps the step's LM and MTP loss sums for the metrics."""
 
-    def __init__(self, mtp_loss_scaling_factor: float) -> None:
-        self.factor = mtp_loss_scaling_factor
+    def __init__(self, mtp_loss_scaling_factor: float, positions_S: torch.Tensor | None = None) -> None:
+        self.factor, self.positions = mtp_loss_scaling_factor, positions_S
         self.lm_sum = self.mtp_sum = torch.zeros(())
 
     def reset(self, device: torch.device) -> None:
@@ -430,7 +434,7 @@ class _PipelineLoss:
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels_BS: torch.Tensor) -> torch.Tensor:
         logits, *mtp = output if isinstance(output, tuple) else (output,)
-        loss = next_token_loss(logits, mtp, labels_BS, self.factor)
+        loss = next_token_loss(logits, mtp, labels_BS, self.factor, self.positions)
         self.lm_sum = self.lm_sum + full_value(loss.lm)
         if loss.mtp:
             self.mtp_sum = self.mtp_sum + full_value(torch.stack(loss.mtp).mean())
