@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import moe_models.blockwise_attention as blockwise_module
+import moe_models.blockwise as blockwise_module
 from moe_memory import SavedTensorBytes
 from moe_models.attention import CoreAttention
-from moe_models.blockwise_attention import blockwise_attention, reference_attention
+from moe_models.blockwise import blockwise_attention, reference_attention
 
 
 @st.composite

@@ -3,7 +3,7 @@
 
 from moe_models import hf, memory
 from moe_models.attention import Attention, CoreAttention
-from moe_models.blockwise_attention import blockwise_attention, reference_attention
+from moe_models.blockwise import blockwise_attention, reference_attention
 from moe_models.config import FAMILIES, ModelConfig, ModelConfigError
 from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
 from moe_models.init import InitialWeights

@@ -1,7 +1,7 @@
 """Causal grouped-query attention: QK-norm (Qwen3), biases and learned attention sinks (GPT-OSS), sliding windows
 (GPT-OSS, Mixtral). Plain causal attention over a whole sequence goes to SDPA's fused kernels; sinks, windows, a
 value head size other than q/k's on CPU (MLA), and queries and keys at given positions (a context-parallel rank's)
-go to :func:`~moe_models.blockwise_attention.blockwise_attention`. Both keep memory linear in the sequence."""
+go to :func:`~moe_models.blockwise.blockwise_attention`. Both keep memory linear in the sequence."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_models.blockwise_attention import blockwise_attention
+from moe_models.blockwise import blockwise_attention
 from moe_models.config import ModelConfig
 from moe_models.layers import RMSNorm
 from moe_models.rope import apply_rotary
