@@ -166,10 +166,8 @@ def attention_memory(lengths: tuple[int, ...], repeats: int) -> dict:
 # --- 2 and 3: several ranks ---------------------------------------------------------------------------------------
 
 
-def _rank_logits(out: Path, seq: int, vocab: int) -> None:
+def _logits(seq: int, vocab: int) -> dict:
     """tp=2 and tp=1 (a lone rank) of the tiny Qwen3-MoE: the logits and the loss's saved log-probabilities."""
-    import torch.distributed as dist
-
     from moe_memory.measure import SavedTensorBytes
     from moe_models import build_model, causal_lm_loss
     from moe_models.presets import preset
@@ -196,16 +194,12 @@ def _rank_logits(out: Path, seq: int, vocab: int) -> None:
             "logits_bytes_per_rank": local.untyped_storage().nbytes(),
             "loss_saved_bytes": saved.by_module.get("<outside>", 0),
         }
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
 
 
-def _rank_activations(out: Path, seq: int, cp: int) -> None:
-    """One training forward of the tiny Qwen3-MoE at ``seq`` tokens, built as moe-train builds it under cp: the
-    bytes this rank saves for backward, and the estimate's."""
-    import torch.distributed as dist
-
+def _activations(out: Path, seq: int, cp: int) -> dict:
+    """One training forward of the tiny Qwen3-MoE at ``seq`` tokens, built as moe-train builds it under cp (in this
+    process for cp=1): the bytes this rank saves for backward, and the estimate's."""
     from moe_memory.estimate import estimate_memory
     from moe_memory.measure import SavedTensorBytes
     from moe_models import causal_lm_loss
@@ -235,12 +229,22 @@ def _rank_activations(out: Path, seq: int, cp: int) -> None:
         cfg.model, local_parameters(setup.model), micro_batch=1, seq_len=seq, activation_bytes=4, layout=setup.layout
     )
     estimate = estimate_memory(model_shape(cfg.model), run)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    result = {"saved_bytes": saved.total, "estimated_bytes": estimate.activation_bytes}
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    return {"saved_bytes": saved.total, "estimated_bytes": estimate.activation_bytes}
+
+
+def _rank(out: Path, parts: list[str], seq: int, vocab: int, logits_seq: int) -> None:
+    """One of several ranks: the ``parts`` (``activations`` under cp = the world size, ``logits`` at tp=2)."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    result = {}
+    if "activations" in parts:
+        result["activations"] = _activations(out, seq, world)
+    if "logits" in parts:
+        result["logits"] = _logits(logits_seq, vocab)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _launch(world: int, tmp: Path, *args: str) -> list[dict]:
@@ -248,9 +252,7 @@ def _launch(world: int, tmp: Path, *args: str) -> list[dict]:
     return launch_ranks(__file__, world, tmp, *args, timeout=3600)
 
 
-def logits_per_rank(seq: int, vocab: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        ranks = _launch(2, Path(tmp), "--part", "logits", "--seq", str(seq), "--vocab", str(vocab))
+def _logits_summary(ranks: list[dict], seq: int, vocab: int) -> dict:
     one, two = ranks[0]["tp=1"], ranks[0]["tp=2"]
     result = {
         "seq_len": seq,
@@ -310,13 +312,7 @@ def _train(world: int, seq: int, steps: int, tmp: Path, config: str = "tiny-qwen
     }
 
 
-def long_context(seq: int, cp: int, steps: int, quick: bool) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        one = _launch(1, Path(tmp) / "a1", "--part", "activations", "--seq", str(seq), "--cp", "1")[0]
-        many = _launch(cp, Path(tmp) / f"a{cp}", "--part", "activations", "--seq", str(seq), "--cp", str(cp))
-        trained = {f"cp={cp}": _train(cp, seq, steps, Path(tmp))}
-        if not quick:  # the quick mode checks the path, not the rate
-            trained["cp=1"] = _train(1, seq, steps, Path(tmp))
+def _activations_summary(one: dict, many: list[dict], seq: int, cp: int, trained: dict) -> dict:
     result = {
         "seq_len": seq,
         "cp": cp,
@@ -327,11 +323,36 @@ def long_context(seq: int, cp: int, steps: int, quick: bool) -> dict:
     print(
         f"{seq} tokens: activations per rank cp=1 {one['saved_bytes'] / 2**20:,.1f} MiB, cp={cp} "
         f"{max(r['saved_bytes'] for r in many) / 2**20:,.1f} MiB (worst rank, "
-        f"{result['activation_ratio_worst_rank']:.3f}x); tokens/s "
-        + ", ".join(f"{k} {v['tokens_per_s_median']:,.0f}" for k, v in trained.items()),
+        f"{result['activation_ratio_worst_rank']:.3f}x)"
+        + "".join(f"; tokens/s {k} {v['tokens_per_s_median']:,.0f}" for k, v in trained.items()),
         flush=True,
     )
     return result
+
+
+def several_ranks(quick: bool) -> dict:
+    """Logits per rank at tp=2 and activations per rank at cp against one process; with training rates (full runs:
+    the quick mode checks the paths, in one 2-rank launch)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if quick:
+            seq, cp, vocab, logits_seq = 256, 2, 1024, 64
+            ranks = _launch(
+                cp, tmp / "r", "--parts", "activations,logits", "--seq", str(seq), "--logits-seq", str(logits_seq)
+            )
+            logits = [r["logits"] for r in ranks]
+            trained: dict = {}
+        else:
+            seq, cp, vocab, logits_seq = 32768, 4, 32768, 2048
+            args = ("--parts", "logits", "--logits-seq", str(logits_seq), "--vocab", str(vocab))
+            logits = [r["logits"] for r in _launch(2, tmp / "l", *args)]
+            ranks = _launch(cp, tmp / "a", "--parts", "activations", "--seq", str(seq))
+            trained = {f"cp={cp}": _train(cp, seq, 3, tmp), "cp=1": _train(1, seq, 3, tmp)}
+        one = _activations(tmp / "one", seq, 1)
+        return {
+            "logits_per_rank": _logits_summary(logits, logits_seq, vocab),
+            "long_context": _activations_summary(one, [r["activations"] for r in ranks], seq, cp, trained),
+        }
 
 
 def main() -> None:
@@ -339,17 +360,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help=f"JSON to write (full runs default to {DEFAULT_OUT})")
     parser.add_argument("--quick", action="store_true", help="small sizes over the same code paths (nox benchmarks)")
     parser.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)  # set when launched as one rank
-    parser.add_argument("--part", choices=("logits", "activations"), help=argparse.SUPPRESS)
+    parser.add_argument("--parts", help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--cp", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, default=1024, help=argparse.SUPPRESS)
+    parser.add_argument("--logits-seq", type=int, default=64, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_dir is not None:
         args.rank_dir.mkdir(parents=True, exist_ok=True)
-        if args.part == "logits":
-            _rank_logits(args.rank_dir, args.seq, args.vocab)
-        else:
-            _rank_activations(args.rank_dir, args.seq, args.cp)
+        _rank(args.rank_dir, args.parts.split(","), args.seq, args.vocab, args.logits_seq)
         return
     torch.set_num_threads(2)
     started = time.perf_counter()
@@ -361,10 +379,9 @@ def main() -> None:
         "device": "cpu",
         "dtype": "float32",
         "quick": quick,
-        "attention_memory": attention_memory((256,) if quick else (2048, 4096, 8192), 1 if quick else REPEATS),
+        "attention_memory": attention_memory((128,) if quick else (2048, 4096, 8192), 1 if quick else REPEATS),
         "gpt_oss_training": None if quick else train_gpt_oss(8192, 5),
-        "logits_per_rank": logits_per_rank(64, 1024) if quick else logits_per_rank(2048, 32768),
-        "long_context": long_context(512, 2, 2, True) if quick else long_context(32768, 4, 3, False),
+        **several_ranks(quick),
     }
     result["seconds"] = round(time.perf_counter() - started, 1)
     out = args.out if args.out is not None else (None if quick else DEFAULT_OUT)

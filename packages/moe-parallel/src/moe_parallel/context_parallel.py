@@ -17,6 +17,8 @@ FSDP's average over the cp ranks leaves the sum a whole-sequence loss needs.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -76,11 +78,24 @@ def ascending_runs(positions: torch.Tensor) -> list[tuple[int, int]]:
 class GatherKeysValues:
     """Forward pre-hook of a core-attention module called as ``(q_BNSD, k_BNKD, v_BNKV, sinks, q_pos_S, k_pos_K)``:
     replaces ``k``, ``v`` and ``k_pos`` by those of every cp rank, in ascending position order. One all-gather of
-    keys and values together and one of the positions per call; what it keeps for the backward is nothing (the
-    attention keeps the gathered keys and values)."""
+    keys and values together per call; the positions are gathered once for as long as the same positions tensor
+    comes (every layer of every step of a run). What it keeps for the backward is nothing (the attention keeps the
+    gathered keys and values)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self._order: tuple = ()  # (weakref to the positions, their version, runs, sorted positions)
+
+    def _gathered_order(self, k_pos: torch.Tensor) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """The runs that sort every rank's positions, and the sorted positions; cached for the same tensor."""
+        if self._order and self._order[0]() is k_pos and self._order[1] == k_pos._version:
+            return self._order[2], self._order[3]
+        pos_all = k_pos.new_empty(k_pos.numel() * dist.get_world_size(self.group))
+        dist.all_gather_into_tensor(pos_all, k_pos.contiguous(), group=self.group)
+        runs = ascending_runs(pos_all)
+        pos_sorted = torch.cat([pos_all.narrow(0, start, length) for start, length in runs])
+        self._order = (weakref.ref(k_pos), k_pos._version, runs, pos_sorted)
+        return runs, pos_sorted
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if len(args) != 6 or kwargs:
@@ -93,14 +108,11 @@ class GatherKeysValues:
                 "context parallelism needs the positions of the rank's tokens: call the model with positions_S "
                 "(moe_parallel.load_balanced_positions)"
             )
+        runs, pos_sorted = self._gathered_order(k_pos)
         kv_all = gather_sequence(torch.cat([k, v], dim=-1), 2, self.group)
-        pos_all = k_pos.new_empty(k_pos.numel() * dist.get_world_size(self.group))
-        dist.all_gather_into_tensor(pos_all, k_pos.contiguous(), group=self.group)
-        runs = ascending_runs(pos_all)
         # the runs of consecutive positions in ascending order: slices and a cat, which keep nothing for the backward
         # (an index_select would keep its index)
         kv_sorted = torch.cat([kv_all.narrow(2, start, length) for start, length in runs], dim=2)
-        pos_sorted = torch.cat([pos_all.narrow(0, start, length) for start, length in runs])
         k_all, v_all = kv_sorted.split([k.shape[-1], v.shape[-1]], dim=-1)
         return (q, k_all, v_all, sinks, q_pos, pos_sorted), kwargs
 
