@@ -5,7 +5,8 @@ expert bias, sequence aux loss; 4-layer versions of both for pipeline parallelis
 global batch of 8 sequences: loss, gradient norm and balancing loss at every step (and, for the pipelines, the
 validation loss) must equal the single-process run's to a relative 1e-4. Context parallelism is checked on those two
 and on the GPT-OSS proxy (learned sinks; sliding windows of 8 tokens, so that windows cross the cp chunks of a
-32-token sequence), and tensor parallelism also on GPT-OSS and on a model with tied embeddings.
+32-token sequence; global batches of 4 sequences, against one process run alike), and tensor parallelism also on
+GPT-OSS and on a model with tied embeddings.
 
 Every run uses micro-batches of 2 sequences, so the single process accumulates 4 of them per step and each layout as
 many as its data-parallel size leaves (a pipeline schedule runs those same micro-batches): the micro-batches, and so
@@ -117,6 +118,9 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
     "tp=2": (2, {"parallel.tp": "2"}, ("tiny-gpt-oss", "tiny-qwen3-moe tied")),
 }
 CONTEXT_CASES = [(model, layout) for layout, (_, _, models) in CONTEXT_LAYOUTS.items() for model in models]
+# half the global batch (4 sequences in micro-batches of 2, against references run alike): the context-parallel rows
+# check attention across ranks, and fewer micro-batches keep the 4-rank runs short on 2 cores
+CONTEXT_BATCH = {"train.global_batch_size": "4"}
 PIPELINE_MODELS = {
     "tiny-qwen3-moe": {"model.num_layers": "4"},
     "tiny-deepseek-v3": {"model.num_layers": "4", "model.moe_layer_freq": "0,1,1,1"},
@@ -164,10 +168,9 @@ def single_process(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
     out = tmp_path_factory.mktemp("single")
     runs = {}
     for name, (preset, model) in CONTEXT_MODELS.items():
-        if name not in PRESETS:
-            overrides = {**_overrides(data_cache), **model, "run.output_dir": str(out / name)}
-            train(prepare(load_config(preset, overrides), 1))
-            runs[name] = _records(out / name)
+        overrides = {**_overrides(data_cache), **model, **CONTEXT_BATCH, "run.output_dir": str(out / f"{name} context")}
+        train(prepare(load_config(preset, overrides), 1))
+        runs[f"{name} context"] = _records(out / f"{name} context")
     for preset in PRESETS:
         for variant in ("", " eager", " 4 layers"):
             name = preset + variant
@@ -208,7 +211,7 @@ def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, la
             {
                 "name": _case_dir(model, name),
                 "preset": CONTEXT_MODELS[model][0],
-                "overrides": {**_overrides(data_cache), **CONTEXT_MODELS[model][1], **extra},
+                "overrides": {**_overrides(data_cache), **CONTEXT_MODELS[model][1], **CONTEXT_BATCH, **extra},
             }
             for name, (size, extra, models) in CONTEXT_LAYOUTS.items()
             if size == world
@@ -265,7 +268,7 @@ def test_layout_equals_single_process(preset: str, layout: str, single_process, 
 def test_context_parallel_equals_single_process(model: str, layout: str, single_process, parallel_runs: Path) -> None:
     world = CONTEXT_LAYOUTS[layout][0]
     ours = _records(parallel_runs / f"world{world}" / _case_dir(model, layout))
-    reference = single_process[model]
+    reference = single_process[f"{model} context"]
     keys = ("loss", "grad_norm", "aux_loss", "expert_load_max_over_mean")
     diffs = {key: _max_rel_diff(ours, reference, key) for key in keys}
     print(f"{model} {layout}: max relative difference {diffs}")
