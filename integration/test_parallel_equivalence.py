@@ -5,12 +5,12 @@ expert bias, sequence aux loss; 4-layer versions of both for pipeline parallelis
 global batch of 8 sequences: loss, gradient norm and balancing loss at every step (and, for the pipelines, the
 validation loss) must equal the single-process run's to a relative 1e-4. Context parallelism is checked on those two
 and on the GPT-OSS proxy (learned sinks; sliding windows of 8 tokens, so that windows cross the cp chunks of a
-32-token sequence; global batches of 4 sequences, against one process run alike), and tensor parallelism also on
-GPT-OSS and on a model with tied embeddings.
+32-token sequence; one micro-batch of 4 sequences a step, against one process run alike), and tensor parallelism
+also on GPT-OSS and on a model with tied embeddings.
 
-Every run uses micro-batches of 2 sequences, so the single process accumulates 4 of them per step and each layout as
-many as its data-parallel size leaves (a pipeline schedule runs those same micro-batches): the micro-batches, and so
-the per-micro-batch balancing statistics, are the same in every run.
+Every other run uses micro-batches of 2 sequences, so the single process accumulates 4 of them per step and each
+layout as many as its data-parallel size leaves (a pipeline schedule runs those same micro-batches): the
+micro-batches, and so the per-micro-batch balancing statistics, are the same in every run.
 
 One process group per world size (2 and 4 ranks) trains all its layouts in turn.
 """
@@ -103,8 +103,9 @@ CONTEXT_MODELS: dict[str, tuple[str, dict[str, str]]] = {
 }
 CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # + the models each runs on
     "cp=2": (2, {"parallel.cp": "2"}, ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")),
+    # the experts over the cp ranks (parallel folding: ep borrows them)
     "cp=2 x ep=2": (
-        4,
+        2,
         {"parallel.cp": "2", "parallel.ep": "2"},
         ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss"),
     ),
@@ -118,9 +119,9 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
     "tp=2": (2, {"parallel.tp": "2"}, ("tiny-gpt-oss", "tiny-qwen3-moe tied")),
 }
 CONTEXT_CASES = [(model, layout) for layout, (_, _, models) in CONTEXT_LAYOUTS.items() for model in models]
-# half the global batch (4 sequences in micro-batches of 2, against references run alike): the context-parallel rows
-# check attention across ranks, and fewer micro-batches keep the 4-rank runs short on 2 cores
-CONTEXT_BATCH = {"train.global_batch_size": "4"}
+# one micro-batch of 4 sequences a step (against references run alike): the context-parallel rows check attention
+# across ranks, and one micro-batch keeps the 4-rank runs short on 2 cores
+CONTEXT_BATCH = {"train.global_batch_size": "4", "train.micro_batch_size": "4"}
 PIPELINE_MODELS = {
     "tiny-qwen3-moe": {"model.num_layers": "4"},
     "tiny-deepseek-v3": {"model.num_layers": "4", "model.moe_layer_freq": "0,1,1,1"},
