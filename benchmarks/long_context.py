@@ -18,8 +18,9 @@ Three measurements, each against a named baseline in the same run (fp32, CPU):
 
     uv run python benchmarks/long_context.py [--quick] [--out benchmarks/results/long_context.json]
 
-``--quick`` (the nox benchmarks session) runs each part at small sizes (256 tokens, 2 ranks at 512 tokens) over
-the same code paths, and writes a file only where ``--out`` says.
+``--quick`` (the nox benchmarks session) runs part 1 at 128 tokens and part 3's measurement in one process at 256
+tokens (the several-rank parts only in full runs, as memory_estimate's quick mode), and writes a file only where
+``--out`` says.
 """
 
 from __future__ import annotations
@@ -330,24 +331,15 @@ def _activations_summary(one: dict, many: list[dict], seq: int, cp: int, trained
     return result
 
 
-def several_ranks(quick: bool) -> dict:
-    """Logits per rank at tp=2 and activations per rank at cp against one process; with training rates (full runs:
-    the quick mode checks the paths, in one 2-rank launch)."""
+def several_ranks() -> dict:
+    """Logits per rank at tp=2, and activations per rank at cp=4 against one process with training rates."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        if quick:
-            seq, cp, vocab, logits_seq = 256, 2, 1024, 64
-            ranks = _launch(
-                cp, tmp / "r", "--parts", "activations,logits", "--seq", str(seq), "--logits-seq", str(logits_seq)
-            )
-            logits = [r["logits"] for r in ranks]
-            trained: dict = {}
-        else:
-            seq, cp, vocab, logits_seq = 32768, 4, 32768, 2048
-            args = ("--parts", "logits", "--logits-seq", str(logits_seq), "--vocab", str(vocab))
-            logits = [r["logits"] for r in _launch(2, tmp / "l", *args)]
-            ranks = _launch(cp, tmp / "a", "--parts", "activations", "--seq", str(seq))
-            trained = {f"cp={cp}": _train(cp, seq, 3, tmp), "cp=1": _train(1, seq, 3, tmp)}
+        seq, cp, vocab, logits_seq = 32768, 4, 32768, 2048
+        args = ("--parts", "logits", "--logits-seq", str(logits_seq), "--vocab", str(vocab))
+        logits = [r["logits"] for r in _launch(2, tmp / "l", *args)]
+        ranks = _launch(cp, tmp / "a", "--parts", "activations", "--seq", str(seq))
+        trained = {f"cp={cp}": _train(cp, seq, 3, tmp), "cp=1": _train(1, seq, 3, tmp)}
         one = _activations(tmp / "one", seq, 1)
         return {
             "logits_per_rank": _logits_summary(logits, logits_seq, vocab),
@@ -381,8 +373,12 @@ def main() -> None:
         "quick": quick,
         "attention_memory": attention_memory((128,) if quick else (2048, 4096, 8192), 1 if quick else REPEATS),
         "gpt_oss_training": None if quick else train_gpt_oss(8192, 5),
-        **several_ranks(quick),
     }
+    if quick:  # one process only (as memory_estimate's quick mode): the estimate's path at 256 tokens
+        with tempfile.TemporaryDirectory() as tmp:
+            result["activations_one_process"] = _activations(Path(tmp), 256, 1)
+    else:
+        result.update(several_ranks())
     result["seconds"] = round(time.perf_counter() - started, 1)
     out = args.out if args.out is not None else (None if quick else DEFAULT_OUT)
     if out is not None:
