@@ -8,6 +8,11 @@ function of the routing, computed with the accounting functions the dispatchers 
 the mean is checked against the closed form for uniform routing. Dispatch payload only: combine sends
 the same rows back (of the expert output width), and routing metadata is left out.
 
+FP8 dispatch (``precision.dispatch_fp8``): the same rows in moe-precision's blockwise FP8 wire format (E4M3, one fp32
+scale per 1x128 block) against bf16, for this hidden size and DeepSeek-V3's 7168, and the error that costs: the
+dispatched tokens and a SwiGLU expert's output on them, against the bf16 tokens (hidden-state-like tokens: normal
+values with a few outlier channels), over several seeds.
+
     uv run python benchmarks/dispatch_bytes.py [--quick] [--out benchmarks/results/dispatch_bytes.json]
 """
 
@@ -24,6 +29,7 @@ import torch
 
 from moe_dispatch.accounting import SCHEMES, bytes_sent
 from moe_dispatch.alltoall import send_map
+from moe_precision import BlockwiseFP8Wire
 
 ROOT = Path(__file__).resolve().parent
 
@@ -53,6 +59,41 @@ def measure(args: argparse.Namespace, seed: int) -> dict[str, float]:
     assert layout_bytes == totals["alltoall_dedup"], (layout_bytes, totals["alltoall_dedup"])
     num_tokens = args.tokens * args.ep
     return {scheme: total / num_tokens for scheme, total in totals.items()}
+
+
+def fp8_wire(args: argparse.Namespace, summary: dict) -> dict:
+    """Bytes of the FP8 wire against bf16, and the error of the tokens and of an expert's output it causes."""
+    wire = BlockwiseFP8Wire()
+    ratios = {str(h): wire.row_bytes(h) / (2 * h) for h in (args.hidden, 7168)}
+    token_err, expert_err = [], []
+    for seed in range(args.seeds):
+        gen = torch.Generator().manual_seed(100 + seed)
+        x = torch.randn(args.tokens, args.hidden, generator=gen)
+        x[:, torch.randint(0, args.hidden, (8,), generator=gen)] *= 20.0  # outlier channels, as hidden states have
+        x_bf16 = x.to(torch.bfloat16)
+        sent = wire.decode(wire.encode(x_bf16), torch.bfloat16).float()
+        ffn = 2 * args.hidden
+        w_gate, w_up = (torch.randn(args.hidden, ffn, generator=gen) / args.hidden**0.5 for _ in range(2))
+        w_down = torch.randn(ffn, args.hidden, generator=gen) / ffn**0.5
+
+        def expert(t: torch.Tensor, w_gate=w_gate, w_up=w_up, w_down=w_down) -> torch.Tensor:
+            return (torch.nn.functional.silu(t @ w_gate) * (t @ w_up)) @ w_down
+
+        ref = x_bf16.float()
+        token_err.append(((sent - ref).norm() / ref.norm()).item())
+        expert_err.append(((expert(sent) - expert(ref)).norm() / expert(ref).norm()).item())
+    dedup = summary["alltoall_dedup"]["bytes_per_token"]
+    return {
+        "format": "E4M3 tokens, one fp32 scale per 1x128 block (moe_precision.BlockwiseFP8Wire)",
+        "bytes_ratio_to_bf16": ratios,
+        "alltoall_dedup_bytes_per_token": {"bf16": dedup, "fp8": dedup * ratios[str(args.hidden)]},
+        "target_ratio": 0.53,
+        "token_rel_error": {"median": statistics.median(token_err), "spread": [min(token_err), max(token_err)]},
+        "expert_output_rel_error": {
+            "median": statistics.median(expert_err),
+            "spread": [min(expert_err), max(expert_err)],
+        },
+    }
 
 
 def main() -> None:
@@ -103,6 +144,7 @@ def main() -> None:
         },
         "expected_minimum_bytes_per_token": expected_min,
         "results": summary,
+        "fp8_dispatch": fp8_wire(args, summary),
         "device": "cpu (bytes are computed from the routing, not timed)",
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -115,6 +157,12 @@ def main() -> None:
             f"{scheme:15s} {row['bytes_per_token']:10.1f} B/token  {row['rows_per_token']:5.3f} rows/token  "
             f"x{row['ratio_to_minimum']:.3f} of minimum"
         )
+    fp8 = report["fp8_dispatch"]
+    print(
+        f"fp8 dispatch: x{fp8['bytes_ratio_to_bf16'][str(args.hidden)]:.4f} of bf16 bytes (hidden {args.hidden}), "
+        f"x{fp8['bytes_ratio_to_bf16']['7168']:.4f} (7168); token error {fp8['token_rel_error']['median']:.4f}, "
+        f"expert output error {fp8['expert_output_rel_error']['median']:.4f}"
+    )
     print(f"wrote {args.out}")
 
 

@@ -28,6 +28,31 @@ from moe_dispatch.router import RoutingResult
 HIDDEN, FFN = 6, 8
 
 
+class HalfWire:
+    """A test wire format (moe_dispatch.wire.WireCodec): each row divided by its amax, in fp16, as bytes, plus the
+    fp32 amax. Lossy, so that a dispatcher that skipped decoding or encoding would be seen."""
+
+    name = "half_rows"
+
+    def encode(self, x_RH):
+        amax = x_RH.detach().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        return (x_RH.detach() / amax).to(torch.float16).view(torch.uint8), amax
+
+    def decode(self, parts, dtype):
+        data, amax = parts
+        return (data.view(torch.float16).float() * amax).to(dtype)
+
+    def row_bytes(self, hidden):
+        return 2 * hidden + 4
+
+    def round_trip(self, x_RH):
+        return self.decode(self.encode(x_RH), x_RH.dtype)
+
+
+# cases also run with HalfWire on the dispatch
+WIRE_CASES = {"random", "rank_without_tokens", "random_ep4", "etp_random"}
+
+
 @dataclass
 class Case:
     name: str
@@ -174,10 +199,12 @@ def handle_is_frozen(handle) -> bool:
     return False
 
 
-def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False) -> dict:
+def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False, wire: HalfWire | None = None) -> dict:
+    """With ``wire`` the reference takes the tokens after the wire format's round trip, and the gradient of the
+    originals is the gradient of those (straight through)."""
     rank = dist.get_rank()
     cases = [case, Case(**{**case.__dict__, "seed": case.seed + 77})] if in_flight else [case]
-    disp = build_dispatcher(name, case.num_experts, layout.ep_group, layout.etp_group, case.pad_multiple)
+    disp = build_dispatcher(name, case.num_experts, layout.ep_group, layout.etp_group, case.pad_multiple, wire=wire)
     state_before = dict(vars(disp))
     batches = []
     for c in cases:
@@ -202,6 +229,8 @@ def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False) -> 
 
     records = []
     for i, (c, per_rank, weights, cot, x, idx, probs, keep, experts, ffn, shard, res) in enumerate(batches):
+        if wire is not None:
+            per_rank = [(wire.round_trip(px), *rest) for px, *rest in per_rank]
         ref_out, ref_gx, ref_gp, ref_gw = reference(c, per_rank, weights, cot)
         start = sum(c.tokens[:rank])
         mine = slice(start, start + c.tokens[rank])
@@ -220,20 +249,22 @@ def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False) -> 
             "tokens_per_expert": res.tokens_per_expert_E.clone(),
             "hand_tokens_per_expert": hand_rows_per_local_expert(c, layout, per_rank),
         }
+        if wire is not None:
+            rec["wire_changes_tokens"] = not torch.equal(wire.round_trip(x.detach()), x.detach())
+        row_bytes = wire.row_bytes(HIDDEN) if wire is not None else HIDDEN * x.element_size()
         if isinstance(disp, AllToAllDispatcher):
             total, remote = hand_distinct_destinations(c, layout, idx, keep)
             rec["bytes"] = {
                 "dispatcher_rows_all": disp.rows_sent(res.handle, remote_only=False),
                 "dispatcher_bytes": disp.dispatch_bytes(res.handle, HIDDEN, x.element_size()),
                 "accounting_bytes": rows_sent("alltoall_dedup", idx, keep, c.num_experts, layout.ep, layout.ep_rank)
-                * HIDDEN
-                * x.element_size(),
+                * row_bytes,
                 "hand_rows_all": total,
-                "hand_bytes": remote * HIDDEN * x.element_size(),
+                "hand_bytes": remote * row_bytes,
             }
         records.append(rec)
     return {
-        "case": case.name,
+        "case": case.name + ("+wire" if wire is not None else ""),
         "dispatcher": name,
         "state_unchanged": state_unchanged,
         "ep": layout.ep,
@@ -278,6 +309,8 @@ def main(out_dir: Path) -> None:
             layouts[(ep, etp)] = Layout(ep, etp)
         for name in ("allgather", "alltoall"):
             results.append(run_case(case, name, layouts[(ep, etp)], in_flight))
+            if case.name in WIRE_CASES:
+                results.append(run_case(case, name, layouts[(ep, etp)], in_flight, HalfWire()))
     dist.barrier()
     dist.destroy_process_group()
     torch.save(results, out_dir / f"rank{os.environ['RANK']}.pt")

@@ -3,7 +3,9 @@
 Each world size is launched once per module (``_dispatch_worker.py`` runs every case and saves both
 sides); the tests here assert. Cases: random routings, a rank with no tokens, no tokens anywhere,
 experts with no tokens, all tokens on one expert, capacity dropping with pad_to, pad_multiple, two
-dispatches in flight combined in reverse order, ep=4, and ep=2 x etp=2 with an FFN-sharded SwiGLU.
+dispatches in flight combined in reverse order, ep=4, and ep=2 x etp=2 with an FFN-sharded SwiGLU. Some cases run
+again with an encoded dispatch (``wire``, a lossy test format): their reference takes the tokens after the format's
+round trip, and their byte counts are the format's.
 """
 
 from __future__ import annotations
@@ -107,6 +109,17 @@ def test_cases_cover_zero_token_ranks_etp_and_in_flight(world2, world4):
     assert any(run["etp"] == 2 and run["ep"] == 2 for run in world4[0])
     assert any(run["ep"] == 4 for run in world4[0])
     assert all(len(run["records"]) == 2 for run in world4[0] if "in_flight" in run["case"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+def test_encoded_dispatch_runs_and_changes_the_tokens(request, world):
+    """The wire cases ran with both dispatchers, and the format is lossy there: matching the round-trip reference
+    (above) shows the tokens went over encoded and came out decoded, with straight-through gradients."""
+    wired = [(run, rec) for _, run in _runs(request, world) if run["case"].endswith("+wire") for rec in run["records"]]
+    assert {run["dispatcher"] for run, _ in wired} == {"allgather", "alltoall"}
+    assert any(rec["wire_changes_tokens"] for _, rec in wired)
+    assert any(run["etp"] == 2 for run, _ in wired) == (world == "world4")
 
 
 @pytest.mark.dist

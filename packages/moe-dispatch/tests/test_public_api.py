@@ -26,9 +26,12 @@ PUBLIC_NAMES = [
     "RoutingResult",
     "TokenDispatcher",
     "TopKRouter",
+    "WireCodec",
     "__version__",
+    "all_gather_encoded",
     "all_gather_uneven",
     "all_to_all",
+    "all_to_all_encoded",
     "attach_aux_loss",
     "build_dispatcher",
     "bytes_sent",
@@ -52,7 +55,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_dispatch.__version__ == "0.2.1"
+    assert moe_dispatch.__version__ == "0.3.0"
     assert importlib.metadata.version("moe-dispatch") == moe_dispatch.__version__
 
 

@@ -31,8 +31,9 @@ from moe_dispatch.replay import RoutingReplay
 from moe_dispatch.router import RoutingResult, TopKRouter
 from moe_dispatch.scores import group_limited_topk
 from moe_dispatch.stats import routing_stats
+from moe_dispatch.wire import WireCodec, all_gather_encoded, all_to_all_encoded
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = [
     "DISPATCHERS",
@@ -55,9 +56,12 @@ __all__ = [
     "RoutingResult",
     "TokenDispatcher",
     "TopKRouter",
+    "WireCodec",
     "__version__",
+    "all_gather_encoded",
     "all_gather_uneven",
     "all_to_all",
+    "all_to_all_encoded",
     "attach_aux_loss",
     "build_dispatcher",
     "bytes_sent",

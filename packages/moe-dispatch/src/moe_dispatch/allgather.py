@@ -63,7 +63,11 @@ class AllGatherDispatcher(ExpertParallelDispatcher[AllGatherDispatchState, AllGa
 
     def _gather(self, group, x, probs, idx, keep):
         sizes = tuple(gather_sizes(x.shape[0], group, x.device))
-        return sizes, *(all_gather_uneven(t, sizes, group) for t in (x, probs, idx, keep))
+        return (
+            sizes,
+            self.gather_tokens(x, sizes, group),
+            *(all_gather_uneven(t, sizes, group) for t in (probs, idx, keep)),
+        )
 
     def token_dispatch(self, state: AllGatherDispatchState) -> AllGatherDispatchState:
         rows = (state.tokens_RH, state.probs_RK, state.expert_idx_RK, state.keep_RK)
@@ -104,4 +108,4 @@ class AllGatherDispatcher(ExpertParallelDispatcher[AllGatherDispatchState, AllGa
 
     def dispatch_bytes(self, handle: AllGatherHandle, hidden: int, element_size: int) -> int:
         """Payload bytes this rank sent to other ep ranks in the dispatch of ``handle`` (ep exchange only)."""
-        return handle.ep_sizes[self.ep_rank] * (self.ep_size - 1) * hidden * element_size
+        return handle.ep_sizes[self.ep_rank] * (self.ep_size - 1) * self.row_bytes(hidden, element_size)

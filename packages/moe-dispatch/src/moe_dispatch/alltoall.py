@@ -104,14 +104,15 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
     def token_dispatch(self, state: AllToAllDispatchState) -> AllToAllDispatchState:
         send_splits = state.send_splits
         recv_splits = tuple(exchange_splits(send_splits, self.ep_group, state.tokens_RH.device))
-        x, probs, local_idx = (
-            all_to_all(t, recv_splits, send_splits, self.ep_group)
-            for t in (state.tokens_RH, state.probs_RK, state.local_idx_RK)
+        x = self.send_tokens(state.tokens_RH, recv_splits, send_splits, self.ep_group)
+        probs, local_idx = (
+            all_to_all(t, recv_splits, send_splits, self.ep_group) for t in (state.probs_RK, state.local_idx_RK)
         )
         etp_sizes = None
         if self.uses_etp:
             etp_sizes = tuple(gather_sizes(x.shape[0], self.etp_group, x.device))
-            x, probs, local_idx = (all_gather_uneven(t, etp_sizes, self.etp_group) for t in (x, probs, local_idx))
+            x = self.gather_tokens(x, etp_sizes, self.etp_group)
+            probs, local_idx = (all_gather_uneven(t, etp_sizes, self.etp_group) for t in (probs, local_idx))
         return dataclasses.replace(
             state, tokens_RH=x, probs_RK=probs, local_idx_RK=local_idx, recv_splits=recv_splits, etp_sizes=etp_sizes
         )
@@ -151,4 +152,4 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
 
     def dispatch_bytes(self, handle: AllToAllHandle, hidden: int, element_size: int) -> int:
         """Payload bytes this rank sent to other ep ranks in the dispatch of ``handle`` (ep exchange only)."""
-        return self.rows_sent(handle) * hidden * element_size
+        return self.rows_sent(handle) * self.row_bytes(hidden, element_size)

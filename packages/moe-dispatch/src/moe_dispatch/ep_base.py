@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from moe_dispatch.collectives import group_rank, group_size
+from moe_dispatch.collectives import all_gather_uneven, all_to_all, group_rank, group_size
 from moe_dispatch.dispatcher import HandleT, StateT, TokenDispatcher
 from moe_dispatch.permutation import PermutationMap, make_permutation_map
+from moe_dispatch.wire import WireCodec, all_gather_encoded, all_to_all_encoded
 
 
 class ExpertParallelDispatcher(TokenDispatcher[StateT, HandleT]):
@@ -31,6 +32,7 @@ class ExpertParallelDispatcher(TokenDispatcher[StateT, HandleT]):
         ep_group: ProcessGroup | None = None,
         etp_group: ProcessGroup | None = None,
         pad_multiple: int = 1,
+        wire: WireCodec | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialised torch.distributed process group")
@@ -47,6 +49,25 @@ class ExpertParallelDispatcher(TokenDispatcher[StateT, HandleT]):
         self.num_local_experts = num_experts // self.ep_size
         self.first_local_expert = self.ep_rank * self.num_local_experts
         self.pad_multiple = pad_multiple
+        self.wire = wire  # the tokens' dispatch format (moe_dispatch.wire); None: the compute dtype
+
+    def row_bytes(self, hidden: int, element_size: int) -> int:
+        """Bytes a dispatched token row takes on the wire."""
+        return self.wire.row_bytes(hidden) if self.wire is not None else hidden * element_size
+
+    def send_tokens(
+        self, x: torch.Tensor, out_splits: tuple[int, ...], in_splits: tuple[int, ...], group: ProcessGroup | None
+    ) -> torch.Tensor:
+        """The dispatch's all-to-all of token rows, in the wire format when there is one."""
+        if self.wire is None:
+            return all_to_all(x, out_splits, in_splits, group)
+        return all_to_all_encoded(x, out_splits, in_splits, group, self.wire)
+
+    def gather_tokens(self, x: torch.Tensor, sizes: tuple[int, ...], group: ProcessGroup | None) -> torch.Tensor:
+        """The dispatch's all-gather of token rows, in the wire format when there is one."""
+        if self.wire is None:
+            return all_gather_uneven(x, sizes, group)
+        return all_gather_encoded(x, sizes, group, self.wire)
 
     @property
     def uses_etp(self) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 from torch.distributed import ProcessGroup
 
 from moe_dispatch.dispatcher import LocalDispatcher, TokenDispatcher
+from moe_dispatch.wire import WireCodec
 
 DISPATCHERS = ("local", "allgather", "alltoall", "flex")
 
@@ -17,18 +18,24 @@ def build_dispatcher(
     ep_group: ProcessGroup | None = None,
     etp_group: ProcessGroup | None = None,
     pad_multiple: int = 1,
+    wire: WireCodec | None = None,
     **kwargs: Any,
 ) -> TokenDispatcher:
     """``local`` (one process, all experts), ``allgather``, ``alltoall`` (deduplicated) or ``flex`` (DeepEP).
 
     ``ep_group`` defaults to the whole world for the distributed ones; ``etp_group`` turns on expert
-    tensor parallelism (allgather / alltoall). Extra keyword arguments go to ``FlexDispatcher``
+    tensor parallelism (allgather / alltoall). ``wire`` (allgather / alltoall) sends the tokens encoded, e.g. as
+    blockwise FP8 (:mod:`moe_dispatch.wire`). Extra keyword arguments go to ``FlexDispatcher``
     (``num_nvl_bytes``, ``num_rdma_bytes``).
     """
     if name not in DISPATCHERS:
         raise ValueError(f"dispatcher {name!r}: choose one of {DISPATCHERS}")
     if kwargs and name != "flex":
         raise TypeError(f"dispatcher {name!r} takes no extra arguments, got {sorted(kwargs)}")
+    if wire is not None and name not in ("allgather", "alltoall"):
+        raise ValueError(
+            f"dispatcher {name!r} sends tokens in the compute dtype: an encoded wire needs allgather or alltoall"
+        )
     if name == "local":
         if ep_group is not None or etp_group is not None:
             raise ValueError("dispatcher 'local' keeps every expert in one process: pass no ep_group / etp_group")
@@ -42,7 +49,7 @@ def build_dispatcher(
     if name == "allgather":
         from moe_dispatch.allgather import AllGatherDispatcher
 
-        return AllGatherDispatcher(num_experts, ep_group, etp_group, pad_multiple)
+        return AllGatherDispatcher(num_experts, ep_group, etp_group, pad_multiple, wire)
     from moe_dispatch.alltoall import AllToAllDispatcher
 
-    return AllToAllDispatcher(num_experts, ep_group, etp_group, pad_multiple)
+    return AllToAllDispatcher(num_experts, ep_group, etp_group, pad_multiple, wire)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from moe_dispatch import TopKRouter, build_dispatcher
+from moe_dispatch import TopKRouter, WireCodec, build_dispatcher
 from moe_experts import GroupedExperts
 from moe_parallel.mesh import ParallelMeshes
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan, submodule
@@ -98,11 +98,16 @@ def shard_experts(whole: GroupedExperts, ep_rank: int, ep: int, etp_rank: int, e
 
 
 def apply_expert_parallel(
-    model: nn.Module, meshes: ParallelMeshes, plan: ParallelPlan, dispatcher: str = "alltoall"
+    model: nn.Module,
+    meshes: ParallelMeshes,
+    plan: ParallelPlan,
+    dispatcher: str = "alltoall",
+    wire: WireCodec | None = None,
 ) -> None:
     """Split the experts of every MoE block ``plan`` names over the ep x etp ranks, in place (module docstring).
 
-    ``dispatcher``: ``alltoall``, ``allgather`` or ``flex`` (DeepEP; no etp). A no-op when ``ep == etp == 1``.
+    ``dispatcher``: ``alltoall``, ``allgather`` or ``flex`` (DeepEP; no etp). ``wire``: the tokens' dispatch format
+    (e.g. moe-precision's blockwise FP8; ``moe_dispatch.wire``). A no-op when ``ep == etp == 1``.
     """
     layout = meshes.layout
     if layout.ep == 1 and layout.etp == 1:
@@ -118,5 +123,5 @@ def apply_expert_parallel(
                 sharded = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
                 setattr(block.experts, name, nn.Parameter(sharded))
         block.dispatcher = build_dispatcher(
-            dispatcher, block.router.config.num_experts, ep_group=ep_group, etp_group=etp_group
+            dispatcher, block.router.config.num_experts, ep_group=ep_group, etp_group=etp_group, wire=wire
         )

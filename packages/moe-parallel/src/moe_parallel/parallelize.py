@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe_dispatch import WireCodec
 from moe_parallel.config import ParallelConfig
 from moe_parallel.context_parallel import apply_context_parallel, load_balanced_positions
 from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks
@@ -188,6 +189,7 @@ def parallelize(
     plan: ParallelPlan | None = None,
     *,
     before_fsdp: Callable[[nn.Module], object] | None = None,
+    dispatch_wire: WireCodec | None = None,
 ) -> ParallelModel | PipelineParallelModel:
     """Split ``model`` over ``meshes`` in place, as its ``plan`` (default: ``model.parallel_plan()``) says.
 
@@ -195,7 +197,8 @@ def parallelize(
     result's ``materialize``. ``before_fsdp`` runs after expert and tensor parallelism and before FSDP, on the
     modules that will run (torchtitan applies activation checkpointing there); with ``meshes=None`` (one process) it
     is all that happens. With ``pp > 1`` the result is a :class:`~moe_parallel.pipeline.PipelineParallelModel`
-    holding this rank's stages (its ``model``); each is split as a whole model would be.
+    holding this rank's stages (its ``model``); each is split as a whole model would be. ``dispatch_wire``: the
+    format the expert-parallel dispatchers send tokens in (``moe_dispatch.wire``; None: the compute dtype).
     """
     plan = model.parallel_plan() if plan is None else plan
     if meshes is None:
@@ -204,8 +207,8 @@ def parallelize(
         return ParallelModel(model, None, plan, config)
     check_plan(model, plan, config, meshes.layout)
     if meshes.layout.pp > 1:
-        return pipeline_parallelize(model, meshes, config, plan, before_fsdp=before_fsdp)
-    return split_module(model, meshes, config, plan, before_fsdp)
+        return pipeline_parallelize(model, meshes, config, plan, before_fsdp=before_fsdp, dispatch_wire=dispatch_wire)
+    return split_module(model, meshes, config, plan, before_fsdp, dispatch_wire)
 
 
 def split_module(
@@ -214,11 +217,12 @@ def split_module(
     config: ParallelConfig,
     plan: ParallelPlan,
     before_fsdp: Callable[[nn.Module], object] | None = None,
+    dispatch_wire: WireCodec | None = None,
 ) -> ParallelModel:
     """Expert, tensor parallelism, ``before_fsdp`` and FSDP on one module (a whole model, or one pipeline stage),
     its plan already checked."""
     layout = meshes.layout
-    apply_expert_parallel(model, meshes, plan, config.moe_token_dispatcher_type)
+    apply_expert_parallel(model, meshes, plan, config.moe_token_dispatcher_type, dispatch_wire)
     tp_partial: list[str] = []
     if layout.tp > 1:
         by_id = {id(p): n for n, p in model.named_parameters()}

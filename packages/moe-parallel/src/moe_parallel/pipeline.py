@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_dispatch import WireCodec
 from moe_parallel.config import ParallelConfig
 from moe_parallel.grads import GradientSync, local_grad
 from moe_parallel.layout import ParallelLayout
@@ -396,6 +397,7 @@ def pipeline_parallelize(
     *,
     before_fsdp: Callable[[nn.Module], object] | None = None,
     pp_rank: int | None = None,
+    dispatch_wire: WireCodec | None = None,
 ) -> PipelineParallelModel:
     """Build this rank's stages of ``model`` (on any device, meta included) and split each over the rest of the
     layout as :func:`~moe_parallel.parallelize` splits a whole model; materialise them afterwards with
@@ -411,5 +413,7 @@ def pipeline_parallelize(
     indices = rank_stages(config.pp_schedule, layout.pp, vpp, pp_rank)
     last = len(split) - 1
     stages = [plan.pipeline.build_stage(i, split[i], i == 0, i == last) for i in indices]
-    parts = [split_module(stage, meshes, config, restrict_plan(plan, stage), before_fsdp) for stage in stages]
+    parts = [
+        split_module(stage, meshes, config, restrict_plan(plan, stage), before_fsdp, dispatch_wire) for stage in stages
+    ]
     return PipelineParallelModel(stages, indices, parts, split, meshes, plan, config)

@@ -12,6 +12,8 @@ from enum import Enum
 
 import torch
 
+from moe_precision.blockwise import scale_from_amax
+
 
 class FP8Format(Enum):
     """The two OCP FP8 formats: E4M3 (max 448) and E5M2 (max 57344)."""
@@ -41,12 +43,13 @@ class Float8Tensor:
 
 
 def current_scale(x: torch.Tensor, fmt: FP8Format, margin: int = 0) -> torch.Tensor:
-    """``fp8_max / amax / 2**margin`` in fp32; 1.0 for an all-zero or empty tensor."""
-    amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-    # tensor / tensor: a correctly rounded fp32 division (as TE's __fdiv_rn); torch computes
-    # python_scalar / tensor as reciprocal * scalar, which is off by one ulp for about a quarter of amaxes
-    scale = torch.full_like(amax, fmt.max) / (amax * 2.0**margin)
-    return torch.where(amax > 0, scale, torch.ones_like(scale))
+    """``fp8_max / amax / 2**margin`` in fp32; 1.0 for an all-zero or empty tensor; NaN when ``x`` holds a NaN or an
+    infinity (a zero or unit scale there would hide the overflow: the data dequantises to NaN instead)."""
+    x = x.detach()
+    amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    if x.numel():
+        amax = torch.where(torch.isnan(x).any(), torch.nan, amax)
+    return scale_from_amax(amax, fmt.max, margin)
 
 
 def quantize_tensorwise(x: torch.Tensor, fmt: FP8Format = FP8Format.E4M3, margin: int = 0) -> Float8Tensor:

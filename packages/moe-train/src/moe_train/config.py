@@ -20,6 +20,7 @@ import yaml
 
 from moe_models import ModelConfig
 from moe_parallel import ParallelConfig
+from moe_precision import PrecisionConfig
 
 
 class ConfigError(ValueError):
@@ -30,8 +31,14 @@ def _field_error_sections() -> dict[type, str]:
     from moe_memory import MemoryConfigError
     from moe_models import ModelConfigError
     from moe_parallel import LayoutError
+    from moe_precision import PrecisionConfigError
 
-    return {ModelConfigError: "model", LayoutError: "parallel", MemoryConfigError: "run"}
+    return {
+        ModelConfigError: "model",
+        LayoutError: "parallel",
+        MemoryConfigError: "run",
+        PrecisionConfigError: "precision",
+    }
 
 
 def config_error(err: Exception) -> ConfigError:
@@ -128,6 +135,7 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:

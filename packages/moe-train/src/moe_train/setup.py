@@ -31,6 +31,7 @@ from moe_parallel import (
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, TrainConfig, config_error
 from moe_train.data import PreparedData, prepare_data
 from moe_train.loggers import check_wandb_available
+from moe_train.precision import apply_run_precision, dispatch_wire
 from moe_train.resume import ResumePoint, check_output_dir, find_resume_point
 
 
@@ -139,6 +140,10 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     before; the same values, kept to check that both ways train alike).
     """
     device_type = _resolve_device(cfg)
+    try:
+        native_precision = cfg.precision.native_on(device_type)
+    except ValueError as err:  # PrecisionConfigError
+        raise config_error(err) from None
     check_output_dir(cfg)
     resume = find_resume_point(cfg)
     if cfg.run.wandb_project:
@@ -200,6 +205,8 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
 
     def recompute_and_offload(modules: nn.Module) -> None:
         nonlocal memory
+        # the recipe first: recompute wraps modules, and expert parallelism (before this) builds the rank's experts
+        apply_run_precision(modules, cfg.precision, cfg.model.num_layers, native_precision)
         # with pp > 1, once per stage (checked on the whole model above): a stage may lack a kind, e.g. MoE layers
         chosen = apply_memory_policy(modules, modules.module_kinds(), *memory_options(cfg.run), part=layout.pp > 1)
         memory = MemoryPolicy(
@@ -208,7 +215,9 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
             offloaded={**memory.offloaded, **chosen.offloaded},
         )
 
-    parallel = parallelize(model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload)
+    parallel = parallelize(
+        model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload, dispatch_wire=dispatch_wire(cfg.precision)
+    )
     if build_on_meta or source is not None:
         try:
             parallel.materialize(source or model.initial_weights(cfg.train.seed), ctx.device)
