@@ -109,7 +109,10 @@ def _quiet() -> Iterator[None]:
 def package_versions() -> dict[str, str]:
     """Versions of torch and of this stack's packages, recorded in each checkpoint."""
     versions = {}
-    for name in ("torch", *(f"moe-{p}" for p in ("dispatch", "experts", "memory", "models", "parallel", "train"))):
+    for name in (
+        "torch",
+        *(f"moe-{p}" for p in ("dispatch", "experts", "memory", "models", "parallel", "precision", "train")),
+    ):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -92,7 +92,42 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--hf", metavar="OUT", default=None, help="HuggingFace directory to write")
     export.add_argument("--dtype", default=None, help="fp32 or bf16 (default: the dtype the run trained in)")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    quantize = commands.add_parser(
+        "quantize",
+        help="write a checkpoint as a quantised (FP8 or NVFP4) HuggingFace checkpoint, with NVIDIA Model Optimizer",
+        description="CHECKPOINT: a checkpoint directory (step_N) or a run's output directory. Calibrates on the "
+        "run's configured data and writes modelopt's HF export (config.json with quantization_config, safetensors) "
+        "into OUT. Needs nvidia-modelopt: pip install 'moe-train[quantize]'. Runs on CPU.",
+    )
+    quantize.add_argument("checkpoint", help="checkpoint directory (step_N) or run output directory")
+    quantize.add_argument("--recipe", required=True, help="fp8 or nvfp4 (modelopt's FP8_DEFAULT / NVFP4_DEFAULT)")
+    quantize.add_argument("--out", required=True, help="directory to write")
+    quantize.add_argument("--calib-batches", type=int, default=8, help="calibration batches of the run's data")
+    quantize.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
     return parser
+
+
+def _quantize(checkpoint: str, recipe: str, out: str, calib_batches: int, overwrite: bool, rest: list[str]) -> int:
+    import json
+    from pathlib import Path
+
+    from moe_models.hf import HFCheckpointError
+    from moe_train.checkpoint import CheckpointError
+    from moe_train.quantize import QuantizeError, modelopt_version, quantize_checkpoint
+
+    if rest:
+        raise ConfigError(
+            f"moe-train quantize takes CHECKPOINT --recipe --out [--calib-batches] [--overwrite], got {' '.join(rest)}"
+        )
+    try:
+        written = quantize_checkpoint(
+            Path(checkpoint), recipe, Path(out), calib_batches=calib_batches, overwrite=overwrite
+        )
+    except (QuantizeError, CheckpointError, HFCheckpointError, FileExistsError) as err:
+        raise ConfigError(str(err)) from None
+    algo = json.loads((written / "config.json").read_text()).get("quantization_config", {}).get("quant_algo", recipe)
+    print(f"quantized {checkpoint} with nvidia-modelopt {modelopt_version()} ({algo}) -> {written}")
+    return 0
 
 
 def _train(config: str, override_tokens: list[str]) -> int:
@@ -207,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "export":
             return _export(args.checkpoint, args.hf, args.dtype, args.overwrite, rest)
+        if args.command == "quantize":
+            return _quantize(args.checkpoint, args.recipe, args.out, args.calib_batches, args.overwrite, rest)
         if args.command == "plan":
             return _plan(args.config, args.world_size, rest, args.memory, args.device_memory)
         return _train(args.config, rest)
