@@ -4,9 +4,12 @@ tp=2 x ep=2 (4 gloo ranks, torchrun) with fewer steps, checking that nothing tur
 
 Targets: final loss within 1% of the unquantised run for the FP8 recipes and MXFP8, within 3% for NVFP4. The final
 loss is the last step's (every run sees the same batches); the mean over the last 20 steps is reported beside it.
+The noise floor: the unquantised run again with ``train.adam_eps`` moved by 1% either way, a rounding-sized change
+of fp32 arithmetic, shows how far the final loss moves without any quantisation.
 Writes JSON and the curves drawn together (``docs/precision_parity.svg``).
 
     uv run python benchmarks/precision_parity.py [--quick] [--steps 300] [--tp-ep-steps 100] [--out ...]
+    uv run python benchmarks/precision_parity.py --only noise_floor   # add that set to an existing results file
 """
 
 from __future__ import annotations
@@ -80,6 +83,17 @@ def summarise(records: list[dict], reference: list[dict] | None, target: float) 
     return row
 
 
+def noise_floor(steps: int, work: Path) -> dict:
+    """The unquantised run, and again with adam_eps 1.01e-8 and 0.99e-8 (1e-8 by default)."""
+    reference = train("none", steps, work / "floor-none", 1, [])
+    rows = {}
+    for eps in ("1.01e-8", "0.99e-8"):
+        records = train("none", steps, work / f"floor-{eps}", 1, ["--train.adam_eps", eps])
+        rows[f"adam_eps={eps}"] = summarise(records, reference, 0.01)
+        print(f"noise floor adam_eps={eps}: final {rows[f'adam_eps={eps}']['rel_diff_final']:+.4%}", flush=True)
+    return {"steps": steps, "what": "recipe none with adam_eps moved by 1%, against recipe none", "results": rows}
+
+
 def run_set(recipes: list[str], steps: int, ranks: int, extra: list[str], work: Path, label: str) -> dict:
     """Each recipe in turn ("none", the reference, first)."""
     curves, rows, reference = {}, {}, None
@@ -102,7 +116,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 steps of three recipes on one process (CI)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tp-ep-steps", type=int, default=100)
+    parser.add_argument("--only", choices=["noise_floor"], help="run this set alone and add it to --out")
     args = parser.parse_args()
+    if args.only:
+        work = Path(tempfile.mkdtemp(prefix="precision_parity_"))
+        try:
+            report = json.loads(args.out.read_text())
+            report["sets"]["noise_floor"] = noise_floor(args.steps, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
     recipes = list(RECIPES)
     work = Path(tempfile.mkdtemp(prefix="precision_parity_"))
     try:
@@ -111,6 +136,7 @@ def main() -> None:
             sets = {"one_process": run_set(["none", "fp8_delayed", "nvfp4"], 3, 1, extra, work, "quick")}
         else:
             sets = {"one_process": run_set(recipes, args.steps, 1, [], work, "1p")}
+            sets["noise_floor"] = noise_floor(args.steps, work)
             tp_ep = ["--parallel.tp", "2", "--parallel.ep", "2"]
             sets["tp2_ep2"] = run_set(recipes, args.tp_ep_steps, 4, tp_ep, work, "tp2xep2")
     finally:

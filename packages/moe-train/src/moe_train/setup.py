@@ -53,6 +53,8 @@ class Setup:
     memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # what is recomputed and offloaded
     resume: ResumePoint | None = None  # the checkpoint the run continues from
     checkpoint_group: Any = None  # the process group asynchronous checkpoint writes talk over
+    precision_modules: int = 0  # linears and expert projections running the precision recipe (this rank's)
+    precision_native: bool = False  # the recipe's GEMMs run natively (else emulated)
 
 
 def _resolve_device(cfg: ExperimentConfig) -> str:
@@ -202,11 +204,12 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
         model.to(torch.bfloat16)
     meshes = build_meshes(layout, ctx.device.type) if ctx.world_size > 1 else None
     memory = MemoryPolicy()
+    precision_modules = 0
 
     def recompute_and_offload(modules: nn.Module) -> None:
-        nonlocal memory
+        nonlocal memory, precision_modules
         # the recipe first: recompute wraps modules, and expert parallelism (before this) builds the rank's experts
-        apply_run_precision(modules, cfg.precision, cfg.model.num_layers, native_precision)
+        precision_modules += apply_run_precision(modules, cfg.precision, cfg.model.num_layers, native_precision)
         # with pp > 1, once per stage (checked on the whole model above): a stage may lack a kind, e.g. MoE layers
         chosen = apply_memory_policy(modules, modules.module_kinds(), *memory_options(cfg.run), part=layout.pp > 1)
         memory = MemoryPolicy(
@@ -242,4 +245,6 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
         memory,
         resume=resume,
         checkpoint_group=checkpoint_group,
+        precision_modules=precision_modules,
+        precision_native=native_precision,
     )

@@ -20,6 +20,7 @@ import torch
 from moe_memory import MemoryPolicy
 from moe_models import StageRouting, causal_lm_loss, next_token_loss, training_flops_per_token
 from moe_parallel import PipelineParallelModel, all_reduce_mean, full_value, local_grad
+from moe_precision import PrecisionConfig
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
 from moe_train.loggers import RunLoggers
@@ -209,6 +210,7 @@ class _Loop:
             f"({self.peak_source}), {cfg.train.params_dtype} params, AdamW states {cfg.train.optimizer_states_dtype}"
             + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
             + _memory_message(setup.memory)
+            + _precision_message(cfg.precision, setup.precision_modules, setup.precision_native)
         )
 
     def _forward_backward(self, step: int) -> tuple[torch.Tensor, ...]:
@@ -447,6 +449,16 @@ def _loss_text(value: float | None) -> str:
 
 def _finite_or_none(value: float) -> float | None:
     return value if value is not None and math.isfinite(value) else None  # resumed records may hold None
+
+
+def _precision_message(precision: PrecisionConfig, modules: int, native: bool) -> str:
+    """What the precision section changed: the recipe (emulated or native) on how many modules, the dispatch format."""
+    text = ""
+    if precision.enabled:
+        text += f", {precision.recipe} ({'native' if native else 'emulated'}) on {modules} linears / expert projections"
+    if precision.dispatch_fp8:
+        text += ", FP8 token dispatch"
+    return text
 
 
 def _memory_message(memory: MemoryPolicy) -> str:
