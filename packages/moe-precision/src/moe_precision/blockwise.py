@@ -42,11 +42,14 @@ def _padded_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``[Mb, Kb]`` fp32 amax of each block; NaN where the block holds a NaN."""
-    blocks = _padded_blocks(x.float(), block)
-    amax = blocks.abs().amax(dim=(1, 3))
-    has_nan = torch.isnan(blocks).any(dim=3).any(dim=1)
-    return torch.where(has_nan, torch.nan, amax)
+    """``[Mb, Kb]`` fp32 amax of each block; NaN where the block holds a NaN (torch's amax propagates it)."""
+    return _padded_blocks(x.float(), block).abs().amax(dim=(1, 3))
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 amax of the whole tensor: NaN if it holds a NaN, 0 if it is empty."""
+    x = x.detach()
+    return x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
 
 
 def expand_blocks(values_MbKb: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
@@ -151,14 +154,11 @@ def quantize_nvfp4(
     over ranks shares one global scale)."""
     _check_2d(x)
     xf = x.float()
-    if global_amax is None:
-        global_amax = torch.where(torch.isnan(xf).any(), torch.nan, xf.abs().amax()) if x.numel() else xf.new_zeros(())
-    global_scale = nvfp4_global_scale(global_amax)
+    global_scale = nvfp4_global_scale(tensor_amax(xf) if global_amax is None else global_amax)
     block_scale = cast_saturating(block_amax(xf, block) / E2M1.max * global_scale, E4M3)
     # the elements' scale as the decoder sees it: e4m3 block scale over the global scale
     decoded = expand_blocks(block_scale.float(), block, x.shape) / global_scale
-    scaled = torch.where(decoded > 0, xf / decoded, torch.zeros_like(xf))
-    scaled = torch.where(torch.isnan(decoded), torch.nan, scaled)
+    scaled = torch.where(decoded == 0, torch.zeros_like(xf), xf / decoded)  # a NaN scale stays NaN
     values = round_e2m1_stochastic(scaled, generator) if stochastic else round_e2m1(scaled)
     return NVFP4(values, block_scale, global_scale, block)
 

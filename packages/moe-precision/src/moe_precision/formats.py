@@ -98,9 +98,7 @@ def decode(codes: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
 
 def representable(fmt: MiniFloat) -> torch.Tensor:
     """The finite non-negative values of ``fmt``, ascending (for a signed format, the magnitudes)."""
-    payload_bits = fmt.exponent_bits + fmt.mantissa_bits
-    values = decode(torch.arange(1 << payload_bits), fmt)
-    return values[torch.isfinite(values)].unique()
+    return decode(encode_grid_codes(fmt), fmt)
 
 
 def encode(x: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
@@ -108,9 +106,9 @@ def encode(x: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
     finite value saturate to it (infinities too), NaN to the format's NaN code (0 where it has none). A hand-written
     reference: it searches the sorted representable values, with no floating-point tricks."""
     x = x.float()
-    grid = representable(fmt).double()
     payload_bits = fmt.exponent_bits + fmt.mantissa_bits
     grid_codes = encode_grid_codes(fmt)
+    grid = decode(grid_codes, fmt).double()
     mag = x.abs().double().clamp(max=grid[-1].item())
     hi = torch.searchsorted(grid, mag).clamp(max=len(grid) - 1)
     lo = (hi - 1).clamp(min=0)

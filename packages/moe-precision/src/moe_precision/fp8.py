@@ -12,7 +12,7 @@ from enum import Enum
 
 import torch
 
-from moe_precision.blockwise import scale_from_amax
+from moe_precision.blockwise import scale_from_amax, tensor_amax
 
 
 class FP8Format(Enum):
@@ -45,11 +45,7 @@ class Float8Tensor:
 def current_scale(x: torch.Tensor, fmt: FP8Format, margin: int = 0) -> torch.Tensor:
     """``fp8_max / amax / 2**margin`` in fp32; 1.0 for an all-zero or empty tensor; NaN when ``x`` holds a NaN or an
     infinity (a zero or unit scale there would hide the overflow: the data dequantises to NaN instead)."""
-    x = x.detach()
-    amax = x.abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-    if x.numel():
-        amax = torch.where(torch.isnan(x).any(), torch.nan, amax)
-    return scale_from_amax(amax, fmt.max, margin)
+    return scale_from_amax(tensor_amax(x), fmt.max, margin)
 
 
 def quantize_tensorwise(x: torch.Tensor, fmt: FP8Format = FP8Format.E4M3, margin: int = 0) -> Float8Tensor:

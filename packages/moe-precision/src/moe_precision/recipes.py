@@ -46,6 +46,7 @@ from moe_precision.blockwise import (
     quantize_nvfp4,
     random_hadamard_transform,
     scale_from_amax,
+    tensor_amax,
 )
 from moe_precision.formats import E4M3, E5M2, MiniFloat
 
@@ -66,14 +67,9 @@ ERROR_BOUNDS: dict[str, dict[str, float]] = {
 _RHT_SIGNS = torch.where(torch.rand(16, generator=torch.Generator().manual_seed(0x5EED)) < 0.5, -1.0, 1.0)
 
 
-def tensor_amax(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """fp32 amax of the whole tensor (NaN if it holds a NaN; 0 if empty), all-reduced (max) over ``group``."""
-    t = t.detach()
-    if t.numel():
-        amax = t.abs().amax().float()
-        amax = torch.where(torch.isnan(t).any(), torch.nan, amax)
-    else:
-        amax = torch.zeros((), device=t.device)
+def group_amax(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """:func:`~moe_precision.blockwise.tensor_amax` of the whole tensor, all-reduced (max) over ``group``."""
+    amax = tensor_amax(t)
     if group is not None and dist.get_world_size(group) > 1:
         # NaN does not survive a max reduction everywhere: carry it as +inf, which also gives a NaN scale
         amax = torch.where(torch.isnan(amax), torch.inf, amax)
@@ -93,7 +89,7 @@ class AmaxHistory:
     def scale(self, current_amax: torch.Tensor, fmt: MiniFloat, margin: int, algo: str) -> torch.Tensor:
         """The scale for this use: from the history (``max`` of it or its ``most_recent`` entry); at the first use,
         from the current amax. A history with non-finite entries keeps them out (the last finite scale stays)."""
-        if self.history is None or self.recorded == 0:
+        if self.history is None:  # nothing recorded yet
             return scale_from_amax(current_amax, fmt.max, margin)
         window = self.history[: min(self.recorded, self.length)]
         amax = window.max() if algo == "max" else window[0]
@@ -171,7 +167,7 @@ class Recipe:
         if self.name == "mxfp8":
             return quantize_mxfp8(t).dequantize()
         block = (16, 16) if role == "weight" else (1, 16)
-        global_amax = tensor_amax(t, amax_group)
+        global_amax = group_amax(t, amax_group)
         return quantize_nvfp4(t, block, stochastic=role == "grad", global_amax=global_amax).dequantize()
 
     def quantize_per_tensor(
@@ -185,7 +181,7 @@ class Recipe:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """FP8 data and its fp32 scale (``t ~= data / scale``) for the per-tensor recipes."""
         fmt = self.element_format(role)
-        amax = tensor_amax(t, amax_group)
+        amax = group_amax(t, amax_group)
         if self.name == "fp8_delayed":
             history = (state or self.new_state()).of(role)
             scale = history.scale(amax, fmt, self.margin, self.amax_compute_algo)
