@@ -212,7 +212,10 @@ class TopKRouter(nn.Module):
         cfg = self.config
         dtype = cfg.torch_router_dtype
         bias = None if self.bias is None else self.bias.to(dtype)
-        logits_TE = torch.nn.functional.linear(x_TH.to(dtype), self.weight.to(dtype), bias)
+        # autocast would run the gate GEMM in bf16 whatever dtype its operands have: off, so that the logits are in
+        # router_dtype (Megatron's moe_router_dtype) under mixed precision too
+        with torch.autocast(x_TH.device.type, enabled=False):
+            logits_TE = torch.nn.functional.linear(x_TH.to(dtype), self.weight.to(dtype), bias)
         num_tokens = logits_TE.shape[0]
 
         expert_idx_TK = self._select(logits_TE)

@@ -37,6 +37,16 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x_BSH)) * self.up_proj(x_BSH)), None
 
 
+def moe_compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of dispatch, experts and combine: autocast's where it is on (bf16 training), else ``x``'s. The norm
+    before the block returns the residual stream's dtype (fp32 parameters: fp32), and grouped GEMMs are on no autocast
+    list, so without the cast the whole MoE path would run in fp32 under bf16 autocast (and the bf16-only kernels,
+    grouped_gemm's and DeepEP's, would reject it)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class MoEBlock(nn.Module):
     """Router -> dispatcher -> grouped experts -> combine on a flat view of the tokens, plus an optional shared
     expert every token goes through (DeepSeek-V3)."""
@@ -62,8 +72,8 @@ class MoEBlock(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RoutingResult]:
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         shared = self.shared_experts.start(x_TH) if self.shared_experts is not None else None
-        routing = self.router(x_TH, seq_len=x_BSH.shape[1])  # tokens are batch-major
-        dispatched = self.dispatcher.dispatch(x_TH, routing)
+        routing = self.router(x_TH, seq_len=x_BSH.shape[1])  # tokens are batch-major; logits in router_dtype
+        dispatched = self.dispatcher.dispatch(x_TH.to(moe_compute_dtype(x_TH)), routing)
         # probabilities applied inside the experts' activation: less saved for backward than weighting
         # the gathered rows in combine
         y_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_E, dispatched.row_probs())
