@@ -5,6 +5,10 @@ case builds the same global batch on every rank (fixed seed): rank r routes its 
 distributed dispatcher and a sharded SwiGLU expert; the reference is LocalDispatcher on all ranks'
 tokens with all experts whole, in this process. Each rank saves both sides for its own tokens and
 expert shard to ``OUT_DIR/rank{r}.pt``; the parent asserts.
+
+The flex (DeepEP) dispatcher runs the expert-parallel cases on ``_fake_deep_ep`` (DeepEP's contracts over gloo), with
+CUDA reported available while it runs. It sends bf16 (DeepEP combines bf16 only): its reference takes the tokens after
+a bf16 round trip, and its outputs are bf16-rounded.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import _fake_deep_ep
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,7 +31,7 @@ from moe_dispatch.dispatcher import LocalDispatcher
 from moe_dispatch.factory import build_dispatcher
 from moe_dispatch.router import RoutingResult
 
-HIDDEN, FFN = 6, 8
+HIDDEN, FFN = 8, 8  # DeepEP moves rows of a multiple of 16 bytes: hidden % 8 == 0 in bf16
 
 
 class HalfWire:
@@ -47,6 +53,26 @@ class HalfWire:
 
     def round_trip(self, x_RH):
         return self.decode(self.encode(x_RH), x_RH.dtype)
+
+
+def bf16_round_trip(x):
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+@contextmanager
+def fake_deep_ep():
+    """``deep_ep`` as the strict stand-in, and CUDA reported available (the adapter checks both)."""
+    saved_module, saved_cuda = sys.modules.get("deep_ep"), torch.cuda.is_available
+    sys.modules["deep_ep"] = _fake_deep_ep.module()
+    torch.cuda.is_available = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = saved_cuda
+        if saved_module is None:
+            sys.modules.pop("deep_ep", None)
+        else:
+            sys.modules["deep_ep"] = saved_module
 
 
 # cases also run with HalfWire on the dispatch
@@ -204,7 +230,10 @@ def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False, wir
     originals is the gradient of those (straight through)."""
     rank = dist.get_rank()
     cases = [case, Case(**{**case.__dict__, "seed": case.seed + 77})] if in_flight else [case]
-    disp = build_dispatcher(name, case.num_experts, layout.ep_group, layout.etp_group, case.pad_multiple, wire=wire)
+    if name == "flex":
+        disp = build_dispatcher(name, case.num_experts, layout.ep_group, None, case.pad_multiple, hidden_size=HIDDEN)
+    else:
+        disp = build_dispatcher(name, case.num_experts, layout.ep_group, layout.etp_group, case.pad_multiple, wire=wire)
     state_before = dict(vars(disp))
     batches = []
     for c in cases:
@@ -229,8 +258,9 @@ def run_case(case: Case, name: str, layout: Layout, in_flight: bool = False, wir
 
     records = []
     for i, (c, per_rank, weights, cot, x, idx, probs, keep, experts, ffn, shard, res) in enumerate(batches):
-        if wire is not None:
-            per_rank = [(wire.round_trip(px), *rest) for px, *rest in per_rank]
+        round_trip = wire.round_trip if wire is not None else bf16_round_trip if name == "flex" else None
+        if round_trip is not None:
+            per_rank = [(round_trip(px), *rest) for px, *rest in per_rank]
         ref_out, ref_gx, ref_gp, ref_gw = reference(c, per_rank, weights, cot)
         start = sum(c.tokens[:rank])
         mine = slice(start, start + c.tokens[rank])
@@ -311,6 +341,11 @@ def main(out_dir: Path) -> None:
             results.append(run_case(case, name, layouts[(ep, etp)], in_flight))
             if case.name in WIRE_CASES:
                 results.append(run_case(case, name, layouts[(ep, etp)], in_flight, HalfWire()))
+        if etp == 1:
+            with fake_deep_ep():
+                result = run_case(case, "flex", layouts[(ep, etp)], in_flight)
+                result["buffers_made"] = len(sys.modules["deep_ep"].Buffer.created)
+            results.append(result)
     dist.barrier()
     dist.destroy_process_group()
     torch.save(results, out_dir / f"rank{os.environ['RANK']}.pt")

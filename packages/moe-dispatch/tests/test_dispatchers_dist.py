@@ -5,7 +5,8 @@ sides); the tests here assert. Cases: random routings, a rank with no tokens, no
 experts with no tokens, all tokens on one expert, capacity dropping with pad_to, pad_multiple, two
 dispatches in flight combined in reverse order, ep=4, and ep=2 x etp=2 with an FFN-sharded SwiGLU. Some cases run
 again with an encoded dispatch (``wire``, a lossy test format): their reference takes the tokens after the format's
-round trip, and their byte counts are the format's.
+round trip, and their byte counts are the format's. The flex (DeepEP) dispatcher runs the expert-parallel cases on a
+stand-in holding DeepEP's contracts (``_fake_deep_ep.py``), in bf16 on the wire.
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import torch
 
 WORKER = Path(__file__).with_name("_dispatch_worker.py")
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _close(run: dict, got: torch.Tensor, ref: torch.Tensor, msg) -> None:
+    """Within fp32 rounding, or for flex (bf16 on the wire, its reference taking bf16 tokens) within bf16 rounding
+    of the largest term: sums of rounded terms err relative to the terms, not to a sum that cancels."""
+    if run["dispatcher"] != "flex":
+        torch.testing.assert_close(got, ref, **TOL, msg=msg)
+        return
+    scale = float(ref.abs().max()) if ref.numel() else 1.0
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=1e-2 * max(scale, 1.0), msg=msg)
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +53,16 @@ WORLDS = ["world2", "world4"]
 @pytest.mark.parametrize("world", WORLDS)
 def test_forward_and_gradients_match_local_dispatcher(request, world):
     runs = _runs(request, world)
-    assert {run["dispatcher"] for _, run in runs} == {"allgather", "alltoall"}
+    assert {run["dispatcher"] for _, run in runs} == {"allgather", "alltoall", "flex"}
     for rank, run in runs:
         for rec in run["records"]:
             where = f"{run['case']} / {run['dispatcher']} / rank {rank}"
             assert rec["out"].shape == rec["ref_out"].shape, where
-            torch.testing.assert_close(rec["out"], rec["ref_out"], **TOL, msg=lambda m, w=where: f"{w}: out {m}")
-            torch.testing.assert_close(rec["grad_x"], rec["ref_grad_x"], **TOL, msg=lambda m, w=where: f"{w}: dx {m}")
-            torch.testing.assert_close(
-                rec["grad_probs"], rec["ref_grad_probs"], **TOL, msg=lambda m, w=where: f"{w}: dprobs {m}"
-            )
+            _close(run, rec["out"], rec["ref_out"], lambda m, w=where: f"{w}: out {m}")
+            _close(run, rec["grad_x"], rec["ref_grad_x"], lambda m, w=where: f"{w}: dx {m}")
+            _close(run, rec["grad_probs"], rec["ref_grad_probs"], lambda m, w=where: f"{w}: dprobs {m}")
             for got, ref in zip(rec["grad_w"], rec["ref_grad_w"], strict=True):
-                torch.testing.assert_close(got, ref, **TOL, msg=lambda m, w=where: f"{w}: dW {m}")
+                _close(run, got, ref, lambda m, w=where: f"{w}: dW {m}")
 
 
 @pytest.mark.dist
@@ -132,10 +141,20 @@ def test_dispatchers_keep_no_per_dispatch_state(request, world):
 @pytest.mark.dist
 @pytest.mark.parametrize("world", WORLDS)
 def test_handles_are_typed_frozen_and_combine_with_probs_applied(request, world):
-    expected = {"allgather": "AllGatherHandle", "alltoall": "AllToAllHandle"}
+    expected = {"allgather": "AllGatherHandle", "alltoall": "AllToAllHandle", "flex": "FlexHandle"}
     for rank, run in _runs(request, world):
         for rec in run["records"]:
             where = f"{run['case']} / {run['dispatcher']} / rank {rank}"
             assert rec["handle_type"] == expected[run["dispatcher"]], where
             assert rec["handle_frozen"], where
-            torch.testing.assert_close(rec["out_probs_applied"], rec["out"], **TOL, msg=lambda m, w=where: f"{w}: {m}")
+            _close(run, rec["out_probs_applied"], rec["out"], lambda m, w=where: f"{w}: {m}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+def test_flex_ran_every_expert_parallel_case_with_one_buffer_each(request, world):
+    """The DeepEP adapter ran on the strict stand-in for every etp=1 case, one buffer per dispatcher."""
+    runs = [run for _, run in _runs(request, world)]
+    flex = {run["case"] for run in runs if run["dispatcher"] == "flex"}
+    assert flex == {run["case"] for run in runs if run["etp"] == 1 and not run["case"].endswith("+wire")}
+    assert all(run["buffers_made"] == 1 for run in runs if run["dispatcher"] == "flex")

@@ -1,25 +1,25 @@
-"""One-process checks of the dispatcher pieces: the factory, the DeepEP adapter (error path, and its
-stages on a fake single-rank deep_ep), the byte accounting and the all-to-all send layout."""
+"""One-process checks of the dispatcher pieces: the factory, the DeepEP adapter's checks (import failures, versions,
+EP sizes, buffer sizes, against the strict stand-in ``_fake_deep_ep``; its data path runs on 2 and 4 gloo ranks in
+test_dispatchers_dist.py), the byte accounting and the all-to-all send layout."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
-import types
 
+import _fake_deep_ep
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe_dispatch import deepep
 from moe_dispatch.accounting import bytes_sent, rows_sent
 from moe_dispatch.alltoall import first_pair_per_rank_TK, send_map
-from moe_dispatch.deepep import FlexDispatcher, FlexHandle
+from moe_dispatch.deepep import DeepEPUnavailableError, FlexDispatcher, deepep_buffer
 from moe_dispatch.dispatcher import LocalDispatcher
 from moe_dispatch.factory import DISPATCHERS, build_dispatcher
 from moe_dispatch.permutation import permute, unpermute
-from moe_dispatch.router import RoutingResult
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -45,7 +45,7 @@ def test_factory_rejects_groups_for_local_and_stray_arguments():
     with pytest.raises(ValueError, match="pass no ep_group"):
         build_dispatcher("local", 4, ep_group=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="takes no extra arguments"):
-        build_dispatcher("alltoall", 4, num_nvl_bytes=1)
+        build_dispatcher("alltoall", 4, hidden_size=8)
 
 
 # ----------------------------------------------------------------------------- DeepEP adapter
@@ -57,20 +57,48 @@ def no_deep_ep(monkeypatch):
 
 
 def test_flex_without_deep_ep_raises_one_line_with_install_hint(no_deep_ep):
-    for build in (lambda: FlexDispatcher(8), lambda: build_dispatcher("flex", 8)):
-        with pytest.raises(RuntimeError) as err:
+    for build in (lambda: FlexDispatcher(8, hidden_size=8), lambda: build_dispatcher("flex", 8, hidden_size=8)):
+        with pytest.raises(DeepEPUnavailableError) as err:
             build()
         msg = str(err.value)
         assert "\n" not in msg
-        assert "import deep_ep" in msg
+        assert msg.startswith("DeepEP unavailable: `import deep_ep` failed")
         assert "https://github.com/deepseek-ai/DeepEP" in msg and "NVSHMEM" in msg
 
 
+def test_flex_any_import_failure_is_deepep_unavailable(monkeypatch):
+    """DeepEP 2.x asserts at import when its NCCL library is not torch's: that is "unavailable", not a crash."""
+
+    def import_module(name):
+        raise AssertionError("Invalid NCCL versions: /a/libnccl.so.2 (loaded) v.s. /b/libnccl.so.2 (expected)")
+
+    monkeypatch.setattr(deepep.importlib, "import_module", import_module)
+    with pytest.raises(DeepEPUnavailableError) as err:
+        deepep.load_deep_ep()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("DeepEP unavailable:")
+    assert "AssertionError: Invalid NCCL versions" in msg
+
+
+@pytest.mark.parametrize("version", ["1.1.0", "3.0.0", "0.9"])
+def test_flex_rejects_deep_ep_versions_outside_the_supported_range(monkeypatch, version):
+    fake = _fake_deep_ep.module()
+    fake.__version__ = version  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deep_ep", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(DeepEPUnavailableError) as err:
+        deepep.load_deep_ep()
+    assert str(err.value) == (
+        f"DeepEP unavailable: deep_ep {version} is installed; this adapter supports deep_ep >= 1.2, < 3 "
+        "(its Buffer API)"
+    )
+
+
 def test_flex_without_cuda_raises_one_line(monkeypatch):
-    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))
+    monkeypatch.setitem(sys.modules, "deep_ep", _fake_deep_ep.module())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError) as err:
-        build_dispatcher("flex", 8)
+    with pytest.raises(DeepEPUnavailableError) as err:
+        build_dispatcher("flex", 8, hidden_size=8)
     assert "\n" not in str(err.value)
     assert "needs a CUDA device" in str(err.value)
 
@@ -80,76 +108,86 @@ def test_flex_rejects_expert_tensor_parallelism():
         build_dispatcher("flex", 8, etp_group=object())  # type: ignore[arg-type]
 
 
-class FakeBuffer:
-    """deep_ep.Buffer on one rank, with DeepEP's semantics: a token with any unmasked pair is received
-    once, with its topk ids / weights (masked pairs -1); combine sums the rows back per token."""
+class StubGroup:
+    """A process group as DeepEP's Buffer constructor reads one (size and rank), for checks that move no data."""
 
-    def __init__(self, group, num_nvl_bytes, num_rdma_bytes):
-        self.args = (group, num_nvl_bytes, num_rdma_bytes)
-        self.calls: list[str] = []
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self._size, self._rank = size, rank
 
-    def get_dispatch_layout(self, topk_idx, num_experts):
-        valid = topk_idx >= 0
-        in_rank = valid.any(dim=1, keepdim=True)
-        return in_rank.sum(0), None, torch.bincount(topk_idx[valid], minlength=num_experts), in_rank, None
+    def size(self) -> int:
+        return self._size
 
-    def dispatch(self, x, handle=None, topk_idx=None, topk_weights=None, **layout):
-        self.calls.append("dispatch")
-        if handle is not None:  # cached layout: the backward of combine
-            return x[handle[0]], None, None, None, handle, None
-        rows = layout["is_token_in_rank"][:, 0].nonzero().squeeze(1)
-        handle = (rows, x.shape[0])
-        per_expert = layout["num_tokens_per_expert"].tolist()
-        return x[rows], topk_idx[rows], topk_weights[rows], per_expert, handle, None
-
-    def combine(self, x, handle, topk_weights=None):
-        self.calls.append("combine")
-        rows, num_tokens = handle
-        out = x.new_zeros(num_tokens, x.shape[1]).index_add(0, rows, x)
-        weights = None
-        if topk_weights is not None:
-            weights = topk_weights.new_zeros(num_tokens, topk_weights.shape[1]).index_add(0, rows, topk_weights)
-        return out, weights, None
+    def rank(self) -> int:
+        return self._rank
 
 
-def test_flex_stages_on_fake_single_rank_deep_ep_match_local(monkeypatch):
-    fake = types.ModuleType("deep_ep")
-    fake.Buffer = FakeBuffer  # type: ignore[attr-defined]
+@pytest.fixture
+def strict_deep_ep(monkeypatch):
+    fake = _fake_deep_ep.module()
     monkeypatch.setitem(sys.modules, "deep_ep", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    return fake
 
-    gen = torch.Generator().manual_seed(5)
-    num_tokens, num_experts, topk, hidden = 7, 4, 2, 5
-    idx = torch.stack([torch.randperm(num_experts, generator=gen)[:topk] for _ in range(num_tokens)])
-    keep = torch.ones(num_tokens, topk, dtype=torch.bool)
-    keep[1, 0] = keep[4] = False  # a dropped pair, and a token with every pair dropped (never sent)
-    probs0 = torch.softmax(torch.randn(num_tokens, topk, generator=gen), -1) * keep
-    x0 = torch.randn(num_tokens, hidden, generator=gen)
-    w0 = torch.randn(num_experts, hidden, hidden, generator=gen)
-    cot = torch.randn(num_tokens, hidden, generator=gen)
-    counts = torch.bincount(idx[keep], minlength=num_experts)
 
-    def run(disp):
-        x, probs, w = (t.clone().requires_grad_(True) for t in (x0, probs0, w0))
-        res = disp.dispatch(x, RoutingResult(probs, idx, counts, probs.new_zeros(()), keep, None))
-        chunks = torch.split(res.tokens_NH, res.tokens_per_expert_E.tolist())
-        out = disp.combine(torch.cat([c @ w[e] for e, c in enumerate(chunks)]), res.handle)
-        (out * cot).sum().backward()
-        return res, out.detach(), x.grad, probs.grad, w.grad
+@pytest.mark.parametrize("ep", [1, 3, 6, 12])
+def test_flex_ep_sizes_deepep_has_no_config_for_are_one_line_errors(strict_deep_ep, ep):
+    with pytest.raises(ValueError) as err:
+        FlexDispatcher(ep * 2, StubGroup(ep), hidden_size=64)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        f"DeepEP has no dispatch/combine config for an expert-parallel size of {ep}; it supports "
+        "2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160: change ep, or use the alltoall dispatcher"
+    )
+    assert strict_deep_ep.Buffer.created == []
 
-    flex = build_dispatcher("flex", num_experts, pad_multiple=2, num_nvl_bytes=123)
-    assert isinstance(flex, FlexDispatcher) and flex.buffer.args == (None, 123, 0)
-    res, *got = run(flex)
-    _, *want = run(LocalDispatcher(num_experts))
-    assert res.tokens_per_expert_E.tolist() == [(int(c) + 1) // 2 * 2 for c in counts]
-    assert flex.buffer.calls == ["dispatch", "combine", "dispatch", "combine"]  # forward, then backward
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w)
-    assert got[1][4].abs().max() == 0  # the fully dropped token gets nothing back
-    assert isinstance(res.handle, FlexHandle) and res.handle.deep_handle[1] == num_tokens  # the fake's handle
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        res.handle.deep_handle = None  # type: ignore[misc]
+
+def test_flex_buffer_is_sized_by_deepep_hints_deepseek_v3_ep8(strict_deep_ep):
+    """hidden 7168, EP 8 (DeepSeek-V3): DeepEP's hint is 335,709,824 bytes (320 MiB), more than the 256 MiB a fixed
+    size would give; within a node no RDMA bytes (the constructor rejects them there)."""
+    flex = FlexDispatcher(256, StubGroup(8), hidden_size=7168)  # type: ignore[arg-type]
+    (buffer,) = strict_deep_ep.Buffer.created
+    assert (buffer.num_nvl_bytes, buffer.num_rdma_bytes) == (335_709_824, 0)
+    assert buffer.num_nvl_bytes > 256 << 20
+    x = torch.zeros(4, 7168, dtype=torch.bfloat16)
+    for config in (flex.buffer.dispatch_config, flex.buffer.combine_config):
+        buffer._check_rows(x, config)  # the stand-in's room check of each collective passes
+
+
+def test_flex_buffer_across_nodes_gets_rdma_bytes(strict_deep_ep):
+    FlexDispatcher(64, StubGroup(16), hidden_size=7168)  # type: ignore[arg-type]
+    (buffer,) = strict_deep_ep.Buffer.created
+    hints = [
+        config.get_rdma_buffer_size_hint(7168 * 2, 16)
+        for config in (strict_deep_ep.Buffer.get_dispatch_config(16), strict_deep_ep.Buffer.get_combine_config(16))
+    ]
+    assert buffer.num_rdma_bytes == max(hints) > 0
+
+
+def test_flex_dispatchers_share_one_buffer_per_group(strict_deep_ep):
+    group = StubGroup(4)
+    shared = deepep_buffer(group, 4096)  # type: ignore[arg-type]
+    layers = [FlexDispatcher(8, group, buffer=shared) for _ in range(3)]  # type: ignore[arg-type]
+    assert len(strict_deep_ep.Buffer.created) == 1
+    assert all(layer.buffer is shared for layer in layers)
+    with pytest.raises(ValueError, match="another process group"):
+        FlexDispatcher(8, StubGroup(4), buffer=shared)  # type: ignore[arg-type]
+
+
+def test_flex_rejects_hidden_sizes_deepep_cannot_move(strict_deep_ep):
+    with pytest.raises(ValueError, match="hidden size that is a multiple of 8.*got 6"):
+        FlexDispatcher(8, StubGroup(2), hidden_size=6)  # type: ignore[arg-type]
+
+
+def test_strict_stand_in_holds_deepep_constructor_contracts(strict_deep_ep):
+    """The stand-in rejects what DeepEP's Buffer rejects (so the adapter's tests against it mean something)."""
+    Buffer = strict_deep_ep.Buffer
+    with pytest.raises(ValueError, match="Either 'group' or 'comm'"):
+        Buffer(None, 1 << 20)
+    with pytest.raises(RuntimeError, match="num_ranks > 8 or low_latency_mode"):
+        Buffer(StubGroup(8), 1 << 20, 1 << 20)
+    with pytest.raises(RuntimeError, match="NUM_BUFFER_ALIGNMENT_BYTES"):
+        Buffer(StubGroup(2), 100)
+    with pytest.raises(AssertionError, match="Unsupported number of EP ranks: 1"):
+        Buffer.get_dispatch_config(1)
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -8,7 +8,8 @@ Checks that need real process groups, each against the same model in this proces
 - the plan protocol: a model that is not moe_models' (``_toy_plan_model.py``), split as its own plan says;
 - building on meta and materialising gives each rank exactly the tensors an eager build split the same way holds;
 - the experts' gradient scale when ep and dp both exceed 1 (edp / dp);
-- activation checkpointing applied through ``before_fsdp`` recomputes the experts that run, in every layout.
+- activation checkpointing applied through ``before_fsdp`` recomputes the experts that run, in every layout;
+- the flex (DeepEP) dispatcher on moe-dispatch's strict DeepEP stand-in: one buffer shared by every MoE layer.
 
 Each section stores what it saw; the test module asserts.
 """
@@ -403,6 +404,35 @@ def from_checkpoint(world: int, out_dir: Path) -> dict:
     }
 
 
+def flex_dispatch(world: int) -> dict:
+    """ep=2 with the flex dispatcher on the stand-in (``moe-dispatch/tests/_fake_deep_ep.py``, CUDA reported
+    available while it runs): one step of tiny-qwen3-moe against one process (bf16 on the wire)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "moe-dispatch" / "tests"))
+    import _fake_deep_ep
+
+    config = preset("tiny-qwen3-moe")
+    cfg = ParallelConfig(ep=2, moe_token_dispatcher_type="flex")
+    ids_BS = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(6))
+    saved_cuda = torch.cuda.is_available
+    sys.modules["deep_ep"] = fake = _fake_deep_ep.module()
+    torch.cuda.is_available = lambda: True
+    try:
+        model = build_model(config, seed=2)
+        parallelize(model, build_meshes(cfg.layout(world), "cpu"), cfg)
+        buffers = {id(layer.mlp.dispatcher.buffer) for layer in model.layers}
+        loss = _step(model, config, ids_BS)  # every rank reads the same batch
+    finally:
+        torch.cuda.is_available = saved_cuda
+        sys.modules.pop("deep_ep", None)
+    return {
+        "buffers_made": len(fake.Buffer.created),
+        "layers_sharing": (len(model.layers), len(buffers)),
+        "dispatcher": type(model.layers[0].mlp.dispatcher).__name__,
+        "loss": loss,
+        "ref_loss": _step(build_model(config, seed=2), config, ids_BS),
+    }
+
+
 def main(out_dir: Path) -> None:
     ctx = init_distributed("gloo", "cpu")
     world = ctx.world_size
@@ -446,6 +476,7 @@ def main(out_dir: Path) -> None:
     result["recompute"] = recompute(world)
     result["bytes"] = materialised_bytes(world)
     result["checkpoint"] = from_checkpoint(world, out_dir)
+    result["flex"] = flex_dispatch(world)
     dist.barrier()
     dist.destroy_process_group()
     torch.save(result, out_dir / f"rank{ctx.rank}.pt")

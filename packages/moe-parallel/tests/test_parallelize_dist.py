@@ -168,3 +168,13 @@ def test_ranks_read_only_their_experts_and_slices_of_a_checkpoint(ranks) -> None
         rows, cols = case["q_proj_shape"]
         # tensor parallel halves the rows, FSDP over dp_shard=2 halves them again; columns stay whole
         assert (row_stop - row_start, col_start, col_stop) == (rows // 4, 0, cols), (rank, case["q_proj_box"])
+
+
+def test_flex_dispatcher_shares_one_deepep_buffer_over_the_layers(ranks) -> None:
+    """DeepEP expects one buffer per process group: every MoE layer's dispatcher holds the same one."""
+    for result in ranks:
+        flex = result["flex"]
+        assert flex["dispatcher"] == "FlexDispatcher"
+        assert flex["buffers_made"] == 1
+        assert flex["layers_sharing"] == (2, 1)
+        assert flex["loss"] == pytest.approx(flex["ref_loss"], rel=1e-2)  # bf16 on the wire

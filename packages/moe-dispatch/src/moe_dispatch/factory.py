@@ -26,7 +26,7 @@ def build_dispatcher(
     ``ep_group`` defaults to the whole world for the distributed ones; ``etp_group`` turns on expert
     tensor parallelism (allgather / alltoall). ``wire`` (allgather / alltoall) sends the tokens encoded, e.g. as
     blockwise FP8 (:mod:`moe_dispatch.wire`). Extra keyword arguments go to ``FlexDispatcher``
-    (``num_nvl_bytes``, ``num_rdma_bytes``).
+    (``hidden_size``, or ``buffer``: one :class:`~moe_dispatch.deepep.DeepEPBuffer` shared by every layer).
     """
     if name not in DISPATCHERS:
         raise ValueError(f"dispatcher {name!r}: choose one of {DISPATCHERS}")

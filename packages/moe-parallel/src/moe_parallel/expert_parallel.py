@@ -116,12 +116,18 @@ def apply_expert_parallel(
     ep_group = meshes.group("ep")
     etp_group = meshes.group("etp") if layout.etp > 1 else None
     ep_mesh = meshes.expert["ep"]
-    for block in moe_blocks(model, plan):
+    blocks = list(moe_blocks(model, plan))
+    extra = {}
+    if dispatcher == "flex" and blocks:  # one DeepEP buffer for every layer, sized for the widest
+        from moe_dispatch.deepep import deepep_buffer
+
+        extra["buffer"] = deepep_buffer(ep_group, max(block.experts.hidden_size for block in blocks))
+    for block in blocks:
         block.experts = shard_experts(block.experts, coords["ep"], layout.ep, coords["etp"], layout.etp)
         if layout.etp == 1:
             for name, param in list(block.experts.named_parameters()):
                 sharded = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
                 setattr(block.experts, name, nn.Parameter(sharded))
         block.dispatcher = build_dispatcher(
-            dispatcher, block.router.config.num_experts, ep_group=ep_group, etp_group=etp_group, wire=wire
+            dispatcher, block.router.config.num_experts, ep_group=ep_group, etp_group=etp_group, wire=wire, **extra
         )

@@ -173,11 +173,20 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
             f"DeepEP does not support etp > 1{etp_default}: use 'alltoall', or etp=1",
         )
     if config.moe_token_dispatcher_type == "flex" and layout.ep > 1:
-        from moe_dispatch.deepep import load_deep_ep
+        from moe_dispatch.deepep import check_deepep_shape, deepep_configs, load_deep_ep
 
         try:
-            load_deep_ep()
+            deep_ep = load_deep_ep()
         except RuntimeError as err:
+            raise LayoutError("moe_token_dispatcher_type", "flex", str(err)) from None
+        try:
+            deepep_configs(deep_ep.Buffer, layout.ep)
+        except ValueError as err:
+            raise LayoutError("ep", layout.ep, str(err)) from None
+        try:
+            for block in moe_blocks(model, plan):
+                check_deepep_shape(block.experts.hidden_size)
+        except ValueError as err:
             raise LayoutError("moe_token_dispatcher_type", "flex", str(err)) from None
     check_tensor_parallel(plan, layout.tp)
 
