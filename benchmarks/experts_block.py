@@ -355,7 +355,7 @@ def grouped_gemm_tflops(
     grad = torch.randn(rows, hidden, device=dev, dtype=dtype)
     w1 = (torch.randn(hidden, 2 * ffn, device=dev, dtype=dtype) * 0.02).requires_grad_()
     w2 = (torch.randn(ffn, hidden, device=dev, dtype=dtype) * 0.02).requires_grad_()
-    gmm = module._grouped_mm(x.element_size())
+    gmm = module._grouped_mm(x.dtype)
     w_gate_up = module.w_gate_up_EH2F.detach()
 
     def grouped_gemm():

@@ -78,4 +78,3 @@ def test_without_autocast_the_moe_path_keeps_the_input_dtype():
     assert spy.seen["dispatch"] == spy.seen["combine"] == [torch.float32]
     assert spy.seen["gmm_x"] == [torch.float32, torch.float32]
     assert out.dtype == torch.float32
-

@@ -106,6 +106,56 @@ def test_env_prints_the_capability_table(capsys: pytest.CaptureFixture[str]) -> 
     assert cli.main(["env", "extra"]) == cli.EXIT_USAGE
 
 
+def _fake_transformer_engine(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    import importlib.machinery
+    import sys
+    import types
+
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        module.__version__ = version  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize(
+    ("version", "verdict"),
+    [
+        ("2.20.2", "supported (transformer_engine >= 2.1, < 2.21)"),
+        ("2.21.0", "not usable: transformer_engine 2.21.0 is installed; supported: transformer_engine >= 2.1, < 2.21"),
+    ],
+)
+def test_env_reports_vendor_versions_support_and_what_they_are_used_for(
+    monkeypatch: pytest.MonkeyPatch, version: str, verdict: str
+) -> None:
+    from moe_train.env import capability_rows
+
+    _fake_transformer_engine(monkeypatch, version)
+    rows = {name: (status, detail) for name, status, detail in capability_rows()}
+    status, detail = rows["transformer_engine"]
+    assert status == version
+    assert detail == f"{verdict}; used for expert back end 'te' (grouped GEMM, bf16/fp16; fp32 as TF32)"
+    # only what the code uses: no FP8 recipes through TE (moe-precision's recipes do not run on TE)
+    assert not any("FP8" in d and name == "transformer_engine" for name, (_, d) in rows.items())
+    assert "used for token dispatcher 'flex' (DeepEP normal kernels, bf16 on the wire)" in rows["deep_ep"][1]
+
+
+def test_a_named_expert_backend_that_does_not_take_the_run_dtype_is_a_config_error() -> None:
+    import torch
+
+    from moe_train.config import ConfigError, load_config
+    from moe_train.setup import _check_expert_backend_dtype
+
+    cfg = load_config("tiny", {"model.moe_expert_backend": "grouped_gemm", "run.dtype": "fp32"})
+    with pytest.raises(ConfigError) as err:
+        _check_expert_backend_dtype(cfg, torch.float32)
+    assert str(err.value) == (
+        "model.moe_expert_backend='grouped_gemm': its kernels take bfloat16 only, and this run computes the experts "
+        "in float32 (run.dtype='fp32'); set run.dtype bf16, or use backend torch or auto"
+    )
+    _check_expert_backend_dtype(cfg, torch.bfloat16)  # bf16: fine
+
+
 def test_no_arguments_means_train_tiny(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = {}
     monkeypatch.setattr(cli, "_train", lambda config, rest: seen.update(config=config, rest=rest) or 0)
@@ -199,7 +249,7 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
         ),
         pytest.param(
             {"parallel.ep": "2", "parallel.moe_token_dispatcher_type": "flex", "run.save_checkpoint": "false"},
-            "parallel.moe_token_dispatcher_type='flex': FlexDispatcher needs",
+            "parallel.moe_token_dispatcher_type='flex': DeepEP unavailable: ",
             marks=pytest.mark.skipif(
                 importlib.util.find_spec("deep_ep") is not None and torch.cuda.is_available(), reason="DeepEP runs"
             ),

@@ -112,28 +112,33 @@ def _supported_text() -> str:
     return f"deep_ep >= {lo[0]}.{lo[1]}, < {hi[0]}"
 
 
-def load_deep_ep() -> Any:
-    """Import ``deep_ep`` and check its version and CUDA, or raise one :class:`DeepEPUnavailableError` line saying
-    why and how to install it."""
+def deep_ep_status() -> tuple[Any, str | None, str | None]:
+    """(module or None, installed version or None, why it cannot be used or None), CUDA aside: what ``moe-train env``
+    reports and :func:`load_deep_ep` checks."""
     try:
         deep_ep = importlib.import_module("deep_ep")
     except Exception as exc:  # 2.x raises AssertionError (NCCL mismatch), TypeError, RuntimeError at import too
         reason = str(exc).splitlines()[0] if str(exc) else ""
-        raise DeepEPUnavailableError(
-            f"DeepEP unavailable: `import deep_ep` failed ({type(exc).__name__}: {reason}); {INSTALL_HINT}"
-        ) from None
+        return None, None, f"`import deep_ep` failed ({type(exc).__name__}: {reason}); {INSTALL_HINT}"
     version = deep_ep_version(deep_ep)
     if version is None:
-        raise DeepEPUnavailableError(
-            f"DeepEP unavailable: cannot tell the installed deep_ep's version; this adapter supports "
-            f"{_supported_text()}"
-        )
+        return deep_ep, None, f"cannot tell the installed deep_ep's version; this adapter supports {_supported_text()}"
     lo, hi = SUPPORTED_DEEP_EP
     if not lo <= _release(version)[:2] < hi or not hasattr(deep_ep, "Buffer"):
-        raise DeepEPUnavailableError(
-            f"DeepEP unavailable: deep_ep {version} is installed; this adapter supports {_supported_text()} "
-            "(its Buffer API)"
+        return (
+            deep_ep,
+            version,
+            (f"deep_ep {version} is installed; this adapter supports {_supported_text()} (its Buffer API)"),
         )
+    return deep_ep, version, None
+
+
+def load_deep_ep() -> Any:
+    """Import ``deep_ep`` and check its version and CUDA, or raise one :class:`DeepEPUnavailableError` line saying
+    why and how to install it."""
+    deep_ep, _, problem = deep_ep_status()
+    if problem is not None:
+        raise DeepEPUnavailableError(f"DeepEP unavailable: {problem}")
     if not torch.cuda.is_available():
         raise DeepEPUnavailableError(
             f"DeepEP unavailable: it needs a CUDA device (torch.cuda.is_available() is False); {INSTALL_HINT}"

@@ -210,8 +210,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"tokens_per_expert_E must have shape ({self.num_experts},), got {tuple(tokens_per_expert_E.shape)}"
             )
-        gmm = self._grouped_mm(x_NH.element_size())
         dtype = x_NH.dtype
+        gmm = self._grouped_mm(dtype)
         w_gate_up, w_down = _local(self.w_gate_up_EH2F).to(dtype), _local(self.w_down_EFH).to(dtype)
         h_NW = self.fc1(x_NH, w_gate_up, tokens_per_expert_E, gmm)
         expert_N = None
@@ -234,12 +234,17 @@ class GroupedExperts(nn.Module):
             y_NH = y_NH + b_NH
         return y_NH
 
-    def _grouped_mm(self, element_size: int) -> GroupedMM:
-        assert self.backend.gmm is not None  # resolve_backend only returns implemented back ends
+    def _grouped_mm(self, dtype: torch.dtype) -> GroupedMM:
+        backend = self.backend
+        if self.requested_backend == "auto" and not backend.takes(dtype, auto=True):
+            # auto chose by what is installed; the dtype at hand may not suit that choice (fp32 on grouped_gemm)
+            backend = resolve_backend("auto", dtype)
+        assert backend.gmm is not None  # resolve_backend only returns implemented back ends
+        element_size = torch.finfo(dtype).bits // 8
         hidden, ffn = self.hidden_size, self.local_ffn_hidden_size
         aligned = all(n * element_size % GROUPED_MM_ROW_ALIGN_BYTES == 0 for n in (hidden, ffn))
-        if self.backend.name != "torch" or aligned:
-            return self.backend.gmm
+        if backend.name != "torch" or aligned:
+            return backend.gmm
         if self.requested_backend == "auto":
             return loop_grouped_mm
         raise ValueError(

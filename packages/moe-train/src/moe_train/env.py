@@ -4,35 +4,105 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-import moe_experts
+from moe_experts import backends
 
-OPTIONAL_PACKAGES = {
-    # import name: (distribution, what it enables, how to install)
-    "transformer_engine": (
-        "transformer-engine",
-        "TE GroupedLinear experts, FP8/MXFP8/NVFP4 recipes",
+
+@dataclass(frozen=True)
+class Vendor:
+    """An optional library: what this code uses it for, the versions it supports, how to install it."""
+
+    module: str
+    distributions: tuple[str, ...]
+    uses: str
+    supported: str
+    install: str
+    problem: Callable[[], str | None] | None = None  # why the installed one cannot be used, or None
+
+
+def _te_problem() -> str | None:
+    return backends.TRANSFORMER_ENGINE.problem()
+
+
+def _grouped_gemm_problem() -> str | None:
+    return backends.GROUPED_GEMM.problem()
+
+
+def _deep_ep_problem() -> str | None:
+    from moe_dispatch.deepep import deep_ep_status
+
+    return deep_ep_status()[2]
+
+
+VENDORS = (
+    Vendor(
+        "transformer_engine",
+        ("transformer_engine", "transformer-engine-torch"),
+        "expert back end 'te' (grouped GEMM, bf16/fp16; fp32 as TF32)",
+        backends.TRANSFORMER_ENGINE.supported,
         "pip install --no-build-isolation 'transformer_engine[pytorch]' (CUDA only)",
+        _te_problem,
     ),
-    "deep_ep": ("deep_ep", "DeepEP flex token dispatcher", "build from the DeepEP repository (CUDA + NVSHMEM)"),
-    "grouped_gemm": (
+    Vendor(
         "grouped_gemm",
-        "grouped_gemm expert back end",
-        "pip install --no-build-isolation grouped_gemm (CUDA only)",
+        ("nv_grouped_gemm", "grouped_gemm"),
+        "expert back end 'grouped_gemm' (bf16)",
+        backends.GROUPED_GEMM.supported,
+        "pip install --no-build-isolation nv_grouped_gemm (CUDA only)",
+        _grouped_gemm_problem,
     ),
-    "modelopt": ("nvidia-modelopt", "NVFP4 / MXFP8 quantisation kernels", "pip install nvidia-modelopt (CUDA only)"),
-    "triton": ("triton", "fused permutation kernels (CPU via TRITON_INTERPRET=1)", "ships with torch on Linux"),
-}
+    Vendor(
+        "deep_ep",
+        ("deep_ep",),
+        "token dispatcher 'flex' (DeepEP normal kernels, bf16 on the wire)",
+        "deep_ep >= 1.2, < 3 (Buffer API)",
+        "build from https://github.com/deepseek-ai/DeepEP (CUDA + NVSHMEM)",
+        _deep_ep_problem,
+    ),
+    Vendor(
+        "modelopt",
+        ("nvidia-modelopt",),
+        "moe-train quantize (FP8 / NVFP4 calibration and HF export)",
+        "nvidia-modelopt >= 0.47",
+        "pip install 'moe-train[quantize]'",
+    ),
+    Vendor(
+        "triton",
+        ("triton",),
+        "fused permutation kernels (CPU via TRITON_INTERPRET=1)",
+        "triton >= 3.0",
+        "ships with torch on Linux",
+    ),
+)
 
 
-def _version(dist_name: str) -> str:
-    try:
-        return importlib.metadata.version(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        return "installed"
+def _version(vendor: Vendor) -> str:
+    try:  # TE and DeepEP 2.x say it themselves; not every build records a distribution
+        version = getattr(importlib.import_module(vendor.module), "__version__", None)
+    except Exception:  # a library that fails to import: its row says why
+        version = None
+    if version:
+        return str(version)
+    for name in vendor.distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "installed (version unknown)"
+
+
+def vendor_row(vendor: Vendor) -> tuple[str, str, str]:
+    """(module, installed version or "missing", whether it is supported, what it is used for)."""
+    if importlib.util.find_spec(vendor.module) is None:
+        return vendor.module, "missing", f"used for {vendor.uses}; {vendor.install}"
+    problem = vendor.problem() if vendor.problem is not None else None
+    verdict = f"not usable: {problem}" if problem else f"supported ({vendor.supported})"
+    return vendor.module, _version(vendor), f"{verdict}; used for {vendor.uses}"
 
 
 def capability_rows() -> list[tuple[str, str, str]]:
@@ -49,13 +119,9 @@ def capability_rows() -> list[tuple[str, str, str]]:
         ("dist nccl", "yes" if dist.is_nccl_available() and cuda else "no", "GPU process groups"),
         ("fp8 dtypes", "yes" if hasattr(torch, "float8_e4m3fn") else "no", "float8_e4m3fn / float8_e5m2"),
     ]
-    for name, reason in moe_experts.backend_availability().items():
+    for name, reason in backends.backend_availability().items():
         rows.append((f"experts backend {name}", "yes" if reason is None else "no", reason or "usable"))
-    for module, (dist_name, enables, install) in OPTIONAL_PACKAGES.items():
-        found = importlib.util.find_spec(module) is not None
-        rows.append(
-            (module, _version(dist_name) if found else "missing", enables if found else f"{enables}; {install}")
-        )
+    rows += [vendor_row(vendor) for vendor in VENDORS]
     return rows
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_experts import BackendUnavailableError
+from moe_experts import BACKENDS, BackendUnavailableError
 from moe_memory import MemoryPolicy, apply_memory_policy, check_memory_options
 from moe_models import ModelConfig, build_model
 from moe_models.hf import CheckpointSource
@@ -84,6 +84,21 @@ def checked_meta_model(
     except ValueError as err:  # ModelConfigError, LayoutError, MemoryConfigError
         raise config_error(err) from None
     return layout, model, plan
+
+
+def _check_expert_backend_dtype(cfg: ExperimentConfig, experts_dtype: torch.dtype) -> None:
+    """A named expert back end whose kernels do not take the dtype the experts compute in (bf16 under autocast or
+    with bf16 parameters, else fp32) is a config error here rather than a failure in the first step."""
+    name = cfg.model.moe_expert_backend
+    backend = BACKENDS.get(name)
+    if backend is None or backend.takes(experts_dtype):
+        return
+    takes = ", ".join(str(d).removeprefix("torch.") for d in backend.dtypes or ())
+    raise ConfigError(
+        f"model.moe_expert_backend={name!r}: its kernels take {takes} only, and this run computes the experts in "
+        f"{str(experts_dtype).removeprefix('torch.')} (run.dtype={cfg.run.dtype!r}); set run.dtype bf16, or use "
+        "backend torch or auto"
+    )
 
 
 def memory_options(run: RunConfig) -> tuple[list[str], list[str], int]:
@@ -192,6 +207,7 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
     )
+    _check_expert_backend_dtype(cfg, torch.bfloat16 if cfg.train.params_dtype == "bf16" else dtype)
     ctx = init_distributed(cfg.parallel.backend, device_type)
     torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
     if not build_on_meta:
