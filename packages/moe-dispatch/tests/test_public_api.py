@@ -12,6 +12,8 @@ PUBLIC_NAMES = [
     "AllToAllHandle",
     "AuxLossAutoScaler",
     "DISPATCHERS",
+    "DeepEPBuffer",
+    "DeepEPUnavailableError",
     "DispatchHandle",
     "DispatchResult",
     "ExpertParallelDispatcher",
@@ -36,6 +38,7 @@ PUBLIC_NAMES = [
     "build_dispatcher",
     "bytes_sent",
     "capacity_keep_mask",
+    "deepep_buffer",
     "get_capacity",
     "global_aux_loss",
     "group_limited_topk",
@@ -55,7 +58,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_dispatch.__version__ == "0.3.0"
+    assert moe_dispatch.__version__ == "0.4.0"
     assert importlib.metadata.version("moe-dispatch") == moe_dispatch.__version__
 
 

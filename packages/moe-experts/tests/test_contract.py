@@ -2,8 +2,8 @@
 per-expert, per-row reference (tests/_experts_reference.py), for every activation, with and without biases and router
 probabilities, and for the awkward splits (zero-token experts, all rows on one expert, no rows at all).
 
-Back ends: every entry of BACKENDS usable on this machine (torch and loop on CPU; te and grouped_gemm join
-automatically where they are importable with CUDA)."""
+Back ends: every entry of BACKENDS usable on this machine that takes fp32 (torch and loop on CPU; te joins
+automatically where it is importable with CUDA, and grouped_gemm, bf16 only, has its own contract run)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from _experts_reference import ALL_ACTIVATIONS, naive_experts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_experts.backends import backend_availability
+from moe_experts.backends import BACKENDS, backend_availability
 from moe_experts.grouped import GroupedExperts
 
-AVAILABLE = sorted(name for name, reason in backend_availability().items() if reason is None)
+# the fp32 contract: back ends usable here whose kernels take fp32 (grouped_gemm is bf16-only: its real-library
+# check is the gpu-marked bf16 contract in test_vendor_adapters.py)
+AVAILABLE = sorted(
+    name for name, reason in backend_availability().items() if reason is None and BACKENDS[name].takes(torch.float32)
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPLITS = {
     "mixed": [3, 0, 5, 1],

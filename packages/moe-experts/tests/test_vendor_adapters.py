@@ -20,10 +20,10 @@ HIDDEN, FFN = 8, 12
 TE_VERSIONS = ["2.1.0", "2.9.0+abc1234", "2.10.0", "2.11.0", "2.20.2"]
 
 
-def _contract(backend: str, dtype: torch.dtype, counts: list[int], tol: dict) -> None:
+def _contract(backend: str, dtype: torch.dtype, counts: list[int], tol: dict, device: str = "cpu") -> None:
     """GroupedExperts on ``backend`` in ``dtype`` against the naive per-expert reference in fp32 on the same
     (dtype-rounded) values: output, input and every parameter gradient; zero gradients for experts without rows."""
-    experts = GroupedExperts(4, HIDDEN, FFN, backend=backend, seed=0)
+    experts = GroupedExperts(4, HIDDEN, FFN, backend=backend, seed=0).to(device)
     with torch.no_grad():
         experts.w_gate_up_EH2F.mul_(50.0)  # out of the activation's linear range
         for p in experts.parameters():
@@ -32,19 +32,19 @@ def _contract(backend: str, dtype: torch.dtype, counts: list[int], tol: dict) ->
     n = sum(counts)
     x0 = torch.randn(n, HIDDEN, generator=gen).to(dtype).float()
     cot = torch.randn(n, HIDDEN, generator=gen)
-    x = x0.clone().to(dtype).requires_grad_(True)
-    y = experts(x, torch.tensor(counts))
+    x = x0.clone().to(device, dtype).requires_grad_(True)
+    y = experts(x, torch.tensor(counts, device=device))
     assert y.dtype == dtype
-    (y.float() * cot).sum().backward()
+    (y.float().cpu() * cot).sum().backward()
 
-    params = {name: p.detach().clone().requires_grad_(True) for name, p in experts.named_parameters()}
+    params = {name: p.detach().cpu().clone().requires_grad_(True) for name, p in experts.named_parameters()}
     x_ref = x0.clone().requires_grad_(True)
     ref = naive_experts(x_ref, torch.tensor(counts), params["w_gate_up_EH2F"], params["w_down_EFH"], "swiglu")
     ((ref * cot).sum() + 0.0 * sum(t.sum() for t in [x_ref, *params.values()])).backward()
-    torch.testing.assert_close(y.float(), ref.detach(), **tol)
-    torch.testing.assert_close(x.grad.float(), x_ref.grad, **tol)
+    torch.testing.assert_close(y.float().cpu(), ref.detach(), **tol)
+    torch.testing.assert_close(x.grad.float().cpu(), x_ref.grad, **tol)
     for name, p in experts.named_parameters():
-        torch.testing.assert_close(p.grad, params[name].grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p.grad.cpu(), params[name].grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
         for e, count in enumerate(counts):
             if count == 0:
                 assert torch.count_nonzero(p.grad[e]) == 0, (name, e)
@@ -174,3 +174,17 @@ def test_grouped_gemm_stand_in_holds_the_library_checks(monkeypatch):
         ops.gmm(torch.zeros(0, 4, dtype=torch.bfloat16), w, torch.tensor([0, 0]))
     with pytest.raises(RuntimeError, match=r"batch_sizes.scalar_type\(\) == torch::kInt64"):
         ops.gmm(torch.zeros(3, 4, dtype=torch.bfloat16), w, torch.tensor([1, 2], dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- the real libraries (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["te", "grouped_gemm"])
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_real_library_meets_the_bf16_contract(backend, split):
+    """Where the library is installed with CUDA: the same contract against the real kernels (TF32/bf16 tolerance)."""
+    reason = backends.BACKENDS[backend].unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    _contract(backend, torch.bfloat16, SPLITS[split], BF16_TOL, device="cuda")

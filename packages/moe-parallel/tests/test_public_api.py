@@ -56,7 +56,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_parallel.__version__ == "0.5.1"
+    assert moe_parallel.__version__ == "0.5.2"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

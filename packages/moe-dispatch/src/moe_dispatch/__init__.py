@@ -6,7 +6,7 @@ from moe_dispatch.alltoall import AllToAllDispatcher, AllToAllHandle
 from moe_dispatch.capacity import capacity_keep_mask, get_capacity
 from moe_dispatch.collectives import all_gather_uneven, all_to_all, reduce_scatter_uneven
 from moe_dispatch.config import RouterConfig, RouterConfigError
-from moe_dispatch.deepep import FlexDispatcher, FlexHandle
+from moe_dispatch.deepep import DeepEPBuffer, DeepEPUnavailableError, FlexDispatcher, FlexHandle, deepep_buffer
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight, LocalDispatcher, TokenDispatcher
 from moe_dispatch.ep_base import ExpertParallelDispatcher
 from moe_dispatch.expert_bias import update_expert_bias
@@ -33,7 +33,7 @@ from moe_dispatch.scores import group_limited_topk
 from moe_dispatch.stats import routing_stats
 from moe_dispatch.wire import WireCodec, all_gather_encoded, all_to_all_encoded
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "DISPATCHERS",
@@ -42,6 +42,8 @@ __all__ = [
     "AllToAllDispatcher",
     "AllToAllHandle",
     "AuxLossAutoScaler",
+    "DeepEPBuffer",
+    "DeepEPUnavailableError",
     "DispatchHandle",
     "DispatchResult",
     "ExpertParallelDispatcher",
@@ -64,6 +66,7 @@ __all__ = [
     "all_to_all_encoded",
     "attach_aux_loss",
     "build_dispatcher",
+    "deepep_buffer",
     "bytes_sent",
     "capacity_keep_mask",
     "get_capacity",

@@ -33,7 +33,7 @@ from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan, PipelineP
 from moe_parallel.stage_split import split_layers
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, full_value, vocab_parallel_loss
 
-__version__ = "0.5.1"
+__version__ = "0.5.2"
 
 __all__ = [
     "ATTENTION_DIMS",

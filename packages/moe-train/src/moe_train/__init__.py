@@ -10,7 +10,7 @@ from moe_train.config import (
     preset_names,
 )
 
-__version__ = "0.8.0"
+__version__ = "0.9.0"
 
 __all__ = [
     "ConfigError",
