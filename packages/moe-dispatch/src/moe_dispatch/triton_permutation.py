@@ -58,7 +58,7 @@ def _combine_kernel(
     row_of_pair_ptr,
     probs_ptr,
     H,
-    K,
+    K: tl.constexpr,  # top-k: a loop bound, compiled in (Triton 3.6's interpreter cannot loop to a runtime int)
     HAS_PROBS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -86,7 +86,7 @@ def _pair_dot_kernel(
     grad_out_ptr,
     row_of_pair_ptr,
     grad_probs_ptr,
-    H,
+    H: tl.constexpr,  # a loop bound: compiled in, as K in _combine_kernel (one hidden size per model)
     K,
     BLOCK_H: tl.constexpr,
 ):
@@ -163,7 +163,7 @@ def combine_rows(
         row_of_pair_TK.contiguous(),
         probs_flat,
         hidden,
-        topk,
+        K=topk,
         HAS_PROBS=probs_TK is not None,
         BLOCK_H=block,
     )
@@ -183,8 +183,8 @@ def pair_dot(y_NH: torch.Tensor, grad_out_TH: torch.Tensor, row_of_pair_TK: torc
         grad_out_TH.contiguous(),
         row_of_pair_TK.contiguous(),
         grad_TK,
-        hidden,
-        topk,
+        H=hidden,
+        K=topk,
         BLOCK_H=_block_h(hidden),
     )
     return grad_TK
