@@ -3,6 +3,9 @@
 Each package session syncs only that package, its declared dependencies and its dev group from
 uv.lock into a fresh environment, so a test that needs an undeclared package fails there: this is
 what proves every package installs and imports alone.
+
+``floors`` (not in the default run: CI's 25-minute budget) runs the library packages' suites on the oldest torch
+and Triton they declare: ``uv run nox -s floors``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,40 @@ def _package_session(dist: str) -> None:
 
 for _dist in PACKAGES:
     _package_session(_dist)
+
+nox.options.sessions = [*PACKAGES, "integration", "lint", "benchmarks"]
+
+# the oldest torch and Triton the packages declare (pyproject.toml), tested by the floors session
+FLOOR_TORCH, FLOOR_TRITON = "2.13.0", "3.6.0"
+LIBRARY_PACKAGES = [d for d in PACKAGES if d != "moe-train"]  # moe-train's data stack is tested on the lock only
+
+
+@nox.session
+def floors(session: nox.Session) -> None:
+    """The library packages' suites on torch 2.13 and Triton 3.6, from source (PYTHONPATH to each package's src/),
+    as the GPU machine runs them. These machines hold torch 2.13's CPU build on disk (/opt/wheels); elsewhere the
+    registry's build is installed."""
+    wheel = next(Path("/opt/wheels").glob(f"torch-{FLOOR_TORCH}+cpu-*.whl"), None)
+    torch_req = str(wheel) if wheel is not None else f"torch=={FLOOR_TORCH}"
+    deps = ["pytest>=8", "hypothesis>=6", "numpy>=1.26", "safetensors>=0.4", "pyyaml>=6", "transformers>=5"]
+    session.install(torch_req, f"triton=={FLOOR_TRITON}", *deps)
+    session.run(
+        "python",
+        "-c",
+        f"import torch, triton; assert torch.__version__.startswith('{FLOOR_TORCH}'), torch.__version__; "
+        f"assert triton.__version__ == '{FLOOR_TRITON}', triton.__version__",
+    )
+    src = os.pathsep.join(str(ROOT / "packages" / dist / "src") for dist in PACKAGES)
+    for dist in LIBRARY_PACKAGES:
+        session.run(
+            "pytest",
+            f"packages/{dist}/tests",
+            "-q",
+            "-k",
+            "not test_version",  # the installed distribution's version: nothing is installed here
+            *session.posargs,
+            env={"PYTHONPATH": src, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))},
+        )
 
 
 @nox.session
