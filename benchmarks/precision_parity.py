@@ -17,6 +17,11 @@ Writes JSON and the curves drawn together (``docs/precision_parity.svg``).
     uv run python benchmarks/precision_parity.py [--quick] [--steps 300] [--tp-ep-steps 100] [--out ...]
     uv run python benchmarks/precision_parity.py --only noise_floor   # add that set to an existing results file
     uv run python benchmarks/precision_parity.py --only seeds --seeds 1234,1,2 --jobs 2
+    uv run python benchmarks/precision_parity.py --only gradient_error
+
+The ``gradient_error`` set looks for a bias behind the differences: at fp32-trained weights (after 0, 50, 100 and 200
+steps), one held-out batch's gradient under each recipe against fp32's at the same weights: relative error of the
+whole gradient, its norm ratio (a biased recipe would move it away from 1) and the parameter it errs most on.
 """
 
 from __future__ import annotations
@@ -171,6 +176,64 @@ def seeds_set(recipes: list[str], steps: int, seeds: list[int], jobs: int, eval_
     }
 
 
+def gradient_error(checkpoints: tuple[int, ...] = (0, 50, 100, 200)) -> dict:
+    """The ``gradient_error`` set (module docstring), in this process."""
+    import copy
+
+    from moe_models import build_model, causal_lm_loss
+    from moe_precision import PrecisionConfig
+    from moe_train.config import load_config
+    from moe_train.data import prepare_data
+    from moe_train.precision import apply_run_precision
+
+    cfg = load_config("tiny", {})
+    model_cfg, batch = cfg.model, cfg.train.global_batch_size
+    data = prepare_data(cfg.data, seed=cfg.train.seed, model_vocab_size=model_cfg.vocab_size, model_from_hf=False)
+    base = build_model(model_cfg, seed=cfg.train.seed)
+    opt = torch.optim.AdamW(base.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+    def grads(model, at: int) -> tuple[float, dict[str, torch.Tensor]]:
+        b = data.train.batch(at, batch, 0, batch)
+        model.zero_grad()
+        loss = causal_lm_loss(model(b.input_ids_BS), b.labels_BS, model_cfg.mtp_loss_scaling_factor).total
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    rows, step = {}, 0
+    for target in checkpoints:
+        while step < target:  # plain fp32 training, clipped as the trainer clips
+            grads(base, step)
+            torch.nn.utils.clip_grad_norm_(base.parameters(), cfg.train.clip_grad)
+            opt.step()
+            step += 1
+        held_out = 1_000_000 + target  # a batch no training step reads
+        loss, ref = grads(base, held_out)
+        flat_ref = torch.cat([g.flatten() for g in ref.values()])
+        row: dict = {"fp32_loss": loss}
+        for recipe in [r for r in RECIPES if r != "none"]:
+            model = copy.deepcopy(base)
+            apply_run_precision(model, PrecisionConfig(recipe=recipe, emulate=True), model_cfg.num_layers, False)
+            _, got = grads(model, held_out)
+            flat = torch.cat([got[n].flatten() for n in ref])
+            errors = {n: float((got[n] - ref[n]).norm() / ref[n].norm().clamp(min=1e-30)) for n in ref}
+            worst = max(errors, key=errors.__getitem__)
+            row[recipe] = {
+                "rel_error": float((flat - flat_ref).norm() / flat_ref.norm()),
+                "norm_ratio": float(flat.norm() / flat_ref.norm()),
+                "worst_parameter": worst,
+                "worst_rel_error": errors[worst],
+            }
+        rows[str(target)] = row
+        print(
+            f"gradient error after {target} steps: "
+            + ", ".join(
+                f"{r} {v['rel_error']:.3f} (norm x{v['norm_ratio']:.3f})" for r, v in row.items() if r != "fp32_loss"
+            ),
+            flush=True,
+        )
+    return {"what": "one held-out batch's gradient under each recipe vs fp32's, at fp32-trained weights", "rows": rows}
+
+
 def run_set(recipes: list[str], steps: int, ranks: int, extra: list[str], work: Path, label: str) -> dict:
     """Each recipe in turn ("none", the reference, first)."""
     curves, rows, reference = {}, {}, None
@@ -196,7 +259,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="1234,1,2", help="train.seed values of the seeds set")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time in the seeds set (one thread each)")
     parser.add_argument("--eval-iters", type=int, default=8, help="validation batches of the held-out loss")
-    parser.add_argument("--only", choices=["noise_floor", "seeds"], help="run this set alone and add it to --out")
+    parser.add_argument(
+        "--only", choices=["noise_floor", "seeds", "gradient_error"], help="run this set alone and add it to --out"
+    )
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.only:
@@ -205,6 +270,8 @@ def main() -> None:
             report = json.loads(args.out.read_text())
             if args.only == "noise_floor":
                 report["sets"]["noise_floor"] = noise_floor(args.steps, work)
+            elif args.only == "gradient_error":
+                report["sets"]["gradient_error"] = gradient_error()
             else:
                 report["sets"]["seeds"] = seeds_set(list(RECIPES), args.steps, seeds, args.jobs, args.eval_iters, work)
         finally:
@@ -222,6 +289,7 @@ def main() -> None:
             sets = {"one_process": run_set(recipes, args.steps, 1, [], work, "1p")}
             sets["noise_floor"] = noise_floor(args.steps, work)
             sets["seeds"] = seeds_set(recipes, args.steps, seeds, args.jobs, args.eval_iters, work)
+            sets["gradient_error"] = gradient_error()
             tp_ep = ["--parallel.tp", "2", "--parallel.ep", "2"]
             sets["tp2_ep2"] = run_set(recipes, args.tp_ep_steps, 4, tp_ep, work, "tp2xep2")
     finally:
