@@ -122,6 +122,8 @@ class RunConfig:
     # expert_fc1, moe_act (or name patterns); only tensors of at least offload_min_tensor_bytes move
     offload_modules: list[str] = field(default_factory=list)
     offload_min_tensor_bytes: int = 1 << 20
+    # regional torch.compile of each decoder layer (moe_train/compile.py); off until it is faster where it runs
+    compile: bool = False
 
 
 @dataclass

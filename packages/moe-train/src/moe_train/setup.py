@@ -28,6 +28,7 @@ from moe_parallel import (
     microbatch_rule,
     parallelize,
 )
+from moe_train.compile import compile_decoder_layers, compile_problem
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, TrainConfig, config_error
 from moe_train.data import PreparedData, prepare_data
 from moe_train.loggers import check_wandb_available
@@ -192,6 +193,9 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
     try:
         layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
         _check_trainer_layout(cfg, layout)
+        problem = compile_problem(cfg, layout)
+        if problem is not None:
+            raise ConfigError(problem)
     except ConfigError:
         if source is not None:
             source.close()
@@ -233,6 +237,8 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
             recomputed={**memory.recomputed, **chosen.recomputed},
             offloaded={**memory.offloaded, **chosen.offloaded},
         )
+        if cfg.run.compile:  # last before FSDP, as torchtitan: recompute's wrappers end up inside the compiled layers
+            compile_decoder_layers(modules)
 
     parallel = parallelize(
         model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload, dispatch_wire=dispatch_wire(cfg.precision)
