@@ -64,4 +64,8 @@ def weighted_activation(
     gradients of the unfused chain, about half its saved activations for gated activations."""
     if probs_N is not None and probs_N.shape != h.shape[:1]:
         raise ValueError(f"probs_N must have one entry per row: shape {tuple(probs_N.shape)} for {h.shape[0]} rows")
+    if torch.compiler.is_compiling():
+        # the Function's backward calls autograd.grad, which dynamo cannot trace (it would re-trace the frame every
+        # step and run it eagerly); the compiler fuses the plain chain and chooses what to save itself
+        return weighted_activation_reference(h, probs_N, act)
     return WeightedActivation.apply(h, probs_N, act)
