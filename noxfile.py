@@ -119,3 +119,5 @@ def benchmarks(session: nox.Session) -> None:
     REPORTS.mkdir(exist_ok=True)
     for script in sorted((ROOT / "benchmarks").glob("[!_]*.py")):  # _*.py: helpers the scripts import
         session.run("python", str(script), "--quick", "--out", str(REPORTS / f"bench-{script.stem}.json"))
+    # the GPU suite's code paths at tiny sizes on the CPU, from source as the GPU machine runs it
+    session.run("bash", "benchmarks/gpu/run.sh", "--smoke", "--out", str(REPORTS / "bench-gpu-suite-smoke.json"))

@@ -1,0 +1,184 @@
+"""One training step (forward, LM loss, backward) of this project's model against transformers' implementation of the
+same family, with the same weights and tokens, on this machine: every family transformers has (Qwen3-MoE,
+DeepSeek-V3, GPT-OSS, Mixtral), at each family's tiny preset.
+
+Ours is built from the preset, written as a HuggingFace checkpoint (``moe_models.hf.save_pretrained``) and loaded by
+transformers with SDPA attention and its ``grouped_mm`` experts; both compute in fp32. Ours runs eager and with
+``run.compile``'s regional compile (each decoder layer, inductor). Steps are interleaved within one process (ours
+eager, ours compiled, transformers, in turn), after warm-up steps that also take compilation out of the timing; the
+ratios are per repetition (transformers' time / ours), reported as median and range over the repetitions.
+
+The achieved FLOP rate of our step (Megatron's convention, ``moe_models.flops``) is divided by the fp32 GEMM rate
+measured in the same run (a square matmul the size of the model's widest GEMM and a 1024 one, whichever is faster).
+
+Targets on this machine: >= 1.25x transformers' speed eager, >= 1.5x compiled, on every family; >= 80% of the GEMM
+rate on the default preset (``tiny``, Qwen3-MoE).
+
+    uv run python benchmarks/step_vs_transformers.py [--quick] [--reps 7] [--out ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from moe_models import build_model, causal_lm_loss
+from moe_models.flops import training_flops_per_token
+from moe_models.hf import save_pretrained
+from moe_train.compile import compile_decoder_layers
+
+ROOT = Path(__file__).resolve().parent
+FAMILIES = {
+    "qwen3_moe": "tiny",
+    "deepseek_v3": "tiny-deepseek-v3",
+    "gpt_oss": "tiny-gpt-oss",
+    "mixtral": "tiny-mixtral",
+}
+TARGETS = {"eager": 1.25, "compiled": 1.5, "gemm_fraction": 0.8}
+
+
+def preset_model_config(name: str):
+    from moe_train.config import load_config
+
+    return load_config(name, {}).model
+
+
+def load_hf(path: Path) -> torch.nn.Module:
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation="sdpa", dtype=torch.float32, experts_implementation="grouped_mm"
+        )
+    return model.train()
+
+
+def gemm_rate(sizes: tuple[int, ...], reps: int) -> float:
+    """The best fp32 GEMM rate (FLOP/s) over square matmuls of these sizes, median of ``reps``."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        best = max(best, 2 * n**3 / statistics.median(times))
+    return best
+
+
+def _spread(ratios: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def measure_family(name: str, batch: int, reps: int, warmup: int, seq: int = 128) -> dict:
+    """One family's preset: ours eager, ours compiled and transformers, interleaved (module docstring)."""
+    config = dataclasses.replace(preset_model_config(name), mtp_num_layers=0)  # transformers has no MTP
+    ours = build_model(config, seed=0).train()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(ours, Path(tmp))
+        hf = load_hf(Path(tmp))
+    compiled = build_model(config, seed=0).train()
+    compiled.load_state_dict(ours.state_dict())
+    compile_decoder_layers(compiled)
+    ids = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+
+    def ours_step(model: torch.nn.Module) -> float:
+        loss = causal_lm_loss(model(inputs), labels, config.mtp_loss_scaling_factor).total
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def hf_step() -> float:
+        logits = hf(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        hf.zero_grad(set_to_none=True)
+        return loss.item()
+
+    steps = {
+        "ours_eager": lambda: ours_step(ours),
+        "ours_compiled": lambda: ours_step(compiled),
+        "transformers": hf_step,
+    }
+    losses = {k: fn() for k, fn in steps.items()}
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(reps):
+        for key, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    flops = training_flops_per_token(config, seq) * batch * seq
+    rate = gemm_rate((config.hidden_size, 1024), reps)
+    return {
+        "preset": name,
+        "batch": [batch, seq],
+        "first_losses": losses,  # equal up to fp32 rounding (MTP, where a preset has it, is ours alone)
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "all_s": times,
+        "speedup_eager": _spread([h / o for h, o in zip(times["transformers"], times["ours_eager"], strict=True)]),
+        "speedup_compiled": _spread(
+            [h / o for h, o in zip(times["transformers"], times["ours_compiled"], strict=True)]
+        ),
+        "flops_per_step": flops,
+        "gemm_rate_flops": rate,
+        "gemm_fraction_eager": flops / statistics.median(times["ours_eager"]) / rate,
+        "gemm_fraction_compiled": flops / statistics.median(times["ours_compiled"]) / rate,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "step_vs_transformers.json")
+    parser.add_argument("--quick", action="store_true", help="one family, 2 repetitions, batch 2 (CI)")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    families = {"qwen3_moe": FAMILIES["qwen3_moe"]} if args.quick else FAMILIES
+    reps, warmup, batch = (2, 1, 2) if args.quick else (args.reps, args.warmup, args.batch)
+    torch.manual_seed(0)
+    report: dict = {
+        "benchmark": "step_vs_transformers",
+        "what": "forward + LM loss + backward of one batch; ratios = transformers' time / ours, per repetition",
+        "baseline": "transformers (SDPA attention, grouped_mm experts), same weights and tokens, fp32",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "targets": TARGETS,
+        "families": {},
+    }
+    for family, name in families.items():
+        entry = measure_family(name, batch, reps, warmup)
+        report["families"][family] = entry
+        print(
+            f"{family:12s} transformers/ours eager {entry['speedup_eager']['median']:.2f}x "
+            f"({entry['speedup_eager']['min']:.2f}-{entry['speedup_eager']['max']:.2f}), compiled "
+            f"{entry['speedup_compiled']['median']:.2f}x ({entry['speedup_compiled']['min']:.2f}-"
+            f"{entry['speedup_compiled']['max']:.2f}); GEMM rate fraction eager {entry['gemm_fraction_eager']:.1%}, "
+            f"compiled {entry['gemm_fraction_compiled']:.1%}; first losses {entry['first_losses']}",
+            flush=True,
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
