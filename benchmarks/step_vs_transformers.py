@@ -84,7 +84,7 @@ def _spread(ratios: list[float]) -> dict[str, float]:
 
 def measure_family(name: str, batch: int, reps: int, warmup: int, seq: int = 128) -> dict:
     """One family's preset: ours eager, ours compiled and transformers, interleaved (module docstring)."""
-    config = dataclasses.replace(preset_model_config(name), mtp_num_layers=0)  # transformers has no MTP
+    config = dataclasses.replace(preset_model_config(name), mtp_num_layers=None)  # transformers has no MTP
     ours = build_model(config, seed=0).train()
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(ours, Path(tmp))
