@@ -52,15 +52,21 @@ def preset_model_config(name: str):
     return load_config(name, {}).model
 
 
-def load_hf(path: Path) -> torch.nn.Module:
+def load_hf(path: Path) -> tuple[torch.nn.Module, str]:
+    """transformers' model with SDPA attention where it has it (GPT-OSS has only eager, for its sinks)."""
     import transformers
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation="sdpa", dtype=torch.float32, experts_implementation="grouped_mm"
-        )
-    return model.train()
+    for attention in ("sdpa", "eager"):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, attn_implementation=attention, dtype=torch.float32, experts_implementation="grouped_mm"
+                )
+        except ValueError:
+            continue
+        return model.train(), attention
+    raise RuntimeError(f"transformers loads {path} with neither sdpa nor eager attention")
 
 
 def gemm_rate(sizes: tuple[int, ...], reps: int) -> float:
@@ -88,7 +94,7 @@ def measure_family(name: str, batch: int, reps: int, warmup: int, seq: int = 128
     ours = build_model(config, seed=0).train()
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(ours, Path(tmp))
-        hf = load_hf(Path(tmp))
+        hf, attention = load_hf(Path(tmp))
     compiled = build_model(config, seed=0).train()
     compiled.load_state_dict(ours.state_dict())
     compile_decoder_layers(compiled)
@@ -127,6 +133,7 @@ def measure_family(name: str, batch: int, reps: int, warmup: int, seq: int = 128
     rate = gemm_rate((config.hidden_size, 1024), reps)
     return {
         "preset": name,
+        "transformers_attention": attention,
         "batch": [batch, seq],
         "first_losses": losses,  # equal up to fp32 rounding (MTP, where a preset has it, is ours alone)
         "median_s": {k: statistics.median(v) for k, v in times.items()},
