@@ -257,6 +257,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tp-ep-steps", type=int, default=100)
     parser.add_argument("--seeds", default="1234,1,2", help="train.seed values of the seeds set")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="recipes of the seeds set ('none' first)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time in the seeds set (one thread each)")
     parser.add_argument("--eval-iters", type=int, default=8, help="validation batches of the held-out loss")
     parser.add_argument(
@@ -273,7 +274,9 @@ def main() -> None:
             elif args.only == "gradient_error":
                 report["sets"]["gradient_error"] = gradient_error()
             else:
-                report["sets"]["seeds"] = seeds_set(list(RECIPES), args.steps, seeds, args.jobs, args.eval_iters, work)
+                recipes = args.recipes.split(",")
+                key = "seeds" if recipes == list(RECIPES) else f"seeds_{'_'.join(map(str, seeds))}"
+                report["sets"][key] = seeds_set(recipes, args.steps, seeds, args.jobs, args.eval_iters, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
