@@ -3,10 +3,11 @@ same family, with the same weights and tokens, on this machine: every family tra
 DeepSeek-V3, GPT-OSS, Mixtral), at each family's tiny preset.
 
 Ours is built from the preset, written as a HuggingFace checkpoint (``moe_models.hf.save_pretrained``) and loaded by
-transformers with SDPA attention and its ``grouped_mm`` experts; both compute in fp32. Ours runs eager and with
-``run.compile``'s regional compile (each decoder layer, inductor). Steps are interleaved within one process (ours
-eager, ours compiled, transformers, in turn), after warm-up steps that also take compilation out of the timing; the
-ratios are per repetition (transformers' time / ours), reported as median and range over the repetitions.
+transformers with SDPA attention (eager where it has none: GPT-OSS) and its ``grouped_mm`` experts; both compute in
+fp32, MTP off (transformers has none). Ours runs eager and with ``run.compile``'s regional compile (each decoder
+layer, inductor). Each is timed head to head against transformers: two steps interleaved in one process, taking
+turns at going first (``_timing.head_to_head``), after warm-up steps that also take compilation out of the timing;
+the ratios are per repetition (transformers' time / ours), reported as median and range.
 
 The achieved FLOP rate of our step (Megatron's convention, ``moe_models.flops``) is divided by the fp32 GEMM rate
 measured in the same run (a square matmul the size of the model's widest GEMM and a 1024 one, whichever is faster).
@@ -30,6 +31,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from _timing import head_to_head, ratio_spread  # benchmarks/_timing.py, beside this script
 
 from moe_models import build_model, causal_lm_loss
 from moe_models.flops import training_flops_per_token
@@ -84,10 +86,6 @@ def gemm_rate(sizes: tuple[int, ...], reps: int) -> float:
     return best
 
 
-def _spread(ratios: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-
-
 def measure_family(name: str, batch: int, reps: int, warmup: int, seq: int = 128) -> dict:
     """One family's preset: ours eager, ours compiled and transformers, interleaved (module docstring)."""
     config = dataclasses.replace(preset_model_config(name), mtp_num_layers=None)  # transformers has no MTP
@@ -114,38 +112,27 @@ def measure_family(name: str, batch: int, reps: int, warmup: int, seq: int = 128
         hf.zero_grad(set_to_none=True)
         return loss.item()
 
-    steps = {
-        "ours_eager": lambda: ours_step(ours),
-        "ours_compiled": lambda: ours_step(compiled),
-        "transformers": hf_step,
-    }
-    losses = {k: fn() for k, fn in steps.items()}
-    for _ in range(warmup):
-        for fn in steps.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(reps):
-        for key, fn in steps.items():
-            start = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - start)
+    losses = {"ours_eager": ours_step(ours), "ours_compiled": ours_step(compiled), "transformers": hf_step()}
+    # two head-to-head pairs, each against transformers: a three-way rotation would change what each costs
+    eager_s, hf_eager_s = head_to_head(lambda: ours_step(ours), hf_step, reps, warmup)
+    compiled_s, hf_compiled_s = head_to_head(lambda: ours_step(compiled), hf_step, reps, warmup)
     flops = training_flops_per_token(config, seq) * batch * seq
     rate = gemm_rate((config.hidden_size, 1024), reps)
     return {
         "preset": name,
         "transformers_attention": attention,
         "batch": [batch, seq],
-        "first_losses": losses,  # equal up to fp32 rounding (MTP, where a preset has it, is ours alone)
-        "median_s": {k: statistics.median(v) for k, v in times.items()},
-        "all_s": times,
-        "speedup_eager": _spread([h / o for h, o in zip(times["transformers"], times["ours_eager"], strict=True)]),
-        "speedup_compiled": _spread(
-            [h / o for h, o in zip(times["transformers"], times["ours_compiled"], strict=True)]
-        ),
+        "first_losses": losses,  # equal up to fp32 rounding
+        "seconds": {
+            "eager_pair": {"ours": eager_s, "transformers": hf_eager_s},
+            "compiled_pair": {"ours": compiled_s, "transformers": hf_compiled_s},
+        },
+        "speedup_eager": ratio_spread(hf_eager_s, eager_s),
+        "speedup_compiled": ratio_spread(hf_compiled_s, compiled_s),
         "flops_per_step": flops,
         "gemm_rate_flops": rate,
-        "gemm_fraction_eager": flops / statistics.median(times["ours_eager"]) / rate,
-        "gemm_fraction_compiled": flops / statistics.median(times["ours_compiled"]) / rate,
+        "gemm_fraction_eager": flops / statistics.median(eager_s) / rate,
+        "gemm_fraction_compiled": flops / statistics.median(compiled_s) / rate,
     }
 
 

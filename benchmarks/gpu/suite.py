@@ -12,7 +12,8 @@ lent a GPU, run from source on torch >= 2.11 with PYTHONPATH to each package's s
 4. ``fp8``: each recipe with a native GEMM here (per-tensor FP8 through ``torch._scaled_mm``) against the bf16 GEMM
    of the same shape, forward + backward of a linear layer, speed-up.
 
-Every timing is the median of >= 7 interleaved repetitions after warm-up, with the range. ``--smoke`` runs the same
+Every ratio is of two things timed head to head (interleaved in one process, taking turns at going first:
+``benchmarks/_timing.py``), median of >= 7 repetitions after warm-up, with the range. ``--smoke`` runs the same
 code paths on the CPU at tiny sizes in fp32 (CI: ``benchmarks`` nox session); its figures mean nothing.
 
     benchmarks/gpu/run.sh --out results.json            # on the GPU machine
@@ -26,13 +27,16 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/_timing.py
+from _timing import head_to_head, spread
 
 from moe_dispatch.permutation import make_permutation_map, permute, unpermute
 from moe_experts import GroupedExperts
@@ -67,20 +71,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, reps: int, warmup: int) -> dict:
-    """Median and range of each function's time, the functions taking turns."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for key, fn in fns.items():
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times[key].append(time.perf_counter() - start)
-    return {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)} for k, v in times.items()}
+def timed_pair(
+    a: Callable[[], object], b: Callable[[], object], device: torch.device, reps: int, warmup: int
+) -> tuple[dict, dict]:
+    """Median and range of ``a`` and ``b``, head to head (``benchmarks/_timing.py``)."""
+    times_a, times_b = head_to_head(a, b, reps, warmup, sync=lambda: sync(device))
+    return (
+        {
+            k.replace("median", "median_s").replace("min", "min_s").replace("max", "max_s"): v
+            for k, v in spread(t).items()
+        }
+        for t in (times_a, times_b)
+    )
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -108,7 +110,8 @@ def step(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warm
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    times = interleaved({"eager": lambda: run(eager), "compiled": lambda: run(compiled)}, device, reps, warmup)
+    eager_t, compiled_t = timed_pair(lambda: run(eager), lambda: run(compiled), device, reps, warmup)
+    times = {"eager": eager_t, "compiled": compiled_t}
     flops = training_flops_per_token(config, sizes.seq) * sizes.seq
     peak = peak_tflops(device)
     out: dict = {"layers": sizes.layers, "seq": sizes.seq, "flops_per_step": flops, "peak_tflops": peak}
@@ -139,7 +142,8 @@ def experts(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, w
         gate, up = h.chunk(2, dim=-1)
         F.grouped_mm((F.silu(gate) * up).contiguous(), w2, offs=offsets).backward(cot)
 
-    times = interleaved({"experts_block": ours, "grouped_mm_alone": grouped_mm_alone}, device, reps, warmup)
+    block_t, alone_t = timed_pair(ours, grouped_mm_alone, device, reps, warmup)
+    times = {"experts_block": block_t, "grouped_mm_alone": alone_t}
     flops = 3 * 2 * n * sizes.hidden * 3 * sizes.ffn  # forward + backward (x3) of the three projections
     return {
         "rows": n,
@@ -157,18 +161,17 @@ def permutation(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: in
     probs = torch.rand(sizes.tokens, sizes.topk, device=device)
     backend = "triton" if device.type == "cuda" else "torch"
     copy_src = torch.randn(sizes.tokens * sizes.topk, sizes.hidden, device=device, dtype=dtype)
-    fns = {
+    kernels = {
         "permute": lambda: permute(x, pmap, backend=backend),
         "unpermute": lambda: unpermute(y, pmap, probs, backend=backend),
-        "device_copy": lambda: copy_src.clone(),
     }
-    times = interleaved(fns, device, reps, warmup)
     moved = 2 * sizes.tokens * sizes.topk * sizes.hidden * x.element_size()  # read + write of the rows
-    out = {"backend": backend, "bytes_moved": moved}
-    for key, t in times.items():
-        out[key] = {**t, "gb_per_s": moved / t["median_s"] / 1e9}
-    for key in ("permute", "unpermute"):
-        out[f"{key}_over_copy"] = times["device_copy"]["median_s"] / times[key]["median_s"]
+    out: dict = {"backend": backend, "bytes_moved": moved}
+    for key, kernel in kernels.items():  # each head to head with a device copy of the same bytes
+        kernel_t, copy_t = timed_pair(kernel, lambda: copy_src.clone(), device, reps, warmup)
+        out[key] = {**kernel_t, "gb_per_s": moved / kernel_t["median_s"] / 1e9}
+        out[f"{key}_device_copy"] = {**copy_t, "gb_per_s": moved / copy_t["median_s"] / 1e9}
+        out[f"{key}_over_copy"] = copy_t["median_s"] / kernel_t["median_s"]
     return out
 
 
@@ -178,15 +181,20 @@ def fp8(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warmu
     m = k = n = sizes.gemm
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
-    fns: dict[str, Callable[[], object]] = {"high_precision": lambda: (x @ w.t()).sum().backward()}
-    for name in names:
+    out: dict = {"shape": [m, k, n], "native": native}
+
+    def high_precision() -> None:
+        (x @ w.t()).sum().backward()
+
+    for name in names:  # each recipe head to head with the high-precision GEMM
         recipe = Recipe(name)
         state = recipe.new_state()
-        fns[name] = lambda r=recipe, s=state: quantized_matmul(x, w, r, state=s, native=native).sum().backward()
-    times = interleaved(fns, device, reps, warmup)
-    out: dict = {"shape": [m, k, n], "native": native, **times}
-    for name in names:
-        out[f"{name}_speedup"] = times["high_precision"]["median_s"] / times[name]["median_s"]
+
+        def quantized(r: Recipe = recipe, s: object = state) -> None:
+            quantized_matmul(x, w, r, state=s, native=native).sum().backward()
+
+        recipe_t, high_t = timed_pair(quantized, high_precision, device, reps, warmup)
+        out[name] = {"recipe": recipe_t, "high_precision": high_t, "speedup": high_t["median_s"] / recipe_t["median_s"]}
     return out
 
 

@@ -76,6 +76,7 @@ INSTALL_HINT = (
 )
 SUPPORTED_DEEP_EP = ((1, 2), (3, 0))  # [low, high): the releases whose Buffer API this adapter follows
 WIRE_DTYPE = torch.bfloat16  # DeepEP's combine kernels take bf16 only
+WIRE_ELEMENT_BYTES = torch.finfo(WIRE_DTYPE).bits // 8
 # EP sizes to ask DeepEP's config tables about when naming the supported ones
 _CANDIDATE_EP_SIZES = (2, 4, 8, *range(16, 161, 8))
 
@@ -168,18 +169,17 @@ def deepep_configs(buffer_cls: Any, ep_size: int) -> tuple[Any, Any]:
 
 def check_deepep_shape(hidden_size: int) -> None:
     """DeepEP moves rows of a multiple of 16 bytes: bf16 rows of a hidden size that is a multiple of 8."""
-    if hidden_size * torch.finfo(WIRE_DTYPE).bits // 8 % 16:
+    if hidden_size * WIRE_ELEMENT_BYTES % 16:
         raise ValueError(
             f"DeepEP needs a hidden size that is a multiple of 8 (rows of 16-byte multiples in bf16), got "
             f"{hidden_size}: use the alltoall dispatcher"
         )
 
 
-def deepep_buffer_bytes(buffer_cls: Any, hidden_size: int, ep_size: int) -> tuple[int, int]:
-    """(NVLink, RDMA) bytes of a buffer for bf16 rows of ``hidden_size`` over ``ep_size`` ranks: the larger of
-    DeepEP's dispatch and combine size hints (RDMA is zero within a node)."""
-    hidden_bytes = hidden_size * torch.finfo(WIRE_DTYPE).bits // 8
-    configs = deepep_configs(buffer_cls, ep_size)
+def deepep_buffer_bytes(configs: tuple[Any, Any], hidden_size: int, ep_size: int) -> tuple[int, int]:
+    """(NVLink, RDMA) bytes of a buffer for bf16 rows of ``hidden_size`` over ``ep_size`` ranks: the larger of the
+    size hints of DeepEP's dispatch and combine ``configs`` (:func:`deepep_configs`; RDMA is zero within a node)."""
+    hidden_bytes = hidden_size * WIRE_ELEMENT_BYTES
     nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, ep_size) for config in configs)
     rdma = max(config.get_rdma_buffer_size_hint(hidden_bytes, ep_size) for config in configs)
     return nvl, rdma
@@ -204,9 +204,9 @@ def deepep_buffer(ep_group: ProcessGroup | None, hidden_size: int) -> DeepEPBuff
     group = ep_group if ep_group is not None else dist.group.WORLD
     ep_size = group.size()
     check_deepep_shape(hidden_size)
-    dispatch_config, combine_config = deepep_configs(deep_ep.Buffer, ep_size)
-    nvl, rdma = deepep_buffer_bytes(deep_ep.Buffer, hidden_size, ep_size)
-    return DeepEPBuffer(deep_ep.Buffer(group, nvl, rdma), group, hidden_size, dispatch_config, combine_config)
+    configs = deepep_configs(deep_ep.Buffer, ep_size)
+    nvl, rdma = deepep_buffer_bytes(configs, hidden_size, ep_size)
+    return DeepEPBuffer(deep_ep.Buffer(group, nvl, rdma), group, hidden_size, *configs)
 
 
 class _DeepEPDispatch(torch.autograd.Function):

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_experts.activations import Activation, gate_up_columns, get_activation
-from moe_experts.backends import GroupedMM, loop_grouped_mm, resolve_backend
+from moe_experts.backends import Backend, GroupedMM, loop_grouped_mm, resolve_backend
 from moe_experts.fused import weighted_activation
 
 GROUPED_MM_ROW_ALIGN_BYTES = 16  # torch grouped_mm rejects rows that are not 16-byte aligned
@@ -137,6 +137,7 @@ class GroupedExperts(nn.Module):
         self.fc1, self.act, self.fc2 = ExpertLinear(), ExpertActivation(self.activation), ExpertLinear()
         self.requested_backend = backend
         self.backend = resolve_backend(backend)
+        self._auto_backends: dict[torch.dtype, Backend] = {}  # "auto" by compute dtype, resolved once each
         width = self.activation.width_factor * self.local_ffn_hidden_size
         self.w_gate_up_EH2F = nn.Parameter(torch.empty(num_experts, hidden_size, width))
         self.w_down_EFH = nn.Parameter(torch.empty(num_experts, self.local_ffn_hidden_size, hidden_size))
@@ -237,8 +238,11 @@ class GroupedExperts(nn.Module):
     def _grouped_mm(self, dtype: torch.dtype) -> GroupedMM:
         backend = self.backend
         if self.requested_backend == "auto" and not backend.takes(dtype, auto=True):
-            # auto chose by what is installed; the dtype at hand may not suit that choice (fp32 on grouped_gemm)
-            backend = resolve_backend("auto", dtype)
+            # auto chose by what is installed; the dtype at hand may not suit that choice (fp32 on grouped_gemm).
+            # Resolved once per dtype: resolving imports the vendor library and reads its version
+            if dtype not in self._auto_backends:
+                self._auto_backends[dtype] = resolve_backend("auto", dtype)
+            backend = self._auto_backends[dtype]
         assert backend.gmm is not None  # resolve_backend only returns implemented back ends
         element_size = torch.finfo(dtype).bits // 8
         hidden, ffn = self.hidden_size, self.local_ffn_hidden_size

@@ -25,14 +25,6 @@ class Vendor:
     problem: Callable[[], str | None] | None = None  # why the installed one cannot be used, or None
 
 
-def _te_problem() -> str | None:
-    return backends.TRANSFORMER_ENGINE.problem()
-
-
-def _grouped_gemm_problem() -> str | None:
-    return backends.GROUPED_GEMM.problem()
-
-
 def _deep_ep_problem() -> str | None:
     from moe_dispatch.deepep import deep_ep_status
 
@@ -42,19 +34,19 @@ def _deep_ep_problem() -> str | None:
 VENDORS = (
     Vendor(
         "transformer_engine",
-        ("transformer_engine", "transformer-engine-torch"),
+        backends.TRANSFORMER_ENGINE.distributions,
         "expert back end 'te' (grouped GEMM, bf16/fp16; fp32 as TF32)",
         backends.TRANSFORMER_ENGINE.supported,
         "pip install --no-build-isolation 'transformer_engine[pytorch]' (CUDA only)",
-        _te_problem,
+        backends.TRANSFORMER_ENGINE.problem,
     ),
     Vendor(
         "grouped_gemm",
-        ("nv_grouped_gemm", "grouped_gemm"),
+        backends.GROUPED_GEMM.distributions,
         "expert back end 'grouped_gemm' (bf16)",
         backends.GROUPED_GEMM.supported,
         "pip install --no-build-isolation nv_grouped_gemm (CUDA only)",
-        _grouped_gemm_problem,
+        backends.GROUPED_GEMM.problem,
     ),
     Vendor(
         "deep_ep",
@@ -75,7 +67,7 @@ VENDORS = (
         "triton",
         ("triton",),
         "fused permutation kernels (CPU via TRITON_INTERPRET=1)",
-        "triton >= 3.0",
+        "triton >= 3.6",
         "ships with torch on Linux",
     ),
 )
