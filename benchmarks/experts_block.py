@@ -1,20 +1,22 @@
 """MoE expert block, forward + backward: ours against HuggingFace's Qwen3-MoE block and a dense GEMM chain.
 
 Setting (default): 2048 tokens, hidden 512, 32 experts, top-4, expert FFN 192, fp32 on CPU, the router's own
-(learned, random-init) routing. Three blocks, all with the same shapes, timed interleaved in one process:
+(learned, random-init) routing. Three blocks, all with the same shapes:
 
 - ``ours``: moe_models' ``MoEBlock`` (router -> LocalDispatcher -> GroupedExperts -> combine),
-  ``RouterConfig(num_experts, topk, load_balancing_type="none")`` (HF's block computes no aux loss either);
-  ``ours_probs_in_experts`` too when ``GroupedExperts.forward`` takes ``probs_N`` (probs applied inside the
-  activation, combine without probs). The block bodies are :func:`ours_block` / :func:`ours_probs_in_experts_block`.
+  ``RouterConfig(num_experts, topk, load_balancing_type="none")`` (HF's block computes no aux loss either): the
+  router probabilities applied inside the experts' activation, the first projection gathering its own rows (it saves
+  the block's input, not the ``topk`` times larger permuted rows).
 - ``hf``: transformers' ``Qwen3MoeSparseMoeBlock`` with ``experts_implementation="grouped_mm"`` (checked: the
   ``grouped_mm`` experts forward and ``aten::_grouped_mm`` run, the fallback op does not), ``norm_topk_prob=True``,
   and the SAME weights (copied into ours; the outputs are compared before timing).
 - ``dense``: the expert GEMMs as if every row went to one expert: ``[T*K, H] @ [H, 2F]`` -> SwiGLU ->
   ``@ [F, H]`` (same GEMM FLOPs as the experts, no routing, no permutation).
 
-Each repetition runs forward + backward (``out.backward(grad)``, input requires grad, parameter grads reset to
-None); medians over interleaved repetitions (rotating order). Peak memory: each block runs in a fresh process
+Times: two head-to-head pairs (``benchmarks/_timing.py``), ours against HF and ours against dense, each interleaved
+in one process and taking turns at going first; the ratio of the medians and the spread of the per-repetition
+ratios. Each repetition runs forward + backward (``out.backward(grad)``, input requires grad, parameter grads reset to
+None). Peak memory: each block runs in a fresh process
 (with --quick: in the timing process, after the timing) with glibc's mmap threshold fixed at 64 KiB
 (``MALLOC_MMAP_THRESHOLD_=65536``, ``mallopt`` with --quick): large buffers go to mmap and return to the OS when
 freed, so RSS follows what is allocated. After one warm-up forward + backward the peak-RSS counter is reset
@@ -37,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import inspect
 import json
 import os
 import resource
@@ -51,9 +52,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _rss import reset_peak, set_mmap_threshold, status_kib  # benchmarks/_rss.py, beside this script
+from _timing import head_to_head, ratio_spread, spread  # benchmarks/_timing.py
 
 ROOT = Path(__file__).resolve().parent
-TARGETS = {"ours_over_hf_time": 0.77, "ours_over_dense_time": 1.25, "ours_over_hf_peak_memory": 0.7}
+TARGETS = {"ours_over_hf_time": 0.77, "ours_over_dense_time": 1.2, "ours_over_hf_peak_memory": 0.7}
 
 
 # ----------------------------------------------------------------------------------------------- blocks
@@ -63,24 +65,6 @@ def ours_block(block, x_TH: torch.Tensor) -> torch.Tensor:
     """Router -> dispatch -> grouped experts -> combine (probs applied in the combine), as MoEBlock.forward."""
     out, _ = block(x_TH.unsqueeze(0))
     return out.squeeze(0)
-
-
-def ours_probs_in_experts_block(block, x_TH: torch.Tensor) -> torch.Tensor:
-    """As :func:`ours_block`, with the router probs applied inside the experts' activation and a combine
-    without probs."""
-    from moe_dispatch.permutation import permute_probs, unpermute
-
-    routing = block.router(x_TH, seq_len=x_TH.shape[0])
-    dispatched = block.dispatcher.dispatch(x_TH, routing)
-    probs_N = permute_probs(dispatched.handle.probs_TK, dispatched.handle.pmap)
-    y_NH = block.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_E, probs_N=probs_N)
-    return unpermute(y_NH, dispatched.handle.pmap)
-
-
-def experts_take_probs() -> bool:
-    from moe_experts import GroupedExperts
-
-    return "probs_N" in inspect.signature(GroupedExperts.forward).parameters
 
 
 def build_hf(args: argparse.Namespace, seed: int = 0):
@@ -154,8 +138,6 @@ def make_variant(name: str, args: argparse.Namespace, hf_block=None):
     ours = build_ours(args, hf_block)
     if name == "ours":
         return ours, lambda x_TH: ours_block(ours, x_TH), x
-    if name == "ours_probs_in_experts":
-        return ours, lambda x_TH: ours_probs_in_experts_block(ours, x_TH), x
     raise ValueError(name)
 
 
@@ -416,16 +398,6 @@ def grouped_gemm_tflops(
 # ----------------------------------------------------------------------------------------------- main
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def summary(times: list[float]) -> dict:
-    return {"median_s": statistics.median(times), "all_s": times}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "experts_block.json")
@@ -440,12 +412,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of ours and HF")
-    parser.add_argument(
-        "--headline",
-        choices=("ours", "ours_probs_in_experts"),
-        default="ours",
-        help="our variant the ours_over_* ratios and targets refer to (each variant also gets its own ratios)",
-    )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.tokens = args.tokens or (256 if args.quick else 2048)
@@ -462,7 +428,7 @@ def main() -> None:
     if args.quick and not args.no_memory:
         set_mmap_threshold()
 
-    names = ["ours", *(["ours_probs_in_experts"] if experts_take_probs() else []), "hf", "dense"]
+    names = ["ours", "hf", "dense"]
     hf_block = build_hf(args)
     variants = {name: make_variant(name, args, hf_block) for name in names}
     grouped_mm_check = check_hf_runs_grouped_mm(hf_block, variants["hf"][2])
@@ -475,32 +441,22 @@ def main() -> None:
         inputs[name] = x.clone().requires_grad_()
         grads[name] = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
     runs = {name: (lambda n=name: fwd_bwd(variants[n][0], variants[n][1], inputs[n], grads[n])) for name in names}
-    for _ in range(args.warmup):
-        for run in runs.values():
-            run()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(args.reps):  # interleaved, rotating which goes first
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        for name in order:
-            times[name].append(timed(runs[name]))
-    med = {name: statistics.median(t) for name, t in times.items()}
-
-    def ratio_spread(a: str, b: str) -> list[float]:
-        r = [x / y for x, y in zip(times[a], times[b], strict=True)]
-        return [min(r), max(r)]
-
-    h = args.headline if args.headline in med else "ours"  # the variant the headline ratios are of
+    pairs = {}  # (ours, baseline) head to head, two at a time
+    for baseline in ("hf", "dense"):
+        ours_s, base_s = head_to_head(runs["ours"], runs[baseline], args.reps, args.warmup)
+        pairs[baseline] = {
+            "ours": spread(ours_s),
+            baseline: spread(base_s),
+            "ours_over_baseline": statistics.median(ours_s) / statistics.median(base_s),
+            "per_repetition_ratio": ratio_spread(ours_s, base_s),
+        }
     ratios = {
-        "ours_over_hf_time": med[h] / med["hf"],
-        "ours_over_hf_time_spread": ratio_spread(h, "hf"),
-        "ours_over_dense_time": med[h] / med["dense"],
-        "ours_over_dense_time_spread": ratio_spread(h, "dense"),
-        "hf_over_ours_time": med["hf"] / med[h],
+        "ours_over_hf_time": pairs["hf"]["ours_over_baseline"],
+        "ours_over_hf_time_spread": pairs["hf"]["per_repetition_ratio"],
+        "hf_over_ours_time": 1 / pairs["hf"]["ours_over_baseline"],
+        "ours_over_dense_time": pairs["dense"]["ours_over_baseline"],
+        "ours_over_dense_time_spread": pairs["dense"]["per_repetition_ratio"],
     }
-    for name in names:
-        if name.startswith("ours"):
-            ratios[f"{name}_over_hf_time"] = med[name] / med["hf"]
-            ratios[f"{name}_over_dense_time"] = med[name] / med["dense"]
 
     memory = {}
     if not args.no_memory:
@@ -509,22 +465,13 @@ def main() -> None:
         else:
             for name in names:
                 memory.update(measure_memory([name], args))
-        ratios["ours_over_hf_peak_memory"] = memory[h]["peak_increase_MiB"] / memory["hf"]["peak_increase_MiB"]
-        for name in names:
-            if not name.startswith("ours"):
-                continue
-            ratios[f"{name}_over_hf_peak_memory"] = (
-                memory[name]["peak_increase_MiB"] / memory["hf"]["peak_increase_MiB"]
+        ratios["ours_over_hf_peak_memory"] = memory["ours"]["peak_increase_MiB"] / memory["hf"]["peak_increase_MiB"]
+        if "peak_increase_grads_preallocated_MiB" in memory["ours"]:
+            ratios["ours_over_hf_peak_memory_grads_preallocated"] = (
+                memory["ours"]["peak_increase_grads_preallocated_MiB"]
+                / memory["hf"]["peak_increase_grads_preallocated_MiB"]
             )
-            if "peak_increase_grads_preallocated_MiB" in memory[name]:
-                ratios[f"{name}_over_hf_peak_memory_grads_preallocated"] = (
-                    memory[name]["peak_increase_grads_preallocated_MiB"]
-                    / memory["hf"]["peak_increase_grads_preallocated_MiB"]
-                )
-    ratios["ours_over_hf_saved_activations"] = saved[h]["MiB"] / saved["hf"]["MiB"]
-    for name in names:
-        if name.startswith("ours"):
-            ratios[f"{name}_over_hf_saved_activations"] = saved[name]["MiB"] / saved["hf"]["MiB"]
+    ratios["ours_over_hf_saved_activations"] = saved["ours"]["MiB"] / saved["hf"]["MiB"]
     met = {key: ratios[key] <= target for key, target in TARGETS.items() if key in ratios}
 
     import transformers
@@ -545,11 +492,10 @@ def main() -> None:
             "reps": args.reps,
             "warmup": args.warmup,
         },
-        "headline_variant": h,
         "expert_backend_ours": variants["ours"][0].experts.backend.name,
         "hf_grouped_mm_check": grouped_mm_check,
         "max_abs_err_vs_hf": max_err,
-        "times_s": {name: summary(t) for name, t in times.items()},
+        "times_s_head_to_head": pairs,
         "ratios": ratios,
         "memory": memory,
         "saved_activations": saved,
@@ -576,9 +522,10 @@ def main() -> None:
         report["cuda_qwen3_30b_a3b_grouped_gemm"] = grouped_gemm_tflops(shape)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    for name in names:
-        mem = f"  peak +{memory[name]['peak_increase_MiB']:.1f} MiB" if memory else ""
-        print(f"{name:22s} fwd+bwd median {med[name] * 1e3:8.2f} ms{mem}")
+    for baseline, pair in pairs.items():
+        print(f"ours {pair['ours']['median'] * 1e3:8.2f} ms vs {baseline} {pair[baseline]['median'] * 1e3:8.2f} ms")
+    for name, mem in memory.items():
+        print(f"{name:8s} peak +{mem['peak_increase_MiB']:.1f} MiB")
     for key, value in ratios.items():
         print(f"{key:40s} {value}")
     print(f"targets met: {met}")

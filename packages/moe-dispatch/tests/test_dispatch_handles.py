@@ -92,3 +92,20 @@ def test_probs_applied_keeps_the_handle_type_and_its_fields(handle):
     assert all(
         getattr(applied, f.name) is getattr(handle, f.name) for f in dataclasses.fields(handle) if f.name != "probs_TK"
     )
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_dispatch_result_permutes_its_source_on_first_use_and_says_when_gathering_saves_memory(topk):
+    from moe_dispatch import RouterConfig, TopKRouter
+    from moe_dispatch.permutation import permute
+
+    router = TopKRouter(4, RouterConfig(num_experts=4, topk=topk, load_balancing_type="none"))
+    x_TH = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    result = LocalDispatcher(4).dispatch(x_TH, router(x_TH, seq_len=6))
+    assert result.source_RH is x_TH  # nothing gathered yet
+    assert result.row_source_N is result.handle.pmap.token_of_row_N
+    assert "tokens_NH" not in vars(result)
+    assert torch.equal(result.tokens_NH, permute(x_TH, result.handle.pmap))
+    assert result.tokens_NH is result.tokens_NH  # permuted once
+    # 6 * topk rows against 6 tokens
+    assert result.gather_saves_memory == (topk > 1)

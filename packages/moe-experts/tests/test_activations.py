@@ -93,4 +93,7 @@ def test_sharded_activation_equals_slice_of_full_activation(name):
     full = get_activation(name)(h)
     for start, stop in [(0, 4), (4, 8), (2, 6)]:
         cols = gate_up_columns(ACTIVATIONS[name].layout, ffn, start, stop)
-        torch.testing.assert_close(get_activation(name)(h[:, cols]), full[:, start:stop], rtol=0, atol=0)
+        # elementwise, so equal up to the last bit or two: torch evaluates erf/tanh in SIMD lanes and in a scalar
+        # tail, which differ by an ulp on some CPUs (AMD EPYC), and the tail falls on other elements in a slice
+        eps = torch.finfo(h.dtype).eps
+        torch.testing.assert_close(get_activation(name)(h[:, cols]), full[:, start:stop], rtol=4 * eps, atol=4 * eps)

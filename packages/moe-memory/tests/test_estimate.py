@@ -111,21 +111,25 @@ def test_routed_rows_expected_with_ep_and_bounded_by_capacity() -> None:
     local = estimate_memory(MOE, run(seq_len=16))
     ep = estimate_memory(MOE, run(seq_len=16, ep=2))
     t, k, h = 16, 2, 8
-    assert local.activations_by_module()["expert_fc1"] == 2 * (t * k * h * 4 + 8 * 4)  # rows, int32 offsets
-    assert ep.activations_by_module()["expert_fc1"] == 2 * (t * k * h * 4 + 4 * 4)  # same rows, half the experts
-    assert local.dispatcher_buffers == 0
+    # the first projection gathers its t * k rows itself: it saves their int64 source rows and int64 group sizes; the
+    # source (the block's input) is the router's, counted there
+    assert local.activations_by_module()["expert_fc1"] == 2 * (t * k * 8 + 8 * 8)
     ranks = _expected_ranks_per_token(8, 2, 2)
+    received = math.ceil(t * ranks)  # under ep the source is the received rows, fewer than the t * k rows
+    assert ep.activations_by_module()["expert_fc1"] == 2 * (received * h * 4 + t * k * 8 + 4 * 8)
+    assert local.dispatcher_buffers == 0
     assert ranks == pytest.approx(2 * (1 - math.comb(4, 2) / math.comb(8, 2)))
     assert ep.dispatcher_buffers == 2 * math.ceil(t * ranks) * h * 4  # rows in and out, one layer at a time
     assert _expected_ranks_per_token(8, 8, 4) == 4 and _expected_ranks_per_token(8, 2, 1) == 1
-    # capacity: ceil(16 * 2 / 8 * 0.5) = 2 pairs per expert, 16 rows in all (padded or not: every expert full)
+    # capacity: ceil(16 * 2 / 8 * 0.5) = 2 pairs per expert, 16 rows in all (padded or not: every expert full), no
+    # more than the 16 tokens: the rows themselves are saved, with int32 offsets
     for pad in (False, True):
         capped = estimate_memory(MOE, run(seq_len=16, capacity_factor=0.5, pad_to_capacity=pad))
         assert capped.activations_by_module()["expert_fc1"] == 2 * (8 * 2 * h * 4 + 8 * 4)
     padded = estimate_memory(MOE, run(seq_len=16, capacity_factor=2.0, pad_to_capacity=True))
-    assert padded.activations_by_module()["expert_fc1"] == 2 * (8 * 8 * h * 4 + 8 * 4)  # 8 experts x capacity 8
-    etp = estimate_memory(MOE, run(seq_len=16, etp=2))
-    assert etp.activations_by_module()["expert_fc1"] == 2 * (2 * t * k * h * 4 + 8 * 4)  # gathered over etp
+    assert padded.activations_by_module()["expert_fc1"] == 2 * (8 * 8 * 8 + 8 * 8)  # 8 experts x capacity 8 rows
+    etp = estimate_memory(MOE, run(seq_len=16, etp=2))  # source: the tokens gathered over etp; rows: t * k each
+    assert etp.activations_by_module()["expert_fc1"] == 2 * (2 * t * h * 4 + 2 * t * k * 8 + 8 * 8)
 
 
 def test_recompute_keeps_inputs_and_discards_outputs() -> None:

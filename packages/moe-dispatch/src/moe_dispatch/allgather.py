@@ -22,7 +22,7 @@ import torch
 from moe_dispatch.collectives import all_gather_uneven, gather_sizes, reduce_scatter_uneven
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight
 from moe_dispatch.ep_base import ExpertParallelDispatcher
-from moe_dispatch.permutation import permute, unpermute
+from moe_dispatch.permutation import unpermute
 from moe_dispatch.router import RoutingResult
 
 
@@ -92,7 +92,7 @@ class AllGatherDispatcher(ExpertParallelDispatcher[AllGatherDispatchState, AllGa
         mine_RK = state.keep_RK & (local_RK >= 0) & (local_RK < self.num_local_experts)
         pmap = self.local_permutation_map(local_RK, mine_RK, state.pad_to)
         handle = AllGatherHandle(pmap, state.probs_RK, state.num_tokens, state.ep_sizes, state.etp_sizes)
-        return DispatchResult(permute(state.tokens_RH, pmap), pmap.tokens_per_expert_E, handle)
+        return DispatchResult(state.tokens_RH, pmap.tokens_per_expert_E, handle)
 
     def combine_preprocess(self, y_NH: torch.Tensor, handle: AllGatherHandle) -> InFlight[AllGatherHandle]:
         return InFlight(unpermute(y_NH, handle.pmap, handle.probs_TK), handle)

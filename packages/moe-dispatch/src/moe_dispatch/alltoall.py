@@ -130,7 +130,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
             recv_splits=state.recv_splits,
             etp_sizes=state.etp_sizes,
         )
-        return DispatchResult(permute(state.tokens_RH, pmap), pmap.tokens_per_expert_E, handle)
+        return DispatchResult(state.tokens_RH, pmap.tokens_per_expert_E, handle)
 
     def combine_preprocess(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> InFlight[AllToAllHandle]:
         return InFlight(unpermute(y_NH, handle.pmap, handle.probs_TK), handle)

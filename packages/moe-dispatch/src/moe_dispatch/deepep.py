@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight, TokenDispatcher
-from moe_dispatch.permutation import make_permutation_map, permute, unpermute
+from moe_dispatch.permutation import make_permutation_map, unpermute
 from moe_dispatch.router import RoutingResult
 
 
@@ -321,7 +321,7 @@ class FlexDispatcher(TokenDispatcher[FlexDispatchState, FlexHandle]):
             None if state.pad_to is None else state.pad_to * self.ep_size,
         )
         handle = FlexHandle(pmap, state.probs_RK, state.num_tokens, state.deep_handle)
-        return DispatchResult(permute(state.tokens_RH, pmap), pmap.tokens_per_expert_E, handle)
+        return DispatchResult(state.tokens_RH, pmap.tokens_per_expert_E, handle)
 
     def combine_preprocess(self, y_NH: torch.Tensor, handle: FlexHandle) -> InFlight[FlexHandle]:
         return InFlight(unpermute(y_NH, handle.pmap, handle.probs_TK), handle)

@@ -13,6 +13,7 @@ dispatcher passes its own typed state; between the combine stages, an :class:`In
 from __future__ import annotations
 
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -47,11 +48,33 @@ class InFlight(Generic[HandleT]):
 
 @dataclass(frozen=True)
 class DispatchResult(Generic[HandleT]):
-    """The expert-major tokens for the local experts and the handle that combine needs."""
+    """The expert-major tokens for the local experts and the handle that combine needs.
 
-    tokens_NH: torch.Tensor  # expert-major rows for the local experts (padding rows are zero)
+    The rows are a gather of the rows this rank holds after communication (``source_RH``; the tokens themselves
+    without expert parallelism) by ``handle.pmap``: :attr:`tokens_NH` permutes them on first use, and experts that
+    gather their own rows take ``source_RH`` with :attr:`row_source_N` instead, saving the source rather than the
+    ``topk`` times larger rows for backward (:attr:`gather_saves_memory`).
+    """
+
+    source_RH: torch.Tensor  # the rows the expert-major rows are gathered from
     tokens_per_expert_E: torch.Tensor  # int64 rows per local expert, padding included
     handle: HandleT
+
+    @functools.cached_property
+    def tokens_NH(self) -> torch.Tensor:
+        """Expert-major rows for the local experts (padding rows are zero), permuted on first use."""
+        return permute(self.source_RH, self.handle.pmap)
+
+    @property
+    def row_source_N(self) -> torch.Tensor:
+        """int64 ``[N]``: the row of ``source_RH`` each expert-major row copies, -1 for a padding row."""
+        return self.handle.pmap.token_of_row_N
+
+    @property
+    def gather_saves_memory(self) -> bool:
+        """Whether the source has fewer rows than the expert-major rows (an allgather source, every rank's
+        tokens, can have more)."""
+        return self.source_RH.shape[0] < self.handle.pmap.num_rows
 
     def row_probs(self) -> torch.Tensor:
         """The router probability of each row (0 for padding), for experts that apply it themselves."""
@@ -107,7 +130,7 @@ class LocalDispatcher(TokenDispatcher[InFlight[DispatchHandle], DispatchHandle])
             routing.expert_idx_TK, self.num_experts, routing.keep_TK, self.pad_multiple, routing.pad_to
         )
         handle = DispatchHandle(pmap, routing.probs_TK, num_tokens=x_TH.shape[0])
-        return InFlight(permute(x_TH, pmap), handle)
+        return InFlight(x_TH, handle)  # permuted by DispatchResult (or by experts that gather their own rows)
 
     def token_dispatch(self, state: InFlight[DispatchHandle]) -> InFlight[DispatchHandle]:
         return state

@@ -37,13 +37,16 @@ import torch
 import torch.nn.functional as F
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x_NK, dy_NM, tokens_per_expert_E) -> dw_EKM: a grouped GEMM's weight gradient alone (no autograd)
+GroupedWgrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class BackendUnavailableError(RuntimeError):
     """An expert back end was asked for but cannot run here."""
 
 
-def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+def contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` made contiguous, an empty one included (grouped_mm rejects expanded, stride-0 gradients)."""
     if grad.numel() == 0:  # .contiguous() keeps the stride-0 layout of an empty expanded gradient
         return torch.empty_like(grad, memory_format=torch.contiguous_format)
     return grad.contiguous()
@@ -56,8 +59,24 @@ def torch_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_
     if out.requires_grad:
         # grouped_mm's backward rejects the expanded (stride-0) gradients that reductions such as sum() produce. A
         # hook rather than an identity autograd.Function: that would return a view, which FSDP2 warns about
-        out.register_hook(_contiguous)
+        out.register_hook(contiguous_grad)
     return out
+
+
+def torch_grouped_wgrad(x_NK: torch.Tensor, dy_NM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """``dw_e = x_e^T @ dy_e`` for all experts in one ``grouped_mm`` (zeros for an expert without rows)."""
+    offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
+    return F.grouped_mm(x_NK.t(), dy_NM, offs=offsets_E)
+
+
+def loop_grouped_wgrad(x_NK: torch.Tensor, dy_NM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """``dw_e = x_e^T @ dy_e``, one matmul per expert."""
+    counts = tokens_per_expert_E.tolist()
+    total = sum(counts)  # rows past the groups (padding) take no part
+    pairs = zip(torch.split(x_NK[:total], counts), torch.split(dy_NM[:total], counts), strict=True)
+    if not counts:
+        return dy_NM.new_zeros(0, x_NK.shape[1], dy_NM.shape[1])
+    return torch.stack([x_e.t() @ dy_e for x_e, dy_e in pairs])
 
 
 def loop_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
@@ -266,6 +285,7 @@ class Backend:
     library: VendorLibrary | None = None
     dtypes: tuple[torch.dtype, ...] | None = None  # what its kernels take; None: any
     auto_dtypes: tuple[torch.dtype, ...] | None = None  # what "auto" picks it for; None: any
+    wgrad: GroupedWgrad | None = None  # the weight gradient alone, for experts that gather their own rows
 
     def unavailable_reason(self) -> str | None:
         """None when usable here, else why not (one line)."""
@@ -289,8 +309,8 @@ class Backend:
 
 _HALF = (torch.bfloat16, torch.float16)
 BACKENDS: dict[str, Backend] = {
-    "torch": Backend("torch", (), False, "", torch_grouped_mm),
-    "loop": Backend("loop", (), False, "", loop_grouped_mm),
+    "torch": Backend("torch", (), False, "", torch_grouped_mm, wgrad=torch_grouped_wgrad),
+    "loop": Backend("loop", (), False, "", loop_grouped_mm, wgrad=loop_grouped_wgrad),
     "grouped_gemm": Backend(
         "grouped_gemm",
         ("grouped_gemm",),

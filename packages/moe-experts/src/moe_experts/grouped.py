@@ -30,6 +30,7 @@ over the etp group, as for any parameter replicated over it.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -37,8 +38,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_experts.activations import Activation, gate_up_columns, get_activation
-from moe_experts.backends import Backend, GroupedMM, loop_grouped_mm, resolve_backend
+from moe_experts.backends import BACKENDS, Backend, GroupedMM, GroupedWgrad, loop_grouped_mm, resolve_backend
 from moe_experts.fused import weighted_activation
+from moe_experts.gathered import gather_rows, gathered_grouped_mm
 
 GROUPED_MM_ROW_ALIGN_BYTES = 16  # torch grouped_mm rejects rows that are not 16-byte aligned
 _MASK64 = (1 << 64) - 1
@@ -201,9 +203,19 @@ class GroupedExperts(nn.Module):
                 _local(getattr(self, name))[e].copy_(self.local_slice(name, value))
 
     def forward(
-        self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_N: torch.Tensor | None = None
+        self,
+        x_NH: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        probs_N: torch.Tensor | None = None,
+        *,
+        row_source_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[N, H] -> [N, H]``; with ``probs_N`` (one router probability per row) each row comes out scaled by it.
+
+        With ``row_source_N`` (int64 ``[N]``, -1 for a zero padding row) the input is the token rows ``x_TH`` and row
+        ``n`` is ``x_TH[row_source_N[n]]``: the first projection gathers them itself and saves ``x_TH`` instead of
+        the ``[N, H]`` rows (:mod:`moe_experts.gathered`), where the back end can (torch, loop) and the projection is
+        the plain one (not quantised); otherwise the rows are gathered here first.
 
         Computed in ``x_NH``'s dtype (weights cast: bf16 under autocast, whose op lists lack grouped_mm).
         """
@@ -214,13 +226,20 @@ class GroupedExperts(nn.Module):
         dtype = x_NH.dtype
         gmm = self._grouped_mm(dtype)
         w_gate_up, w_down = _local(self.w_gate_up_EH2F).to(dtype), _local(self.w_down_EFH).to(dtype)
-        h_NW = self.fc1(x_NH, w_gate_up, tokens_per_expert_E, gmm)
+        fc1_mm = gmm
+        if row_source_N is not None:
+            wgrad = self._wgrad(gmm, x_NH, row_source_N, tokens_per_expert_E)
+            if wgrad is None:
+                x_NH = gather_rows(x_NH, row_source_N)
+            else:
+                fc1_mm = functools.partial(gathered_grouped_mm, row_source_N=row_source_N, gmm=gmm, wgrad=wgrad)
+        h_NW = self.fc1(x_NH, w_gate_up, tokens_per_expert_E, fc1_mm)
         expert_N = None
         if self.b_gate_up_E2F is not None:
             expert_N = torch.repeat_interleave(
-                torch.arange(self.num_experts, device=x_NH.device),
-                tokens_per_expert_E.to(x_NH.device),
-                output_size=x_NH.shape[0],
+                torch.arange(self.num_experts, device=h_NW.device),
+                tokens_per_expert_E.to(h_NW.device),
+                output_size=h_NW.shape[0],
             )
             h_NW = h_NW + _local(self.b_gate_up_E2F).to(dtype)[expert_N]
         a_NF = self.act(h_NW, probs_N)
@@ -234,6 +253,21 @@ class GroupedExperts(nn.Module):
                 b_NH = (b_NH * probs_N[:, None]).to(dtype)
             y_NH = y_NH + b_NH
         return y_NH
+
+    def _wgrad(
+        self, gmm: GroupedMM, x_TH: torch.Tensor, row_source_N: torch.Tensor, tokens_per_expert_E: torch.Tensor
+    ) -> GroupedWgrad | None:
+        """The weight-gradient kernel of ``gmm``'s back end when the first projection can gather its own rows: a
+        plain :class:`ExpertLinear` (a quantised one takes rows), plain tensors (not DTensors), a back end with a
+        separate weight gradient, and groups that cover every row."""
+        if type(self.fc1) is not ExpertLinear or type(x_TH) is not torch.Tensor:
+            return None
+        backend = next((b for b in BACKENDS.values() if b.gmm is gmm), None)
+        if backend is None or backend.wgrad is None:
+            return None
+        if int(tokens_per_expert_E.sum()) != row_source_N.shape[0]:
+            return None
+        return backend.wgrad
 
     def _grouped_mm(self, dtype: torch.dtype) -> GroupedMM:
         backend = self.backend

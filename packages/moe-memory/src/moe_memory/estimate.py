@@ -35,8 +35,11 @@ operations, or views of one storage, count once, under the first module that sav
   score function needs them (softmax over the top-k logits: the logits, top-k ids and probabilities; sigmoid: the
   sigmoid scores, ids and, renormalised, the picked scores and their sum), the balancing losses' scores and fractions,
   the capacity mask; the dispatcher saves int64 row indices, the kept-pair mask and the per-row combine weights; the
-  grouped experts save their input rows, the first projection's output and the row probabilities (the fused weighted
-  activation), the activation output and the int32 group offsets; cross-entropy saves fp32 log-probabilities (of the
+  grouped experts save, for the first projection, the rows their input rows are gathered from (the block's input, or
+  the received rows under ep), the int64 source row of each row and the group sizes when that source has fewer rows
+  than the expert rows (moe_experts' gathered first projection), else their input rows; then the first projection's
+  output and the row probabilities (the fused weighted activation), the activation output and the int32 group
+  offsets; cross-entropy saves fp32 log-probabilities (of the
   rank's vocabulary slice under tp) and the int64 labels.
 
 Layouts: context parallelism (cp) gives each rank ``seq_len / cp`` positions of every sequence (attention sees the
@@ -648,13 +651,20 @@ def _moe(f: _Forward, e: ExpertsShape, model: ModelShape, z: _Sizes, run: RunSha
         f.save("dispatch", f.tensor("dispatch.send_token", r.sent * INDEX, "send-row token ids (probs)"), path=path)
         f.save("dispatch", f.tensor("dispatch.send_probs", r.sent * k * rb, "send-row pair mask"), path=path)
     rows_in = r.received if distributed else t  # rows before the local permutation
-    f.save("dispatch", f.tensor("dispatch.index", r.pairs * INDEX, "permutation row ids"), path=path)
-    if r.pairs > r.kept:
-        f.save("dispatch", f.tensor("dispatch.padding", (r.pairs - r.kept) * INDEX, "padding rows"), path=path)
+    if rows_in < r.pairs:
+        # the first projection gathers its rows itself and saves their source (the block's input without ep, the
+        # received rows with it), the row ids and the group sizes instead of the rows
+        source = mlp_in if not distributed else f.tensor("dispatch.received", rows_in * h * a, "received rows")
+        row_ids = f.tensor("fc1.row_source", r.pairs * INDEX, "source row of each row")
+        f.save("expert_fc1", source, row_ids, f.tensor("fc1.counts", local_experts * INDEX, "group sizes"), path=path)
+    else:
+        f.save("dispatch", f.tensor("dispatch.index", r.pairs * INDEX, "permutation row ids"), path=path)
+        if r.pairs > r.kept:
+            f.save("dispatch", f.tensor("dispatch.padding", (r.pairs - r.kept) * INDEX, "padding rows"), path=path)
+        x_rows = f.tensor("experts.x", r.pairs * h * a, "expert input rows")
+        f.save("expert_fc1", x_rows, f.tensor("fc1.offsets", local_experts * OFFSETS, "group offsets"), path=path)
     f.save("dispatch", f.tensor("dispatch.kept", rows_in * k * BOOL, "kept-pair mask"), path=path)
     f.save("dispatch", f.tensor("dispatch.rows", r.kept * INDEX, "row of each kept pair"), path=path)
-    x_rows = f.tensor("experts.x", r.pairs * h * a, "expert input rows")
-    f.save("expert_fc1", x_rows, f.tensor("fc1.offsets", local_experts * OFFSETS, "group offsets"), path=path)
     h_rows = f.tensor("experts.h", r.pairs * width * a, "first projection output")
     probs = f.tensor("experts.probs", r.pairs * rb, "row probabilities")
     if e.bias:

@@ -76,7 +76,11 @@ class MoEBlock(nn.Module):
         dispatched = self.dispatcher.dispatch(x_TH.to(moe_compute_dtype(x_TH)), routing)
         # probabilities applied inside the experts' activation: less saved for backward than weighting
         # the gathered rows in combine
-        y_NH = self.experts(dispatched.tokens_NH, dispatched.tokens_per_expert_E, dispatched.row_probs())
+        counts_E, probs_N = dispatched.tokens_per_expert_E, dispatched.row_probs()
+        if dispatched.gather_saves_memory:  # the experts gather the rows and save the smaller source instead
+            y_NH = self.experts(dispatched.source_RH, counts_E, probs_N, row_source_N=dispatched.row_source_N)
+        else:
+            y_NH = self.experts(dispatched.tokens_NH, counts_E, probs_N)
         out_TH = self.dispatcher.combine(y_NH, dispatched.probs_applied())
         if shared is not None:
             out_TH = out_TH + shared.wait()
