@@ -259,8 +259,10 @@ class GroupedExperts(nn.Module):
     ) -> GroupedWgrad | None:
         """The weight-gradient kernel of ``gmm``'s back end when the first projection can gather its own rows: a
         plain :class:`ExpertLinear` (a quantised one takes rows), plain tensors (not DTensors), a back end with a
-        separate weight gradient, and groups that cover every row."""
+        separate weight gradient, groups that cover every row, and not under torch.compile."""
         if type(self.fc1) is not ExpertLinear or type(x_TH) is not torch.Tensor:
+            return None
+        if torch.compiler.is_compiling():  # as for the fused activation: the compiler chooses what to save itself
             return None
         backend = next((b for b in BACKENDS.values() if b.gmm is gmm), None)
         if backend is None or backend.wgrad is None:

@@ -34,7 +34,8 @@ operations, or views of one storage, count once, under the first module that sav
 - The router saves its input (an fp32 copy with 2-byte activations), its fp32 logits / scores and probabilities as its
   score function needs them (softmax over the top-k logits: the logits, top-k ids and probabilities; sigmoid: the
   sigmoid scores, ids and, renormalised, the picked scores and their sum), the balancing losses' scores and fractions,
-  the capacity mask; the dispatcher saves int64 row indices, the kept-pair mask and the per-row combine weights; the
+  the capacity mask; the dispatcher saves int64 row indices, the kept-pair mask and the per-row combine weights (on
+  CPU, where combine's unweighted sums are scatter-adds, each row's int64 token slot instead); the
   grouped experts save, for the first projection, the rows their input rows are gathered from (the block's input, or
   the received rows under ep), the int64 source row of each row and the group sizes when that source has fewer rows
   than the expert rows (moe_experts' gathered first projection), else their input rows; then the first projection's
@@ -675,12 +676,17 @@ def _moe(f: _Forward, e: ExpertsShape, model: ModelShape, z: _Sizes, run: RunSha
     f.save("expert_fc2", f.tensor("fc2.offsets", local_experts * OFFSETS, "group offsets"), act, path=path)
     if e.bias:
         f.save("expert_bias", f.tensor("experts.down_bias", r.pairs * h * a, "down bias rows"), path=path)
-    combine_rows = rows_in
-    f.save("combine", f.tensor("combine.index", combine_rows * k * INDEX, "pair rows"), path=path)
-    f.save("combine", f.tensor("combine.weights", combine_rows * k * a, "pair weights"), path=path)
-    if distributed and run.dispatcher != "allgather":
-        f.save("combine", f.tensor("combine.return_index", t * k * INDEX, "returned rows"), path=path)
-        f.save("combine", f.tensor("combine.return_weights", t * k * a, "returned-row weights"), path=path)
+    returns = distributed and run.dispatcher != "allgather"  # the all-to-all's returned rows are summed too
+    if run.device == "cpu":  # the unweighted sums are one scatter-add each, saving every row's token slot
+        f.save("combine", f.tensor("combine.slots", r.pairs * INDEX, "token slot of each row"), path=path)
+        if returns:
+            f.save("combine", f.tensor("combine.return_slots", r.sent * INDEX, "token of each returned row"), path=path)
+    else:  # a gather of each token's pair rows and their weights
+        f.save("combine", f.tensor("combine.index", rows_in * k * INDEX, "pair rows"), path=path)
+        f.save("combine", f.tensor("combine.weights", rows_in * k * a, "pair weights"), path=path)
+        if returns:
+            f.save("combine", f.tensor("combine.return_index", t * k * INDEX, "returned rows"), path=path)
+            f.save("combine", f.tensor("combine.return_weights", t * k * a, "returned-row weights"), path=path)
     f.scope("moe", "moe", (), (mlp_in,), (), module="moe")
     return r
 
