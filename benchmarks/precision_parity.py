@@ -18,6 +18,7 @@ Writes JSON and the curves drawn together (``docs/precision_parity.svg``).
     uv run python benchmarks/precision_parity.py --only noise_floor   # add that set to an existing results file
     uv run python benchmarks/precision_parity.py --only seeds --seeds 1234,1,2 --jobs 2
     uv run python benchmarks/precision_parity.py --only gradient_error
+    uv run python benchmarks/precision_parity.py --only all_seeds   # pool every seeds set in the results file
 
 The ``gradient_error`` set looks for a bias behind the differences: at fp32-trained weights (after 0, 50, 100 and 200
 steps), one held-out batch's gradient under each recipe against fp32's at the same weights: relative error of the
@@ -176,6 +177,36 @@ def seeds_set(recipes: list[str], steps: int, seeds: list[int], jobs: int, eval_
     }
 
 
+def all_seeds(sets: dict) -> dict:
+    """Every ``seeds*`` set pooled: per recipe, each seed's final and held-out loss against recipe none at that seed,
+    their mean, its standard error (sample deviation / sqrt(n)) and how many seeds ended worse; and the difference of
+    the means over all seeds a recipe ran, the figure the targets are about."""
+    runs: dict[str, dict[str, dict]] = {}
+    for name, body in sets.items():
+        if name.startswith("seeds") and name != "all_seeds":
+            for recipe, rows in body["per_seed"].items():
+                runs.setdefault(recipe, {}).update(rows)
+    none = runs.get("none", {})
+    out: dict = {"what": "every seeds set pooled; rel diffs against recipe none at the same seed", "recipes": {}}
+    for recipe, rows in runs.items():
+        seeds = sorted((s for s in rows if s in none), key=int)
+        if recipe == "none" or len(seeds) < 2:
+            continue
+        entry: dict = {"seeds": [int(s) for s in seeds], "n": len(seeds), "target": TARGETS.get(recipe, 0.01)}
+        for metric in ("final_loss", "val_loss"):
+            paired = [(rows[s][metric] - none[s][metric]) / none[s][metric] for s in seeds]
+            ours, theirs = (statistics.mean(r[s][metric] for s in seeds) for r in (rows, none))
+            entry[metric] = {
+                "rel_diff_of_means": (ours - theirs) / theirs,
+                "mean_paired_rel_diff": statistics.mean(paired),
+                "standard_error": statistics.stdev(paired) / math.sqrt(len(paired)),
+                "seeds_worse": sum(d > 0 for d in paired),
+                "per_seed": dict(zip(seeds, paired, strict=True)),
+            }
+        out["recipes"][recipe] = entry
+    return out
+
+
 def gradient_error(checkpoints: tuple[int, ...] = (0, 50, 100, 200)) -> dict:
     """The ``gradient_error`` set (module docstring), in this process."""
     import copy
@@ -261,7 +292,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time in the seeds set (one thread each)")
     parser.add_argument("--eval-iters", type=int, default=8, help="validation batches of the held-out loss")
     parser.add_argument(
-        "--only", choices=["noise_floor", "seeds", "gradient_error"], help="run this set alone and add it to --out"
+        "--only",
+        choices=["noise_floor", "seeds", "gradient_error", "all_seeds"],
+        help="run this set alone and add it to --out (all_seeds: pool the seeds sets already there, no training)",
     )
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -273,10 +306,12 @@ def main() -> None:
                 report["sets"]["noise_floor"] = noise_floor(args.steps, work)
             elif args.only == "gradient_error":
                 report["sets"]["gradient_error"] = gradient_error()
-            else:
+            elif args.only == "seeds":
                 recipes = args.recipes.split(",")
                 key = "seeds" if recipes == list(RECIPES) else f"seeds_{'_'.join(map(str, seeds))}"
                 report["sets"][key] = seeds_set(recipes, args.steps, seeds, args.jobs, args.eval_iters, work)
+            if args.only in ("seeds", "all_seeds"):
+                report["sets"]["all_seeds"] = all_seeds(report["sets"])
         finally:
             shutil.rmtree(work, ignore_errors=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -292,6 +327,7 @@ def main() -> None:
             sets = {"one_process": run_set(recipes, args.steps, 1, [], work, "1p")}
             sets["noise_floor"] = noise_floor(args.steps, work)
             sets["seeds"] = seeds_set(recipes, args.steps, seeds, args.jobs, args.eval_iters, work)
+            sets["all_seeds"] = all_seeds(sets)
             sets["gradient_error"] = gradient_error()
             tp_ep = ["--parallel.tp", "2", "--parallel.ep", "2"]
             sets["tp2_ep2"] = run_set(recipes, args.tp_ep_steps, 4, tp_ep, work, "tp2xep2")
