@@ -284,7 +284,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "precision_parity.json")
     parser.add_argument("--svg", type=Path, default=ROOT.parent / "docs" / "precision_parity.svg")
-    parser.add_argument("--quick", action="store_true", help="3 steps of three recipes on one process (CI)")
+    parser.add_argument("--quick", action="store_true", help="3 steps of two recipes on one process (CI)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tp-ep-steps", type=int, default=100)
     parser.add_argument("--seeds", default="1234,1,2", help="train.seed values of the seeds set")
@@ -322,7 +322,8 @@ def main() -> None:
     try:
         if args.quick:
             extra = ["--train.global_batch_size", "4", "--data.seq_len", "64"]
-            sets = {"one_process": run_set(["none", "fp8_delayed", "nvfp4"], 3, 1, extra, work, "quick")}
+            # two recipes: the script's paths; every recipe trains in moe-train's test_precision_recipes.py
+            sets = {"one_process": run_set(["none", "fp8_delayed"], 3, 1, extra, work, "quick")}
         else:
             sets = {"one_process": run_set(recipes, args.steps, 1, [], work, "1p")}
             sets["noise_floor"] = noise_floor(args.steps, work)

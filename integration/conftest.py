@@ -30,7 +30,7 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run() -> Callable[..., subprocess.CompletedProcess[str]]:
     return _run
 
