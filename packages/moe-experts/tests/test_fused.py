@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _experts_reference import ALL_ACTIVATIONS
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_experts.activations import ACTIVATIONS, get_activation
 from moe_experts.fused import weighted_activation
@@ -73,6 +75,35 @@ def test_bf16_input_with_fp32_probs_keeps_input_dtype():
     torch.testing.assert_close(out, unfused(h.detach(), p0, "swiglu").bfloat16(), rtol=0, atol=0)
     out.float().sum().backward()
     assert h.grad.dtype == torch.bfloat16
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(ALL_ACTIVATIONS),
+    rows=st.integers(0, 40),
+    ffn=st.integers(1, 24),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+    need=st.sampled_from(["both", "h", "probs"]),
+)
+def test_gradients_are_the_unfused_chains_bits_in_every_dtype(name, rows, ffn, dtype, seed, need):
+    """bf16 rows with fp32 probabilities (the product in fp32, cast back) as under autocast, and fp32; gradients
+    asked for one input or both: the same bits as autograd through the chain (SwiGLU's backward is written out)."""
+    h0, p0 = _inputs(name, rows, ffn, torch.float32, seed=seed)
+    h0 = h0.to(dtype)
+    cot = torch.randn(rows, ffn, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    act = get_activation(name)
+    grads = []
+    for fn in (lambda h_, p_: weighted_activation(h_, p_, act), lambda h_, p_: (act(h_) * p_[:, None]).to(dtype)):
+        h, p = h0.clone().requires_grad_(need != "probs"), p0.clone().requires_grad_(need != "h")
+        out = fn(h, p)
+        assert out.dtype == dtype
+        out.backward(cot)
+        grads.append((out, h.grad, p.grad))
+    for ours, ref in zip(*grads, strict=True):
+        assert (ours is None) == (ref is None)
+        if ours is not None:
+            torch.testing.assert_close(ours, ref, rtol=0, atol=0)
 
 
 def test_probs_shape_is_checked():

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 
 def weighted_activation_reference(
@@ -42,6 +43,9 @@ class WeightedActivation(torch.autograd.Function):
     def backward(ctx, grad_out):
         h, probs_N = ctx.saved_tensors
         need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if getattr(ctx.act, "name", None) == "swiglu":
+            grad_h, grad_p = _swiglu_backward(h, probs_N, grad_out, need_h, need_p and probs_N is not None)
+            return grad_h, grad_p, None
         with torch.enable_grad():
             h_ = h.detach().requires_grad_(need_h)
             p_ = None if probs_N is None else probs_N.detach().requires_grad_(need_p)
@@ -55,6 +59,31 @@ class WeightedActivation(torch.autograd.Function):
         if need_p and probs_N is not None and grad_p is None:
             grad_p = torch.zeros_like(probs_N)
         return grad_h, grad_p, None
+
+
+def _swiglu_backward(
+    h_N2F: torch.Tensor, probs_N: torch.Tensor | None, grad_out_NF: torch.Tensor, need_h: bool, need_p: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The unfused SwiGLU chain's backward written out: the ops autograd runs, in its order and dtypes (so the
+    gradients are the same bits), without building a graph, and the gate and up gradients written into one buffer
+    instead of concatenated (the chunk's backward). About a third less time than autograd.grad on CPU."""
+    gate, up = h_N2F.chunk(2, dim=-1)
+    silu_gate = F.silu(gate)
+    grad_p = None
+    if probs_N is None:
+        grad_act = grad_out_NF
+    else:
+        grad_prod = grad_out_NF.to(torch.promote_types(h_N2F.dtype, probs_N.dtype))  # the cast's backward
+        if need_p:
+            grad_p = (grad_prod * (silu_gate * up)).sum(1)
+        grad_act = (grad_prod * probs_N[:, None]).to(h_N2F.dtype)
+    if not need_h:
+        return None, grad_p
+    grad_h = torch.empty(h_N2F.shape, dtype=h_N2F.dtype, device=h_N2F.device)
+    grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+    torch.mul(grad_act, silu_gate, out=grad_up)
+    torch.ops.aten.silu_backward.grad_input(grad_act * up, gate, grad_input=grad_gate)
+    return grad_h, grad_p
 
 
 def weighted_activation(
