@@ -36,6 +36,8 @@ class WeightedActivation(torch.autograd.Function):
         ctx.act = act
         ctx.save_for_backward(h, probs_N)  # None is allowed and comes back as None
         with torch.no_grad():
+            if getattr(act, "name", None) == "swiglu" and (probs_N is None or probs_N.dtype == h.dtype):
+                return _swiglu_forward(h, probs_N)
             return weighted_activation_reference(h, probs_N, act)
 
     @staticmethod
@@ -59,6 +61,13 @@ class WeightedActivation(torch.autograd.Function):
         if need_p and probs_N is not None and grad_p is None:
             grad_p = torch.zeros_like(probs_N)
         return grad_h, grad_p, None
+
+
+def _swiglu_forward(h_N2F: torch.Tensor, probs_N: torch.Tensor | None) -> torch.Tensor:
+    """The chain's forward in one buffer (the same ops in the same order, in place: the same bits)."""
+    gate, up = h_N2F.chunk(2, dim=-1)
+    out_NF = F.silu(gate).mul_(up)
+    return out_NF if probs_N is None else out_NF.mul_(probs_N[:, None])
 
 
 def _swiglu_backward(
