@@ -114,10 +114,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """Every benchmarks/*.py script in its quick mode; full runs write benchmarks/results/*.json."""
+    """Every benchmarks/*.py script in its quick mode, all in one process (imports paid once:
+    benchmarks/_quick_all.py); full runs write benchmarks/results/*.json."""
     sync(session)
     REPORTS.mkdir(exist_ok=True)
-    for script in sorted((ROOT / "benchmarks").glob("[!_]*.py")):  # _*.py: helpers the scripts import
-        session.run("python", str(script), "--quick", "--out", str(REPORTS / f"bench-{script.stem}.json"))
+    session.run("python", str(ROOT / "benchmarks" / "_quick_all.py"), str(REPORTS))
     # the GPU suite's code paths at tiny sizes on the CPU, from source as the GPU machine runs it
     session.run("bash", "benchmarks/gpu/run.sh", "--smoke", "--out", str(REPORTS / "bench-gpu-suite-smoke.json"))
