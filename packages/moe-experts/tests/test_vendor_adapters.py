@@ -108,8 +108,8 @@ def test_auto_picks_te_for_bf16_and_leaves_fp32_to_torch(monkeypatch):
     assert resolve_backend("auto", torch.bfloat16).name == "te"
     assert resolve_backend("auto", torch.float32).name == "torch"  # TE would run fp32 as TF32
     experts = GroupedExperts(4, HIDDEN, FFN, backend="auto", seed=0)
-    assert experts._grouped_mm(torch.float32) is backends.torch_grouped_mm
-    assert experts._grouped_mm(torch.bfloat16) is backends.te_grouped_mm
+    assert experts._backend(torch.float32).gmm is backends.torch_grouped_mm
+    assert experts._backend(torch.bfloat16).gmm is backends.te_grouped_mm
 
 
 # ----------------------------------------------------------------------------- grouped_gemm

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_experts.activations import Activation, gate_up_columns, get_activation
-from moe_experts.backends import BACKENDS, Backend, GroupedMM, GroupedWgrad, loop_grouped_mm, resolve_backend
+from moe_experts.backends import BACKENDS, Backend, GroupedMM, GroupedWgrad, resolve_backend
 from moe_experts.fused import weighted_activation
 from moe_experts.gathered import gather_rows, gathered_grouped_mm
 
@@ -224,11 +224,13 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert_E must have shape ({self.num_experts},), got {tuple(tokens_per_expert_E.shape)}"
             )
         dtype = x_NH.dtype
-        gmm = self._grouped_mm(dtype)
+        backend = self._backend(dtype)
+        gmm = backend.gmm
+        assert gmm is not None  # resolve_backend only returns implemented back ends
         w_gate_up, w_down = _local(self.w_gate_up_EH2F).to(dtype), _local(self.w_down_EFH).to(dtype)
         fc1_mm = gmm
         if row_source_N is not None:
-            wgrad = self._wgrad(gmm, x_NH, row_source_N, tokens_per_expert_E)
+            wgrad = self._wgrad(backend, x_NH, row_source_N, tokens_per_expert_E)
             if wgrad is None:
                 x_NH = gather_rows(x_NH, row_source_N)
             else:
@@ -255,23 +257,23 @@ class GroupedExperts(nn.Module):
         return y_NH
 
     def _wgrad(
-        self, gmm: GroupedMM, x_TH: torch.Tensor, row_source_N: torch.Tensor, tokens_per_expert_E: torch.Tensor
+        self, backend: Backend, x_TH: torch.Tensor, row_source_N: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> GroupedWgrad | None:
-        """The weight-gradient kernel of ``gmm``'s back end when the first projection can gather its own rows: a
+        """The weight-gradient kernel of ``backend`` when the first projection can gather its own rows: a
         plain :class:`ExpertLinear` (a quantised one takes rows), plain tensors (not DTensors), a back end with a
         separate weight gradient, groups that cover every row, and not under torch.compile."""
         if type(self.fc1) is not ExpertLinear or type(x_TH) is not torch.Tensor:
             return None
         if torch.compiler.is_compiling():  # as for the fused activation: the compiler chooses what to save itself
             return None
-        backend = next((b for b in BACKENDS.values() if b.gmm is gmm), None)
-        if backend is None or backend.wgrad is None:
+        if backend.wgrad is None:
             return None
         if int(tokens_per_expert_E.sum()) != row_source_N.shape[0]:
             return None
         return backend.wgrad
 
-    def _grouped_mm(self, dtype: torch.dtype) -> GroupedMM:
+    def _backend(self, dtype: torch.dtype) -> Backend:
+        """The back end that computes in ``dtype`` here (``auto`` resolved per dtype; loop for rows torch rejects)."""
         backend = self.backend
         if self.requested_backend == "auto" and not backend.takes(dtype, auto=True):
             # auto chose by what is installed; the dtype at hand may not suit that choice (fp32 on grouped_gemm).
@@ -284,9 +286,9 @@ class GroupedExperts(nn.Module):
         hidden, ffn = self.hidden_size, self.local_ffn_hidden_size
         aligned = all(n * element_size % GROUPED_MM_ROW_ALIGN_BYTES == 0 for n in (hidden, ffn))
         if backend.name != "torch" or aligned:
-            return backend.gmm
+            return backend
         if self.requested_backend == "auto":
-            return loop_grouped_mm
+            return BACKENDS["loop"]
         raise ValueError(
             f"expert backend 'torch' needs hidden_size ({hidden}) and ffn_hidden_size ({ffn}, per etp rank) rows of "
             f"a multiple of {GROUPED_MM_ROW_ALIGN_BYTES} bytes ({element_size}-byte elements); "
