@@ -30,7 +30,7 @@ def main(out_dir: Path) -> int:
     for script in sorted(ROOT.glob("[!_]*.py")):  # _*.py: helpers
         argv = sys.argv
         sys.argv = [str(script), "--quick", "--out", str(out_dir / f"bench-{script.stem}.json")]
-        start = time.perf_counter()
+        start, ok = time.perf_counter(), True
         try:
             if script.name in FRESH_PROCESS:
                 subprocess.run([sys.executable, *sys.argv], check=True)
@@ -39,13 +39,12 @@ def main(out_dir: Path) -> int:
         except (Exception, SystemExit):  # SystemExit: argparse errors and sys.exit calls of a script
             traceback.print_exc()
             failed.append(script.name)
+            ok = False
         finally:
             sys.argv = argv
             torch.set_num_threads(threads)
             torch.set_default_dtype(dtype)
-        print(
-            f"== {script.name}: {time.perf_counter() - start:.1f} s{' FAILED' if failed[-1:] == [script.name] else ''}"
-        )
+        print(f"== {script.name}: {time.perf_counter() - start:.1f} s{'' if ok else ' FAILED'}")
     if failed:
         print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0

@@ -39,6 +39,38 @@ def swiglu(gate_up_N2F: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_weighted_forward(h_N2F: torch.Tensor, probs_N: torch.Tensor | None) -> torch.Tensor:
+    """``swiglu(h) * probs[:, None]`` in one buffer (the same ops in the same order, in place: the same bits)."""
+    gate, up = h_N2F.chunk(2, dim=-1)
+    out_NF = F.silu(gate).mul_(up)
+    return out_NF if probs_N is None else out_NF.mul_(probs_N[:, None])
+
+
+def swiglu_weighted_backward(
+    h_N2F: torch.Tensor, probs_N: torch.Tensor | None, grad_out_NF: torch.Tensor, need_h: bool, need_p: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The unfused SwiGLU chain's backward written out: the ops autograd runs, in its order and dtypes (so the
+    gradients are the same bits), without building a graph, and the gate and up gradients written into one buffer
+    instead of concatenated (the chunk's backward). About a third less time than autograd.grad on CPU."""
+    gate, up = h_N2F.chunk(2, dim=-1)
+    silu_gate = F.silu(gate)
+    grad_p = None
+    if probs_N is None:
+        grad_act = grad_out_NF
+    else:
+        grad_prod = grad_out_NF.to(torch.promote_types(h_N2F.dtype, probs_N.dtype))  # the cast's backward
+        if need_p:
+            grad_p = (grad_prod * (silu_gate * up)).sum(1)
+        grad_act = (grad_prod * probs_N[:, None]).to(h_N2F.dtype)
+    if not need_h:
+        return None, grad_p
+    grad_h = torch.empty(h_N2F.shape, dtype=h_N2F.dtype, device=h_N2F.device)
+    grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+    torch.mul(grad_act, silu_gate, out=grad_up)
+    torch.ops.aten.silu_backward.grad_input(grad_act * up, gate, grad_input=grad_gate)
+    return grad_h, grad_p
+
+
 def geglu(gate_up_N2F: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up, gate in the first F columns and up in the last F."""
     gate, up = gate_up_N2F.chunk(2, dim=-1)
@@ -76,6 +108,10 @@ class Activation:
     name: str
     fn: Callable[[torch.Tensor], torch.Tensor]
     layout: Layout
+    # optional written-out ``fn(h) * probs[:, None]`` and its backward (the same bits as autograd through the chain),
+    # which :class:`~moe_experts.fused.WeightedActivation` uses instead of recomputing the chain under autograd
+    weighted_forward: Callable[..., torch.Tensor] | None = None
+    weighted_backward: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
 
     @property
     def gated(self) -> bool:
@@ -93,7 +129,7 @@ class Activation:
 ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in (
-        Activation("swiglu", swiglu, "halves"),
+        Activation("swiglu", swiglu, "halves", swiglu_weighted_forward, swiglu_weighted_backward),
         Activation("geglu", geglu, "halves"),
         Activation("swiglu_oai", swiglu_oai, "interleaved"),
         Activation("squared_relu", squared_relu, "none"),
