@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe_dispatch.counts import expert_counts
 from moe_dispatch.permutation import make_permutation_map, permute, permute_probs, resolve_backend, unpermute
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -244,3 +245,43 @@ def test_permute_probs_puts_each_pairs_prob_on_its_row(num_tokens, num_experts, 
     torch.testing.assert_close(unpermute(y * probs_N[:, None], pmap), unpermute(y, pmap, probs))
     probs_N.sum().backward()
     torch.testing.assert_close(probs.grad, keep.float())
+
+
+@SETTINGS
+@given(routings())
+def test_expert_counts_are_a_hand_count_of_the_kept_pairs(case):
+    idx, num_experts, keep, _, _ = case
+    want = [0] * num_experts
+    for t, row in enumerate(idx.tolist()):
+        for k, expert in enumerate(row):
+            want[expert] += keep is None or bool(keep[t, k])
+    counts = expert_counts(idx, num_experts, keep)
+    assert counts.dtype == torch.int64 and counts.tolist() == want
+
+
+def _graph_breaks(fn, *args) -> list[str]:
+    torch._dynamo.reset()
+    return [reason.reason.splitlines()[0] for reason in torch._dynamo.explain(fn)(*args).break_reasons]
+
+
+def test_the_dropless_unpadded_map_traces_without_a_graph_break():
+    """No host sync in the dropless map, the rows' probabilities, the gather and the combine: under torch.compile
+    they stay in the MoE block's graph. Capacity and padding read counts back (their row count depends on them)."""
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(10)])
+    x, probs = torch.randn(10, 4, generator=gen), torch.rand(10, 2, generator=gen)
+
+    def dropless(idx_TK, x_TH, probs_TK):
+        pmap = make_permutation_map(idx_TK, 6)
+        return unpermute(permute(x_TH, pmap) * permute_probs(probs_TK, pmap)[:, None], pmap)
+
+    assert _graph_breaks(dropless, idx, x, probs) == []
+    torch.testing.assert_close(torch.compile(dropless, backend="eager")(idx, x, probs), dropless(idx, x, probs))
+    padded = _graph_breaks(lambda i: make_permutation_map(i, 6, pad_multiple=8).token_of_row_N, idx)
+    assert padded  # the counterpart: the padded row count is read back
+    # with dropped pairs, the compiled rows' probabilities (a spare slot instead of a boolean index) are eager's
+    keep = torch.rand(10, 2, generator=gen) < 0.6
+    pmap = make_permutation_map(idx, 6, keep, pad_multiple=4)
+    assert torch.equal(
+        torch.compile(permute_probs, backend="eager")(probs * keep, pmap), permute_probs(probs * keep, pmap)
+    )

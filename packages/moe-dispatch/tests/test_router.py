@@ -284,3 +284,37 @@ def test_switch_aux_loss_empty_is_differentiable_zero():
     assert loss.item() == 0.0 and not torch.isnan(loss)
     loss.backward()
     assert scores.grad.shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        RouterConfig(num_experts=8, topk=2, load_balancing_type="aux_loss", aux_loss_coeff=1e-2, z_loss_coeff=1e-3),
+        RouterConfig(  # DeepSeek-V3's: sigmoid scores, group-limited, scaled, expert bias, sequence-wise loss
+            num_experts=8,
+            topk=4,
+            score_function="sigmoid",
+            num_groups=4,
+            group_topk=2,
+            topk_scaling_factor=2.5,
+            enable_expert_bias=True,
+            load_balancing_type="seq_aux_loss",
+            aux_loss_coeff=1e-4,
+        ),
+    ],
+    ids=["softmax-aux-z", "sigmoid-groups-bias-seq"],
+)
+def test_dropless_routing_traces_without_a_graph_break(config):
+    """torch.compile keeps the dropless router in the MoE block's graph: the tokens per expert are counted into a
+    fixed-shape tensor (bincount's length depends on the data, a graph break). The compiled result is eager's."""
+    router = TopKRouter(16, config).train()
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def route(x_TH):
+        routing = router(x_TH, seq_len=6)
+        return routing.probs_TK, routing.expert_idx_TK, routing.tokens_per_expert_E
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(route)(x).graph_break_count == 0
+    for got, want in zip(torch.compile(route, backend="eager")(x), route(x), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -105,3 +105,29 @@ def test_saved_memory_is_linear_in_the_sequence() -> None:
     per_token = 4 * (4 * 16 + 2 * 16 + 2 * 16 + 4 * 16 + 4)
     for seq in (256, 1024):
         assert _saved_bytes(seq) == per_token * seq
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 300), st.integers(0, 40), st.one_of(st.none(), st.integers(1, 320)), st.sampled_from([16, 32, 256])
+)
+def test_whole_sequence_key_ranges_are_those_of_the_default_positions(seq, extra_keys, window, rows) -> None:
+    """The ranges computed from the sizes alone (no tensor read back, so torch.compile traces the attention) equal
+    those searched in the positions 0..S-1 and 0..K-1."""
+    keys = seq + extra_keys
+    want = blockwise_module._key_ranges(torch.arange(seq), torch.arange(keys), window, rows)
+    assert blockwise_module._whole_sequence_key_ranges(seq, keys, window, rows) == want
+
+
+def test_whole_sequence_attention_with_window_and_sinks_traces_without_a_graph_break() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 40, 8, generator=gen), torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 40, 6)
+    sinks = torch.randn(4, generator=gen)
+
+    def attend(q, k, v, sinks):
+        return blockwise_attention(q, k, v, 0.5, window=16, sinks_N=sinks)
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(attend)(q, k, v, sinks).graph_break_count == 0
+    want = reference_attention(q, k, v, 0.5, window=16, sinks_N=sinks)
+    torch.testing.assert_close(torch.compile(attend, backend="eager")(q, k, v, sinks), want)

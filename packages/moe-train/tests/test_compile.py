@@ -10,6 +10,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from moe_models import build_model, causal_lm_loss
+from moe_models.module_kinds import decoder_layers
+from moe_models.presets import preset
 from moe_train import cli
 from moe_train.compile import compile_decoder_layers
 from moe_train.config import load_config
@@ -62,8 +64,32 @@ def test_compiled_layers_do_not_recompile_over_steps_whose_expert_loads_differ()
     assert len({tuple(load) for load in loads}) == STEPS  # every step routes differently
     assert graphs[0] > 0
     assert graphs[-1] == graphs[1], graphs  # compiled in the first step (forward) and its backward: no more after
+    assert graphs[-1] == 2, graphs  # one forward and one backward graph serve both layers: no graph break
     assert loads == eager_loads
     torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("preset_name", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-mixtral"])
+def test_every_family_decoder_layer_traces_without_a_graph_break(preset_name: str) -> None:
+    """The dropless MoE block (router, balancing losses, permutation, experts, combine), dense layers, MLA, sinks and
+    sliding windows (blockwise attention) all trace whole: each decoder layer is one graph, which the compiler can fuse
+    across (a graph break runs the code between graphs eagerly)."""
+    model = build_model(preset(preset_name), seed=0).train()
+    inputs: dict[str, tuple] = {}
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda _, args, kwargs, name=name: inputs.setdefault(name, (args, kwargs)), with_kwargs=True
+        )
+        for name, layer in decoder_layers(model)
+    ]
+    model(torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)))
+    for hook in hooks:
+        hook.remove()
+    for name, layer in decoder_layers(model):
+        torch._dynamo.reset()
+        args, kwargs = inputs[name]
+        explained = torch._dynamo.explain(layer)(*args, **kwargs)
+        assert explained.graph_break_count == 0, (name, [b.reason.splitlines()[0] for b in explained.break_reasons])
 
 
 def test_inductor_compiled_layers_match_eager_within_fp32_rounding() -> None:

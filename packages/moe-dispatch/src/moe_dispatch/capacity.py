@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from moe_dispatch.counts import expert_counts
+
 
 def get_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
     """Pairs each expert may keep: ``ceil(num_tokens * topk / num_experts * capacity_factor)``."""
@@ -30,7 +32,7 @@ def capacity_keep_mask(
     else:  # flat pair t*K + k: token order
         priority = torch.arange(num_pairs, device=device)
     by_expert = priority[torch.sort(flat_idx[priority], stable=True).indices]  # grouped by expert, by priority
-    counts_E = torch.bincount(flat_idx, minlength=num_experts)
+    counts_E = expert_counts(flat_idx, num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank = torch.arange(num_pairs, device=device) - start_E[flat_idx[by_expert]]
     keep = torch.zeros(num_pairs, dtype=torch.bool, device=device)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.counts import expert_counts
+
 
 class AuxLossAutoScaler(torch.autograd.Function):
     """Attach a scalar loss to a tensor: forward returns the tensor unchanged, backward passes its gradient
@@ -137,7 +139,7 @@ def _with_value(partial: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def topk_counts(scores_TE: torch.Tensor, topk: int) -> torch.Tensor:
     """int64 [E]: how many tokens have each expert among their top-k scores."""
     idx_TK = scores_TE.detach().topk(topk, dim=-1).indices
-    return torch.bincount(idx_TK.flatten(), minlength=scores_TE.shape[-1])
+    return expert_counts(idx_TK, scores_TE.shape[-1])
 
 
 def switch_aux_loss(

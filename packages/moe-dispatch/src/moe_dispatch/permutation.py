@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 
+from moe_dispatch.counts import expert_counts
+
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
 
@@ -51,18 +53,22 @@ def make_permutation_map(
     num_tokens, topk = expert_idx_TK.shape
     device = expert_idx_TK.device
     flat_idx = expert_idx_TK.flatten()
-    kept = torch.ones_like(flat_idx, dtype=torch.bool) if keep_TK is None else keep_TK.flatten()
-    # dropped pairs sort after every expert, so they fall off the end
-    sort_key = torch.where(kept, flat_idx, torch.full_like(flat_idx, num_experts))
+    if keep_TK is None:
+        sort_key = flat_idx
+    else:  # dropped pairs sort after every expert, so they fall off the end
+        sort_key = torch.where(keep_TK.flatten(), flat_idx, torch.full_like(flat_idx, num_experts))
     pair_order = torch.argsort(sort_key, stable=True)
-    counts_E = torch.bincount(flat_idx[kept], minlength=num_experts)
+    counts_E = expert_counts(flat_idx, num_experts, keep_TK)
     if pad_to is not None:
         if bool((counts_E > pad_to).any()):
             raise ValueError(f"pad_to={pad_to} is smaller than an expert's {int(counts_E.max())} kept tokens")
         padded_E = torch.full_like(counts_E, pad_to)
     else:
         padded_E = (counts_E + pad_multiple - 1) // pad_multiple * pad_multiple
-    num_kept = int(counts_E.sum())
+    # dropless and unpadded, the row count is known without reading the counts back (no host sync: under
+    # torch.compile the map traces into the MoE block's graph)
+    unpadded = pad_to is None and pad_multiple == 1
+    num_kept = flat_idx.numel() if keep_TK is None else int(counts_E.sum())
     # row of the j-th kept pair of expert e: start of e's padded block + j
     block_start_E = torch.cumsum(padded_E, 0) - padded_E
     kept_start_E = torch.cumsum(counts_E, 0) - counts_E
@@ -72,7 +78,8 @@ def make_permutation_map(
     rows = block_start_E[sorted_expert] + rank_in_expert
     row_of_pair = torch.full((num_tokens * topk,), -1, dtype=torch.int64, device=device)
     row_of_pair[sorted_pairs] = rows
-    token_of_row = torch.full((int(padded_E.sum()),), -1, dtype=torch.int64, device=device)
+    num_rows = num_kept if unpadded else int(padded_E.sum())
+    token_of_row = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     token_of_row[rows] = torch.div(sorted_pairs, topk, rounding_mode="floor")
     return PermutationMap(token_of_row, row_of_pair.view(num_tokens, topk), padded_E, num_tokens)
 
@@ -114,6 +121,8 @@ def permute(x_TH: torch.Tensor, pmap: PermutationMap, *, backend: Backend = "aut
     if x_TH.shape[0] == 0:  # no tokens, only padding rows (pad_to): nothing to index into
         return x_TH.new_zeros(pmap.num_rows, x_TH.shape[-1]) + x_TH.sum()
     rows_NH = x_TH.index_select(0, pmap.token_of_row_N.clamp(min=0))
+    if torch.compiler.is_compiling():  # a mask the compiler fuses into the gather, instead of a graph break
+        return rows_NH.masked_fill((pmap.token_of_row_N < 0)[:, None], 0)
     # zero the (few) padding rows in place rather than multiplying every row by a mask
     padding_rows = (pmap.token_of_row_N < 0).nonzero().squeeze(1)
     if padding_rows.numel():
@@ -161,6 +170,11 @@ def unpermute(
 def permute_probs(probs_TK: torch.Tensor, pmap: PermutationMap) -> torch.Tensor:
     """Each expert-major row's router probability (0 for padding rows), for experts that apply the
     probabilities inside their activation; combine then unpermutes without probs."""
+    if torch.compiler.is_compiling():
+        # dropped pairs write to one spare slot past the rows, cut off after: no boolean index (a graph break)
+        slot_TK = torch.where(pmap.row_of_pair_TK >= 0, pmap.row_of_pair_TK, pmap.num_rows)
+        probs_N = probs_TK.new_zeros(pmap.num_rows + 1).index_put((slot_TK.flatten(),), probs_TK.flatten())
+        return probs_N[: pmap.num_rows]
     kept_TK = pmap.row_of_pair_TK >= 0
     probs_N = probs_TK.new_zeros(pmap.num_rows)
     return probs_N.index_put((pmap.row_of_pair_TK[kept_TK],), probs_TK[kept_TK])

@@ -20,6 +20,7 @@ from torch import nn
 
 from moe_dispatch.capacity import capacity_keep_mask, get_capacity
 from moe_dispatch.config import RouterConfig
+from moe_dispatch.counts import expert_counts
 from moe_dispatch.expert_bias import update_expert_bias
 from moe_dispatch.load_balancing import (
     SequenceGroupStats,
@@ -227,10 +228,7 @@ class TopKRouter(nn.Module):
             keep_TK = capacity_keep_mask(expert_idx_TK, probs_TK, cfg.num_experts, capacity, cfg.token_drop_policy)
             probs_TK = probs_TK * keep_TK.to(probs_TK.dtype)
             pad_to = capacity if cfg.pad_to_capacity else None
-            kept_ids = expert_idx_TK[keep_TK]
-        else:
-            kept_ids = expert_idx_TK.flatten()
-        tokens_per_expert_E = torch.bincount(kept_ids, minlength=cfg.num_experts)
+        tokens_per_expert_E = expert_counts(expert_idx_TK, cfg.num_experts, keep_TK)
 
         losses = self._losses(logits_TE, seq_len) if self.training else {}
         total = sum(losses.values(), logits_TE.new_zeros(()))

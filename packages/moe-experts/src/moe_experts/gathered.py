@@ -21,7 +21,9 @@ def gather_rows(x_TH: torch.Tensor, row_source_N: torch.Tensor) -> torch.Tensor:
     """``x_TH[row_source_N]`` with zero rows where ``row_source_N`` is -1 (differentiable)."""
     rows_NH = x_TH.index_select(0, row_source_N.clamp(min=0))
     padding = row_source_N < 0
-    if bool(padding.any()):
+    # eager skips the mask when there is no padding row; the compiler fuses it into the gather instead of
+    # breaking the graph to ask
+    if torch.compiler.is_compiling() or bool(padding.any()):
         rows_NH = rows_NH.masked_fill(padding[:, None], 0)
     return rows_NH
 

@@ -35,6 +35,18 @@ def _key_ranges(
     return out
 
 
+def _whole_sequence_key_ranges(seq: int, keys: int, window: int | None, rows: int) -> list[tuple[int, int, int, int]]:
+    """:func:`_key_ranges` for the default positions ``0..S-1`` and ``0..K-1``, from the sizes alone: no tensor is
+    read back, so torch.compile traces the attention of a whole sequence without a graph break."""
+    out = []
+    for start in range(0, seq, rows):
+        end = min(start + rows, seq)
+        k_end = min(end, keys)  # the keys at positions <= end - 1
+        k_start = 0 if window is None else min(max(start - window + 1, 0), keys)
+        out.append((start, end, k_start, max(k_end, k_start)))
+    return out
+
+
 def _block_rows(batch: int, heads: int, keys: int, seq: int, window: int | None) -> int:
     """Query rows per block (a power of two, at least 16): at most 256, so that the masked waste of the causal
     diagonal stays small; about the window under a sliding window (a block then sees about twice the window's keys);
@@ -82,6 +94,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         k_pos_K: torch.Tensor,
         window: int | None,
         scale: float,
+        ranges: list[tuple[int, int, int, int]],
     ) -> torch.Tensor:
         b, n, s, d = q_BNSD.shape
         n_kv, dv = k_BNKD.shape[1], v_BNKV.shape[-1]
@@ -91,8 +104,6 @@ class _BlockwiseAttention(torch.autograd.Function):
         sink_BNG11 = None if sinks_N is None else sinks_N.to(acc).view(1, n_kv, g, 1, 1)
         out = q_BNSD.new_empty(b, n_kv, g, s, dv)
         lse_BNGS = q_BNSD.new_empty(b, n_kv, g, s, dtype=acc)
-        rows = _block_rows(b, n, k_BNKD.shape[2], s, window)
-        ranges = _key_ranges(q_pos_S, k_pos_K, window, rows)
         for q0, q1, k0, k1 in ranges:
             if k1 == k0:  # the block sees no key: only a sink holds its probability
                 out[:, :, :, q0:q1] = 0
@@ -161,6 +172,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -183,12 +195,18 @@ def blockwise_attention(
     ``sinks_N``: one learned logit per query head joining every row's softmax. A row that sees no key and has no sink
     gives zeros.
     """
-    if q_pos_S is None:
-        q_pos_S = torch.arange(q_BNSD.shape[2], device=q_BNSD.device)
-    if k_pos_K is None:
-        k_pos_K = torch.arange(k_BNKD.shape[2], device=k_BNKD.device)
+    b, n, seq, _ = q_BNSD.shape
+    keys = k_BNKD.shape[2]
+    rows = _block_rows(b, n, keys, seq, window)
+    if q_pos_S is None and k_pos_K is None:
+        ranges = _whole_sequence_key_ranges(seq, keys, window, rows)
+        q_pos_S, k_pos_K = torch.arange(seq, device=q_BNSD.device), torch.arange(keys, device=k_BNKD.device)
+    else:
+        q_pos_S = torch.arange(seq, device=q_BNSD.device) if q_pos_S is None else q_pos_S
+        k_pos_K = torch.arange(keys, device=k_BNKD.device) if k_pos_K is None else k_pos_K
+        ranges = _key_ranges(q_pos_S, k_pos_K, window, rows)
     return _BlockwiseAttention.apply(
-        q_BNSD.contiguous(), k_BNKD.contiguous(), v_BNKV.contiguous(), sinks_N, q_pos_S, k_pos_K, window, scale
+        q_BNSD.contiguous(), k_BNKD.contiguous(), v_BNKV.contiguous(), sinks_N, q_pos_S, k_pos_K, window, scale, ranges
     )
 
 

@@ -4,9 +4,13 @@ Each decoder layer (and each MTP depth's) is compiled in place (``nn.Module.comp
 stay, so checkpoints and FSDP see the same module), after tensor and expert parallelism, precision and recompute,
 before FSDP wraps it. The layers share one compiled code object: the model compiles once, not once per layer.
 
-The MoE block's data-dependent steps (token counts per expert, the permutation map: ``bincount``, ``nonzero``) are
-graph breaks, so the grouped GEMMs see counts as tensors and nothing is specialised on them: steps whose expert loads
-differ reuse the same graphs (``tests/test_compile.py`` counts compilations over 10 steps).
+Each decoder layer of every family traces as ONE graph, so inductor fuses across the whole layer: the dropless MoE
+block reads nothing back to the host (tokens per expert are counted into a fixed ``[E]`` tensor, the permutation map's
+row count is ``T * topk``, padding rows are masked rather than looked up), and blockwise attention over a whole
+sequence (sinks, sliding windows, MLA on CPU) takes its key ranges from the sizes. The token counts stay tensors that
+the grouped GEMMs read, so nothing is specialised on them: steps whose expert loads differ reuse the same graphs
+(``tests/test_compile.py`` counts the graphs over 10 steps, and checks each family's layers for graph breaks).
+Capacity dropping and padding still read counts back (their row counts depend on them): graph breaks there.
 
 Supported: one process and data parallelism (FSDP), fp32 or bf16, recompute. Refused, one line naming the field
 (:func:`check_compile`): pipeline parallelism, context parallelism, tensor or expert parallelism (their collectives
