@@ -60,6 +60,7 @@ def test_yaml_file_with_sections(tmp_path: Path) -> None:
         ({"train.steps": "0"}, "train.steps=0: must be positive"),
         ({"train.min_lr": "1.0"}, "train.min_lr=1.0"),
         ({"run.device": "tpu"}, "run.device='tpu'"),
+        ({"train.eval_interval": "10"}, "train.eval_interval=10: there is no validation data to evaluate on"),
     ],
 )
 def test_bad_values_name_the_field(overrides: dict[str, str], expected: str) -> None:

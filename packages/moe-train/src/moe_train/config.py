@@ -381,6 +381,11 @@ def _validate_data(cfg: ExperimentConfig) -> None:
             f"data.valid_fraction={data.valid_fraction}: must be in [0, 1) (the fraction of documents held out for "
             "validation; 0 = none)"
         )
+    if cfg.train.eval_interval and not (data.valid_fraction or data.valid_source):
+        raise ConfigError(
+            f"train.eval_interval={cfg.train.eval_interval}: there is no validation data to evaluate on; hold some "
+            "out with data.valid_fraction (e.g. 0.01), name it with data.valid_source, or set train.eval_interval 0"
+        )
     if data.valid_fraction and data.valid_source:
         raise ConfigError(
             f"data.valid_fraction={data.valid_fraction} and data.valid_source={data.valid_source!r} both name the "
