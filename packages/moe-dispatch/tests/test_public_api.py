@@ -58,7 +58,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_dispatch.__version__ == "0.4.1"
+    assert moe_dispatch.__version__ == "0.4.2"
     assert importlib.metadata.version("moe-dispatch") == moe_dispatch.__version__
 
 
