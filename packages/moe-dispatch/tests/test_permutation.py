@@ -257,6 +257,10 @@ def test_expert_counts_are_a_hand_count_of_the_kept_pairs(case):
             want[expert] += keep is None or bool(keep[t, k])
     counts = expert_counts(idx, num_experts, keep)
     assert counts.dtype == torch.int64 and counts.tolist() == want
+    # any integer dtype; a dropped pair's id is not read (DeepEP marks them -1)
+    assert expert_counts(idx.int(), num_experts, keep).tolist() == want
+    if keep is not None:
+        assert expert_counts(idx.masked_fill(~keep, -1), num_experts, keep).tolist() == want
 
 
 def _graph_breaks(fn, *args) -> list[str]:
@@ -276,12 +280,21 @@ def test_the_dropless_unpadded_map_traces_without_a_graph_break():
         return unpermute(permute(x_TH, pmap) * permute_probs(probs_TK, pmap)[:, None], pmap)
 
     assert _graph_breaks(dropless, idx, x, probs) == []
+    assert torch._dynamo.explain(dropless)(idx, x, probs).graph_count == 1
     torch.testing.assert_close(torch.compile(dropless, backend="eager")(idx, x, probs), dropless(idx, x, probs))
     padded = _graph_breaks(lambda i: make_permutation_map(i, 6, pad_multiple=8).token_of_row_N, idx)
     assert padded  # the counterpart: the padded row count is read back
-    # with dropped pairs, the compiled rows' probabilities (a spare slot instead of a boolean index) are eager's
+    # with dropped pairs (whose probabilities are not zeroed here) and padding, the compiled rows' probabilities (a
+    # spare slot instead of a boolean index) and their gradients are eager's, traced and through inductor
     keep = torch.rand(10, 2, generator=gen) < 0.6
     pmap = make_permutation_map(idx, 6, keep, pad_multiple=4)
-    assert torch.equal(
-        torch.compile(permute_probs, backend="eager")(probs * keep, pmap), permute_probs(probs * keep, pmap)
-    )
+    grad_N = torch.randn(pmap.num_rows, generator=gen)
+    want_leaf = probs.clone().requires_grad_()
+    want = permute_probs(want_leaf, pmap)
+    want.backward(grad_N)
+    for backend in ("eager", "inductor"):
+        torch._dynamo.reset()
+        leaf = probs.clone().requires_grad_()
+        got = torch.compile(permute_probs, backend=backend)(leaf, pmap)
+        got.backward(grad_N)
+        assert torch.equal(got, want) and torch.equal(leaf.grad, want_leaf.grad), backend

@@ -13,8 +13,13 @@ import torch
 
 
 def expert_counts(expert_idx: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 ``[num_experts]``: how many entries of ``expert_idx`` (any shape, ids in ``[0, num_experts)``) name
-    each expert, counting only the entries where the bool ``keep`` (same shape) is True when it is given."""
-    ids = expert_idx.flatten()
-    ones = torch.ones_like(ids) if keep is None else keep.flatten().to(ids.dtype)
+    """int64 ``[num_experts]``: how many entries of ``expert_idx`` (any shape and integer dtype, ids in
+    ``[0, num_experts)``) name each expert, counting only the entries where the bool ``keep`` (same shape) is True
+    when it is given; a dropped entry's id is not read (it may be -1, as DeepEP marks them)."""
+    ids = expert_idx.flatten().long()
+    if keep is None:
+        ones = torch.ones_like(ids)
+    else:
+        kept = keep.flatten()
+        ids, ones = torch.where(kept, ids, 0), kept.long()
     return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, ones)
