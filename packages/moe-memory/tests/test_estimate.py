@@ -16,10 +16,10 @@ from moe_memory.estimate import (
     MLAShape,
     ModelShape,
     RunShape,
-    _expected_ranks_per_token,
     estimate_memory,
     format_estimates,
 )
+from moe_memory.saved_activations import _expected_ranks_per_token
 
 PARAMS = LocalParameters(numel=1000, tensors=10)
 # hidden 8, vocab 16, one dense layer: 2 query heads and 1 key/value head of 4, dense FFN 12

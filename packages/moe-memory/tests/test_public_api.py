@@ -36,7 +36,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_memory.__version__ == "0.3.2"
+    assert moe_memory.__version__ == "0.3.3"
     assert importlib.metadata.version("moe-memory") == moe_memory.__version__
 
 

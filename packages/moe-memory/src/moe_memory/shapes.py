@@ -1,0 +1,138 @@
+"""The estimate's inputs: plain frozen sizes of a model and of one rank's run (no torch, nothing of the other
+packages), and the byte sizes the estimate counts in. :mod:`moe_memory.estimate` takes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4
+INDEX = 8  # int64 indices and labels
+BOOL = 1
+OFFSETS = 4  # int32 group offsets of grouped_mm
+
+DISPATCHERS = ("alltoall", "allgather", "flex")
+DEFAULT_OFFLOAD_MIN_TENSOR_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class GQAShape:
+    """Grouped-query attention of one layer. ``window``: this layer's sliding window (None: full causal)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+    sinks: bool = False  # learned attention-sink logits (GPT-OSS): the explicit softmax path
+    qk_norm: bool = False
+    qkv_bias: bool = False  # biases change no saved tensor; kept for completeness
+    out_bias: bool = False
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention (DeepSeek-V3): ``q_lora_rank`` None is a full-rank q projection."""
+
+    heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_dim: int
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    attention: GQAShape | MLAShape
+    moe: bool = True  # routed experts (plus the shared expert, if any); False: the dense MLP
+
+
+@dataclass(frozen=True)
+class ExpertsShape:
+    """Routed experts and their router."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden: int
+    gated: bool = True  # swiglu / geglu / swiglu_oai: a first projection of 2 x ffn_hidden
+    bias: bool = False
+    score_function: str = "softmax"  # softmax | sigmoid
+    pre_softmax: bool = False
+    sigmoid_norm_topk: bool = True
+    # balancing losses with a nonzero coefficient: aux_loss | seq_aux_loss | global_aux_loss
+    aux_losses: tuple[str, ...] = ("aux_loss",)
+    z_loss: bool = False
+    router_bytes: int = FP32  # router dtype: 4 (fp32) or 8 (fp64)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    vocab: int
+    layers: tuple[LayerShape, ...]
+    experts: ExpertsShape | None = None
+    shared_expert_ffn: int | None = None
+    dense_ffn: int = 0
+    mtp_depth: int = 0
+    tied_embeddings: bool = False  # changes no activation; the parameters are given
+
+
+@dataclass(frozen=True)
+class PipelineShare:
+    """What a pipeline-parallel rank runs of the model (its ``ModelShape`` holds its stages' layers only): whether it
+    holds the embedding (first stage) and the head, loss and MTP (last stage), and how many micro-batches'
+    activations of each of its stages it holds at once under the schedule."""
+
+    first: bool
+    last: bool
+    inflight: int = 1
+
+
+@dataclass(frozen=True)
+class LocalParameters:
+    """This rank's parameters as training holds them (local shards): elements, how many parameter tensors (each gets
+    AdamW's 4-byte ``step``), buffer bytes, and of the elements, how many are routed experts (for reporting)."""
+
+    numel: int
+    tensors: int
+    buffer_bytes: int = 0
+    expert_numel: int = 0
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """One rank's run: batch, dtypes (bytes per element), layout and its parameter counts."""
+
+    micro_batch: int
+    seq_len: int
+    params: LocalParameters
+    activation_bytes: int = 2
+    param_bytes: int = FP32
+    grad_bytes: int = FP32
+    optimizer_state_bytes: int = FP32  # exp_avg and exp_avg_sq
+    master_weights_bytes: int = FP32  # a master copy of parameters that are not fp32; 0 = none
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    edp: int = 1
+    dp: int = 1
+    cp: int = 1  # context parallel: each rank holds seq_len / cp positions of every sequence, attends to all of them
+    capacity_factor: float | None = None
+    pad_to_capacity: bool = False
+    dispatcher: str = "alltoall"  # with ep or etp > 1: alltoall | allgather | flex (estimated as alltoall)
+    device: str = "cuda"  # "cpu": blockwise attention where q/k and v head dims differ (SDPA on CUDA)
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "activation_bytes", "tp", "ep", "etp", "edp", "dp", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be at least 1")
+        if self.seq_len % self.tp:
+            raise ValueError(f"seq_len={self.seq_len} is not divisible by tp={self.tp} (sequence parallelism)")
+        if self.cp > 1 and self.seq_len % (2 * self.cp * self.tp):
+            raise ValueError(
+                f"seq_len={self.seq_len} is not divisible by 2 x cp x tp = {2 * self.cp * self.tp} "
+                "(context parallelism)"
+            )
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher={self.dispatcher!r}: choose one of {DISPATCHERS}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor!r}: must be > 0, or None for dropless")
