@@ -57,12 +57,8 @@ from dataclasses import dataclass, field
 from moe_memory.kinds import OFFLOAD_KINDS, OUTPUT_DISCARDING_KINDS, RECOMPUTE_KINDS
 from moe_memory.saved_activations import ForwardSaves, RankSizes, Save, Scope, layer_saves, model_level_saves
 from moe_memory.shapes import (
-    BOOL,
     DEFAULT_OFFLOAD_MIN_TENSOR_BYTES,
-    DISPATCHERS,
     FP32,
-    INDEX,
-    OFFSETS,
     ExpertsShape,
     GQAShape,
     LayerShape,
@@ -74,14 +70,9 @@ from moe_memory.shapes import (
 )
 
 __all__ = [
-    "BOOL",
     "DEFAULT_OFFLOAD_MIN_TENSOR_BYTES",
-    "DISPATCHERS",
-    "FP32",
-    "INDEX",
     "MODULES",
     "OFFLOAD_KINDS",
-    "OFFSETS",
     "OUTPUT_DISCARDING_KINDS",
     "RECOMPUTE_KINDS",
     "ExpertsShape",

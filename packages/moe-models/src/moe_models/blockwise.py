@@ -198,12 +198,12 @@ def blockwise_attention(
     b, n, seq, _ = q_BNSD.shape
     keys = k_BNKD.shape[2]
     rows = _block_rows(b, n, keys, seq, window)
-    if q_pos_S is None and k_pos_K is None:
+    whole_sequence = q_pos_S is None and k_pos_K is None
+    q_pos_S = torch.arange(seq, device=q_BNSD.device) if q_pos_S is None else q_pos_S
+    k_pos_K = torch.arange(keys, device=k_BNKD.device) if k_pos_K is None else k_pos_K
+    if whole_sequence:
         ranges = _whole_sequence_key_ranges(seq, keys, window, rows)
-        q_pos_S, k_pos_K = torch.arange(seq, device=q_BNSD.device), torch.arange(keys, device=k_BNKD.device)
     else:
-        q_pos_S = torch.arange(seq, device=q_BNSD.device) if q_pos_S is None else q_pos_S
-        k_pos_K = torch.arange(keys, device=k_BNKD.device) if k_pos_K is None else k_pos_K
         ranges = _key_ranges(q_pos_S, k_pos_K, window, rows)
     return _BlockwiseAttention.apply(
         q_BNSD.contiguous(), k_BNKD.contiguous(), v_BNKV.contiguous(), sinks_N, q_pos_S, k_pos_K, window, scale, ranges
