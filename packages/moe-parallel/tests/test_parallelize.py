@@ -121,7 +121,7 @@ def _check(config: ModelConfig, **parallel) -> None:
 def test_a_plan_without_context_parallel_attention_refuses_cp() -> None:
     model, cfg = _meta_model(preset("tiny-qwen3-moe")), ParallelConfig(cp=2)
     plan = dataclasses.replace(model.parallel_plan(), context_parallel=())
-    with pytest.raises(LayoutError, match="cp=2: the model declares no context-parallel attention; use cp=1"):
+    with pytest.raises(LayoutError, match="cp=2: the model declares no context-parallel attention; it takes cp=1 only"):
         check_plan(model, plan, cfg, cfg.layout(4))
     check_plan(model, model.parallel_plan(), cfg, cfg.layout(4))  # moe_models' plan lists every core attention
 
@@ -133,21 +133,28 @@ def test_a_plan_without_context_parallel_attention_refuses_cp() -> None:
             {},
             {"ep": 3},
             "ep",
-            "ep=3: the model's 8 experts per MoE layer do not divide over it; ep can be one of [1, 2, 4, 8]",
+            "ep=3: the model's 8 experts per MoE layer do not divide over it; they divide over ep in [1, 2, 4, 8]",
         ),
         (
             {},
             {"tp": 2, "etp": 3},
             "etp",
-            "etp=3: the experts' FFN width 128 is not divisible by it; etp can be one of [1, 2, 4, 8, 16, 32, 64, 128]",
+            "etp=3: the experts' FFN width 128 is not divisible by it; "
+            "it divides over etp in [1, 2, 4, 8, 16, 32, 64, 128]",
         ),
         (
             {},
             {"tp": 8},
             "tp",
-            "tp=8: the model's num_attention_heads=4 is not divisible by it; tp can be one of [1, 2]",
+            "tp=8: the model's num_attention_heads=4 is not divisible by it; "
+            "the sizes tp splits divide over tp in [1, 2]",
         ),
-        ({}, {"tp": 4}, "tp", "tp=4: the model's num_query_groups=2 is not divisible by it; tp can be one of [1, 2]"),
+        (
+            {},
+            {"tp": 4},
+            "tp",
+            "tp=4: the model's num_query_groups=2 is not divisible by it; the sizes tp splits divide over tp in [1, 2]",
+        ),
         (
             {},
             {"tp": 2, "moe_token_dispatcher_type": "flex"},

@@ -30,6 +30,7 @@ PUBLIC_NAMES = [
     "apply_tensor_parallel",
     "available_schedules",
     "build_meshes",
+    "check_layout",
     "check_plan",
     "check_tensor_parallel",
     "expert_checkpoint_pieces",
@@ -56,7 +57,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_parallel.__version__ == "0.5.2"
+    assert moe_parallel.__version__ == "0.5.3"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

@@ -293,7 +293,8 @@ def test_plan_prints_the_rank_map_without_a_run(capsys: pytest.CaptureFixture[st
         ({"parallel.tp": "2"}, "parallel.tp=2: the model's num_query_groups=1 is not divisible by it"),
         (
             {"parallel.ep": "4", "model.num_moe_experts": "6"},
-            "parallel.ep=4: the model's 6 experts per MoE layer do not divide over it; ep can be one of [1, 2, 3, 6]",
+            "parallel.ep=4: the model's 6 experts per MoE layer do not divide over it; with world_size 4 and this "
+            "model, ep can be one of [1, 2]",
         ),
         (
             {"run.recompute_modules": "layers.*.mpl"},

@@ -168,7 +168,18 @@ def test_a_checkpoint_of_two_expert_parallel_ranks_exports_from_one_process(
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m"]
     # experts split over 2 ranks, everything else FSDP-sharded over them; a session of its own, killed whole on timeout
     with subprocess.Popen(
-        [*torchrun, "moe_train", "train", *args, "--parallel.ep", "2", "--parallel.dp_shard", "2"],
+        [
+            *torchrun,
+            "moe_train",
+            "train",
+            *args,
+            "--parallel.ep",
+            "2",
+            "--parallel.dp_shard",
+            "2",
+            "--train.micro_batch_size",
+            "2",
+        ],
         cwd=tmp_path,
         text=True,
         start_new_session=True,
@@ -299,7 +310,9 @@ def test_bad_checkpoints_are_one_line_exit_2(
     broken = _with_meta(_checkpoint(runs["qwen3_moe"]), tmp_path / "broken")
     for data in broken.glob("*.distcp"):
         data.unlink()
-    assert "cannot be read" in _error_line(capsys, str(broken), "--hf", str(out))
+    assert "__0_0.distcp: missing (named by .metadata): the checkpoint is damaged" in _error_line(
+        capsys, str(broken), "--hf", str(out)
+    )
     # a model the family's HF layout cannot express (Qwen3-MoE has no sliding windows): refused before loading
     windowed = _with_meta(_checkpoint(runs["qwen3_moe"]), tmp_path / "windowed", model={"window_size": 16})
     assert "window_size=16 cannot be written as a qwen3_moe checkpoint" in _error_line(

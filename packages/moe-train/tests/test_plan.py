@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -164,6 +165,26 @@ def test_layouts_that_do_not_fit_are_one_line_errors(
     assert not dist.is_initialized()
 
 
+def test_a_refused_ep_suggests_only_eps_that_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """tiny (8 experts per MoE layer) over 3 ranks: the world size alone allows ep 1 or 3, the experts 1, 2, 4 or 8;
+    the suggestion holds for both, so each value it lists plans, and each other divisor of the world size does not."""
+    plan = ["plan", "--world-size", "3", "--parallel.ep"]
+    assert cli.main([*plan, "2"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("moe-train: error: parallel.ep=2: etp(1) x ep(2) x pp(1) = 2 does not divide world_size 3; ")
+    assert err.count("\n") == 1
+    listed = re.search(r"ep can be one of \[([\d, ]*)\]$", err.strip())
+    assert listed is not None, err
+    suggested = [int(v) for v in listed.group(1).split(", ") if v]
+    assert suggested
+    for ep in suggested:
+        assert cli.main([*plan, str(ep)]) == 0, capsys.readouterr().err
+    for ep in {1, 3} - set(suggested):
+        assert cli.main([*plan, str(ep)]) == cli.EXIT_USAGE
+    capsys.readouterr()
+    assert not dist.is_initialized()
+
+
 def test_rank_ranges_are_compact() -> None:
     assert rank_ranges((0, 1, 2, 5, 7, 8)) == "0-2, 5, 7-8"
     assert rank_ranges(tuple(range(0, 20, 2)), most=3) == "0, 2, 4, ... (7 more runs)"
@@ -250,6 +271,14 @@ def test_device_memory_flags_the_ranks_that_do_not_fit(
 def test_device_memory_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([*QWEN_8, "--device-memory", "0"]) == cli.EXIT_USAGE
     assert "--device-memory=0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world_size", ["-1", "0"])
+def test_world_size_must_be_positive(capsys: pytest.CaptureFixture[str], world_size: str) -> None:
+    """``--world-size -1`` used to plan one rank."""
+    assert cli.main(["plan", "--world-size", world_size]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--world-size {world_size}: must be a positive number of ranks" in err
 
 
 def test_bf16_parameters_halve_the_shards_and_add_master_weights(capsys: pytest.CaptureFixture[str]) -> None:

@@ -352,7 +352,7 @@ WORLD = 2
 
 @pytest.mark.dist
 def test_resume_under_fsdp_on_two_ranks(launch_gloo_workers, micro_overrides: dict[str, str], tmp_path: Path) -> None:
-    overrides = {**micro_overrides, **EXPERT_BIAS, **BF16_ALL, "parallel.dp_shard": "2"}
+    overrides = {**micro_overrides, **EXPERT_BIAS, **BF16_ALL, "parallel.dp_shard": "2", "train.micro_batch_size": "2"}
     (tmp_path / "overrides.json").write_text(json.dumps(overrides))
     for result in launch_gloo_workers(Path(__file__), WORLD, tmp_path, timeout=120):
         # the parameters and every optimizer state are sharded by FSDP: saved and loaded per shard

@@ -4,6 +4,7 @@ format decoders and compared with the unquantised export; and the one-line error
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -81,3 +82,12 @@ def test_quantize_errors_are_one_line(exports, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs nvidia-modelopt" in err and "pip install 'moe-train[quantize]'" in err
     assert not (tmp_path / "b").exists() and not (tmp_path / "a").exists()
+
+
+def test_quantized_files_have_the_modes_of_every_other_file(exports):
+    """modelopt writes its safetensors 0600 (safetensors does); the rest of the directory follows the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for recipe in ("fp8", "nvfp4"):
+        modes = {p.name: p.stat().st_mode & 0o777 for p in exports[recipe].iterdir() if p.is_file()}
+        assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, (recipe, modes)

@@ -23,7 +23,7 @@ from moe_models.presets import (
 )
 from moe_models.rope import apply_rotary, rotary_cos_sin
 
-__version__ = "0.6.4"
+__version__ = "0.6.5"
 
 __all__ = [
     "CONVENTIONS",

@@ -31,9 +31,10 @@ from moe_parallel.pipeline import (
 )
 from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan, PipelinePlan
 from moe_parallel.stage_split import split_layers
+from moe_parallel.suggest import check_layout
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, full_value, vocab_parallel_loss
 
-__version__ = "0.5.2"
+__version__ = "0.5.3"
 
 __all__ = [
     "ATTENTION_DIMS",
@@ -60,6 +61,7 @@ __all__ = [
     "apply_tensor_parallel",
     "available_schedules",
     "build_meshes",
+    "check_layout",
     "check_plan",
     "check_tensor_parallel",
     "expert_checkpoint_pieces",

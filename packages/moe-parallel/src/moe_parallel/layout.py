@@ -52,7 +52,7 @@ class ParallelLayout:
                 raise LayoutError(
                     field,
                     getattr(self, field),
-                    f"tp*cp*dp_replicate*pp = {others} does not divide world_size {self.world_size}; "
+                    f"tp*cp*dp_replicate*pp = {others} does not divide world_size {self.world_size}",
                     f"their product must be one of {divisors(self.world_size)}",
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
@@ -69,7 +69,8 @@ class ParallelLayout:
                 "dp_shard",
                 self.dp_shard,
                 f"tp({self.tp}) x cp({self.cp}) x dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard})"
-                f" x pp({self.pp}) = {attention} != world_size {self.world_size}; {hint}",
+                f" x pp({self.pp}) = {attention} != world_size {self.world_size}",
+                hint,
             )
         expert_model = self.etp * self.ep * self.pp
         if self.world_size % expert_model:
@@ -80,7 +81,8 @@ class ParallelLayout:
                 "ep",
                 self.ep,
                 f"etp({self.etp}) x ep({self.ep}) x pp({self.pp}) = {expert_model} does not divide world_size "
-                f"{self.world_size}; with etp={self.etp} and pp={self.pp}, ep can be one of {fits}",
+                f"{self.world_size}",
+                f"with etp={self.etp} and pp={self.pp}, ep can be one of {fits}",
             )
 
     @property

@@ -125,7 +125,7 @@ def check_context_parallel(plan: ParallelPlan, layout: ParallelLayout) -> None:
     if layout.cp == 1:
         return
     if not plan.context_parallel:
-        raise LayoutError("cp", layout.cp, "the model declares no context-parallel attention; use cp=1")
+        raise LayoutError("cp", layout.cp, "the model declares no context-parallel attention", "it takes cp=1 only")
 
 
 def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, layout: ParallelLayout) -> None:
@@ -142,15 +142,15 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
             raise LayoutError(
                 "ep",
                 layout.ep,
-                f"the model's {experts.num_experts} experts per MoE layer do not divide over it; ep can be one of "
-                f"{divisors(experts.num_experts)}",
+                f"the model's {experts.num_experts} experts per MoE layer do not divide over it",
+                f"they divide over ep in {divisors(experts.num_experts)}",
             )
         if experts.ffn_hidden_size % layout.etp:
             raise LayoutError(
                 "etp",
                 layout.etp,
-                f"the experts' FFN width {experts.ffn_hidden_size} is not divisible by it{etp_default}; etp can be one "
-                f"of {divisors(experts.ffn_hidden_size)}",
+                f"the experts' FFN width {experts.ffn_hidden_size} is not divisible by it{etp_default}",
+                f"it divides over etp in {divisors(experts.ffn_hidden_size)}",
             )
     if config.mixed_precision_param != "float32":
         # FSDP's policy casts the parameters of the modules it wraps, and it wraps nothing along a size-1 dimension

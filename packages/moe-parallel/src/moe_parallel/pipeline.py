@@ -86,7 +86,7 @@ def check_pipeline(plan: ParallelPlan, config: ParallelConfig, layout: ParallelL
                 raise LayoutError(name, value, "applies to pipeline parallelism only: set pp > 1")
         return
     if plan.pipeline is None:
-        raise LayoutError("pp", layout.pp, "the model declares no pipeline plan; use pp=1")
+        raise LayoutError("pp", layout.pp, "the model declares no pipeline plan", "it takes pp=1 only")
     if plan.pipeline.unsupported:
         field, reason = next(iter(plan.pipeline.unsupported.items()))
         raise LayoutError("pp", layout.pp, f"model.{field}: {reason}")
@@ -103,7 +103,7 @@ def check_pipeline(plan: ParallelPlan, config: ParallelConfig, layout: ParallelL
         stage_split(plan.pipeline, config, layout)
     except LayoutError as err:
         if err.field == "pp" and stages_per_rank(config.pp_schedule, vpp) > 1:
-            raise LayoutError("vpp", stages_per_rank(config.pp_schedule, vpp), err.reason) from None
+            raise LayoutError("vpp", stages_per_rank(config.pp_schedule, vpp), err.problem, err.hint) from None
         raise
 
 

@@ -19,16 +19,20 @@ from torch.distributed.tensor.parallel import ParallelStyle
 class LayoutError(ValueError):
     """A parallel layout (or a model under it) that cannot work; ``field`` is the ParallelConfig field to change.
 
-    ``str(err)`` is ``"{field}={value!r}: {reason}"``; the reason says what would fit.
+    ``str(err)`` is ``"{field}={value!r}: {reason}"``. ``reason`` is the ``problem`` and, when the check that raised
+    it can tell, after ``"; "`` a ``hint``: what its own rule allows (one rule's view: the world size, or the model's
+    sizes). :func:`~moe_parallel.check_layout` replaces the hint of a parallel size by the values that pass every
+    rule at once.
     """
 
-    def __init__(self, field: str, value: object, reason: str) -> None:
-        super().__init__(f"{field}={value!r}: {reason}")
-        self.field, self.value, self.reason = field, value, reason
+    def __init__(self, field: str, value: object, reason: str, hint: str = "") -> None:
+        self.field, self.value, self.problem, self.hint = field, value, reason, hint
+        self.reason = f"{reason}; {hint}" if hint else reason
+        super().__init__(f"{field}={value!r}: {self.reason}")
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         # pickling (multiprocessing, torch.distributed) rebuilds from the constructor's arguments
-        return type(self), (self.field, self.value, self.reason)
+        return type(self), (self.field, self.value, self.problem, self.hint)
 
 
 @dataclass(frozen=True)

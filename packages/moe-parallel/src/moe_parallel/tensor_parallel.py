@@ -56,11 +56,16 @@ def check_tensor_parallel(plan: ParallelPlan, tp: int) -> None:
     if tp == 1:
         return
     for field, why in plan.tp_unsupported.items():
-        raise LayoutError("tp", tp, f"the model's {field}: {why}; use tp=1")
+        raise LayoutError("tp", tp, f"the model's {field}: {why}", "it takes tp=1 only")
     for field, size in plan.tp_divides.items():
         if size % tp:
             fits = [d for d in divisors(size) if all(s % d == 0 for s in plan.tp_divides.values())]
-            raise LayoutError("tp", tp, f"the model's {field}={size} is not divisible by it; tp can be one of {fits}")
+            raise LayoutError(
+                "tp",
+                tp,
+                f"the model's {field}={size} is not divisible by it",
+                f"the sizes tp splits divide over tp in {fits}",
+            )
 
 
 def _retie(model: nn.Module, plan: ParallelPlan) -> None:

@@ -1,4 +1,5 @@
-"""Checkpoints in torch.distributed.checkpoint (DCP) format: sharding-aware, no pickled modules.
+"""Checkpoints in torch.distributed.checkpoint (DCP) format: sharding-aware, no pickled modules, and read without
+unpickling anything but DCP's own metadata types (:mod:`moe_train.safe_dcp`: a checkpoint from elsewhere runs no code).
 
 A checkpoint is a directory ``step_<N>`` holding the DCP files (model and optimizer state as global tensors, so any
 layout loads any other), one ``rng_rank<r>.pt`` per rank (tensors only, read with ``weights_only``) and
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -54,10 +56,14 @@ from moe_parallel import (
     local_box,
     restore_expert_checkpoint_pieces,
 )
+from moe_train.safe_dcp import DamagedCheckpointError, SafeFileSystemReader, UnsafeCheckpointError
+from moe_train.safe_dcp import read_metadata as read_dcp_metadata
+from moe_train.write_errors import OutputWriteError, interrupted, write_failure
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
+_PARTIAL_DIR = re.compile(r"\.step_(\d+)\.partial")
 
 # (fqn, tensor) -> tensors to save instead (None: save as is); then copy loaded pieces back into the tensor
 PiecesFn = Callable[[str, torch.Tensor], "dict[str, torch.Tensor] | None"]
@@ -66,6 +72,10 @@ RestoreFn = Callable[[str, torch.Tensor, "dict[str, torch.Tensor]"], None]
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be used as asked; the message says which and why, in one line."""
+
+
+class CheckpointWriteError(OutputWriteError):
+    """A checkpoint could not be written (a full disk, permissions); its partial files are removed."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,21 @@ def list_checkpoints(directory: Path) -> list[CheckpointInfo]:
             if match and (child / META_FILE).is_file():
                 found.append(CheckpointInfo(child, int(match.group(1))))
     return sorted(found, key=lambda c: c.step)
+
+
+def incomplete_checkpoints(directory: Path) -> list[tuple[Path, int]]:
+    """Saves under ``directory`` that did not finish (``.step_N.partial``, or ``step_N`` without ``meta.json``) and
+    their steps, oldest first."""
+    found = []
+    if directory.is_dir():
+        for child in directory.iterdir():
+            partial = _PARTIAL_DIR.fullmatch(child.name)
+            complete_name = _STEP_DIR.fullmatch(child.name)
+            if partial:
+                found.append((child, int(partial.group(1))))
+            elif complete_name and child.is_dir() and not (child / META_FILE).is_file():
+                found.append((child, int(complete_name.group(1))))
+    return sorted(found, key=lambda pair: pair[1])
 
 
 def latest_checkpoint(directory: Path) -> CheckpointInfo | None:
@@ -286,36 +311,60 @@ class CheckpointWriter:
         self.last: Path | None = None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+        """Write ``step_<step>`` (in the background with ``async_save``). A write that fails removes what it wrote and
+        raises :class:`CheckpointWriteError` (one line: the file, why, the last complete checkpoint); an interrupt
+        (a second Ctrl-C) removes it too and raises KeyboardInterrupt."""
         self.wait()
         final = self.directory / f"step_{step}"
         staging = self.directory / f".step_{step}.partial"
-        if _rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        _barrier()
-        torch.save(_rng_state(), staging / f"rng_rank{_rank()}.pt")
-        _init_state(optimizer)  # an optimizer that never stepped: its zero state, not DCP's zero-gradient step
-        model_state, optim_state = get_state_dict(model, optimizer)
-        form = expert_form(model, self.parallel)
-        state, _ = _whole_model_names(_canonical(model_state, optim_state, form, {}), self.parallel)
-        state["step"] = torch.tensor(step)
-        meta = {"format": FORMAT_VERSION, "step": step, **meta}
-        with _quiet():
-            if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=staging, process_group=self.process_group)
-                self._pending = (future, staging, final, meta)
-                return
-            dcp.save(state, checkpoint_id=staging)
-        self._publish(staging, final, meta)
+        try:
+            if _rank() == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            _barrier()
+            torch.save(_rng_state(), staging / f"rng_rank{_rank()}.pt")
+            _init_state(optimizer)  # an optimizer that never stepped: its zero state, not DCP's zero-gradient step
+            model_state, optim_state = get_state_dict(model, optimizer)
+            form = expert_form(model, self.parallel)
+            state, _ = _whole_model_names(_canonical(model_state, optim_state, form, {}), self.parallel)
+            state["step"] = torch.tensor(step)
+            meta = {"format": FORMAT_VERSION, "step": step, **meta}
+            with _quiet():
+                if self.async_save:
+                    future = dcp.async_save(state, checkpoint_id=staging, process_group=self.process_group)
+                    self._pending = (future, staging, final, meta)
+                    return
+                dcp.save(state, checkpoint_id=staging)
+            self._publish(staging, final, meta)
+        except BaseException as err:
+            raise self._failed(err, staging, step) from None
 
     def wait(self) -> Path | None:
         """Finish an asynchronous save in flight (every rank calls it); returns the newest checkpoint written."""
         if self._pending is not None:
             future, staging, final, meta = self._pending
             self._pending = None
-            future.result()
-            self._publish(staging, final, meta)
+            try:
+                future.result()
+                self._publish(staging, final, meta)
+            except BaseException as err:
+                raise self._failed(err, staging, meta["step"]) from None
         return self.last
+
+    def _failed(self, err: BaseException, staging: Path, step: int) -> BaseException:
+        """Remove the save's partial directory; the error to raise: KeyboardInterrupt for an interrupt, else a
+        one-line :class:`CheckpointWriteError`."""
+        where = write_failure(err, staging)  # before the removal frees the space
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        latest = latest_checkpoint(self.directory)
+        kept = f"the last complete checkpoint is {latest.path}" if latest else "no complete checkpoint was written"
+        if interrupted(err):
+            return KeyboardInterrupt(f"interrupted during the checkpoint save of step {step} (removed); {kept}")
+        return CheckpointWriteError(
+            f"checkpoint of step {step} not saved: cannot write {where[0]}: {where[1]}; its partial files were removed "
+            f"and {kept}; free space (or fix the directory) and continue with --run.resume auto"
+        )
 
     def _publish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
         _barrier()  # every rank's files are written
@@ -329,8 +378,9 @@ class CheckpointWriter:
             staging.rename(final)
             _fsync_dir(final.parent)
             shutil.rmtree(old, ignore_errors=True)
-            if self.keep_last > 0:
-                for stale in list_checkpoints(self.directory)[: -self.keep_last]:
+            if self.keep_last > 0:  # never the one just written: only older ones count against keep_last
+                older = [c for c in list_checkpoints(self.directory) if c.step < int(meta["step"])]
+                for stale in older[: max(len(older) - (self.keep_last - 1), 0)]:
                     shutil.rmtree(stale.path, ignore_errors=True)
         _barrier()
         self.last = final
@@ -350,13 +400,20 @@ def save_checkpoint(
     return writer.wait()
 
 
-def _checked_keys(path: Path, expected: set[str], whole: bool = True) -> None:
-    """Refuse a checkpoint whose model tensors are not exactly the model's (DCP alone loads a subset silently); with
-    ``whole=False`` (a pipeline stage) the checkpoint may hold more."""
+def read_checked_metadata(path: Path) -> Metadata:
+    """The checkpoint's DCP metadata, read without unpickling anything but DCP's own types
+    (:mod:`moe_train.safe_dcp`), its data files checked present and whole; a one-line :class:`CheckpointError`
+    naming the file otherwise."""
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # whatever DCP raises, it is the same problem to the user
-        raise CheckpointError(f"{path}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
+        return read_dcp_metadata(path)
+    except (UnsafeCheckpointError, DamagedCheckpointError) as err:  # one line naming the file already
+        raise CheckpointError(str(err)) from None
+
+
+def _checked_keys(path: Path, expected: set[str], whole: bool = True) -> Metadata:
+    """:func:`read_checked_metadata`, refusing a checkpoint whose model tensors are not exactly the model's (DCP alone
+    loads a subset silently); with ``whole=False`` (a pipeline stage) the checkpoint may hold more."""
+    metadata = read_checked_metadata(path)
     stored = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
     missing, extra = sorted(expected - stored), sorted(stored - expected) if whole else []
     if missing or extra:
@@ -366,6 +423,7 @@ def _checked_keys(path: Path, expected: set[str], whole: bool = True) -> None:
         if extra:
             parts.append(f"{len(extra)} it holds that the model lacks (e.g. {extra[0]})")
         raise CheckpointError(f"{path}: checkpoint does not match the model: {'; '.join(parts)}")
+    return metadata
 
 
 def load_checkpoint(
@@ -394,10 +452,10 @@ def load_checkpoint(
     state, aliases = _whole_model_names(_canonical(model_state, optim_state, form, found), parallel)
     state["step"] = torch.tensor(0)
     # a pipeline stage holds only its part of the model: the other stages' ranks check theirs
-    _checked_keys(path, set(state["model"]), whole=not isinstance(parallel, PipelineParallelModel))
+    metadata = _checked_keys(path, set(state["model"]), whole=not isinstance(parallel, PipelineParallelModel))
     try:
         with _quiet():
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata))
     except (Exception, CheckpointException) as err:  # DCP's own (missing or truncated files): one line all the same
         raise CheckpointError(f"{path}: cannot be read ({_cause(err)})") from None
     _copy_aliases(aliases)

@@ -2,6 +2,7 @@
 
 moe-train                          # = moe-train train --config tiny
 moe-train train --config NAME_OR_PATH [--section.key value ...]
+moe-train launch --nproc-per-node N [torchrun options] [--config ...] [--section.key value ...]   # under torchrun
 moe-train plan [--world-size N] [--config ...] [--parallel.ep 4 ...]   # shard sizes per rank, no run
 moe-train plan ... --memory [--device-memory 80]   # and each rank's estimated memory
 moe-train env                      # capability table
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--config", default="tiny", help=f"preset ({', '.join(preset_names())}) or YAML file")
     plan.add_argument(
-        "--world-size", type=int, default=0, help="ranks to plan for (default: $WORLD_SIZE, else the smallest fit)"
+        "--world-size", type=int, default=None, help="ranks to plan for (default: $WORLD_SIZE, else the smallest fit)"
     )
     plan.add_argument(
         "--memory",
@@ -80,6 +81,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GiB",
         help="flag the ranks whose estimated memory exceeds this many GiB (implies --memory)",
+    )
+    commands.add_parser(
+        "launch",
+        help="train under torchrun (every rank), after checking the config for the launch's world size once",
+        description="Takes torchrun's options (--nproc-per-node, --nnodes, --rdzv-endpoint, ...) and train's "
+        "(--config, --section.key value). A config error is one line and exit code 2 before any worker starts; a run "
+        "that diverges exits 3, as one process does (plain torchrun turns every failure into 1 and a traceback).",
     )
     commands.add_parser("env", help="show which back ends and optional packages this machine has")
     export = commands.add_parser(
@@ -114,6 +122,7 @@ def _quantize(checkpoint: str, recipe: str, out: str, calib_batches: int, overwr
     from moe_models.hf import HFCheckpointError
     from moe_train.checkpoint import CheckpointError
     from moe_train.quantize import QuantizeError, modelopt_version, quantize_checkpoint
+    from moe_train.write_errors import describe
 
     if rest:
         raise ConfigError(
@@ -125,6 +134,8 @@ def _quantize(checkpoint: str, recipe: str, out: str, calib_batches: int, overwr
         )
     except (QuantizeError, CheckpointError, HFCheckpointError, FileExistsError) as err:
         raise ConfigError(str(err)) from None
+    except OSError as err:  # a full disk, a read-only directory
+        raise ConfigError(f"{describe(err, Path(out))}; nothing was written to {out}") from None
     algo = json.loads((written / "config.json").read_text()).get("quantization_config", {}).get("quant_algo", recipe)
     print(f"quantized {checkpoint} with nvidia-modelopt {modelopt_version()} ({algo}) -> {written}")
     return 0
@@ -135,23 +146,115 @@ def _train(config: str, override_tokens: list[str]) -> int:
     from moe_train.checkpoint import CheckpointError
     from moe_train.faults import NonFiniteError
     from moe_train.trainer import prepare, train
+    from moe_train.write_errors import OutputWriteError
 
     cfg = load_config(config, _parse_overrides(override_tokens))
     try:
         train(prepare(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
     except CheckpointError as err:  # found only once the checkpoint is read, after the build
         raise ConfigError(f"run.resume={cfg.run.resume!r}: {err}") from None
+    except OutputWriteError as err:  # a full disk, a read-only directory: what to free or fix
+        raise ConfigError(str(err)) from None
     except NonFiniteError as err:
-        print(f"moe-train: error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank stops at the same step (global values): one line
+            print(f"moe-train: error: {err}", file=sys.stderr)
         return EXIT_DIVERGED
     finally:
         shutdown_distributed()
     return 0
 
 
+def _split_launch_tokens(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's tokens, train's): train's are ``--config`` and the dotted overrides (``--train.steps 5``), each
+    with its value; an optional ``train`` word is dropped; everything else is torchrun's."""
+    launcher: list[str] = []
+    training: list[str] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        name = token[2:].partition("=")[0] if token.startswith("--") else ""
+        if name == "config" or "." in name:
+            training.append(token)
+            if "=" not in token and i + 1 < len(tokens):
+                training.append(tokens[i + 1])
+                i += 1
+        elif not (token == "train" and not training):
+            launcher.append(token)
+        i += 1
+    return launcher, training
+
+
+def _config_and_overrides(training: list[str]) -> tuple[str, list[str]]:
+    """``--config NAME`` (or ``--config=NAME``; default ``tiny``) and the other tokens of train's."""
+    config, overrides, i = "tiny", [], 0
+    while i < len(training):
+        token = training[i]
+        if token == "--config":
+            if i + 1 >= len(training):
+                raise ConfigError("--config needs a value: a preset name or a YAML file")
+            config, i = training[i + 1], i + 2
+            continue
+        if token.startswith("--config="):
+            config = token.partition("=")[2]
+        else:
+            overrides.append(token)
+        i += 1
+    return config, overrides
+
+
+def _launch_world_size(args: argparse.Namespace) -> int | None:
+    """nnodes x processes per node when both are fixed (an elastic range or ``auto`` is not known beforehand)."""
+    from torch.distributed.run import determine_local_world_size
+
+    low, _, high = str(args.nnodes).partition(":")
+    if high and high != low:
+        return None
+    try:
+        return int(low) * determine_local_world_size(args.nproc_per_node)
+    except ValueError:
+        return None
+
+
+def _launch(tokens: list[str]) -> int:
+    """``moe-train launch``: check the run for the launch's world size here, then run torchrun's launcher in this
+    process, its workers running ``moe-train train``; the job exits with the first failing worker's code (2 for a
+    config error found late, 3 for a diverged run) without torchrun's traceback."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    from moe_train.setup import check_run
+
+    launcher, training = _split_launch_tokens(tokens)
+    config, overrides = _config_and_overrides(training)
+    args = get_args_parser().parse_args([*launcher, "-m", "moe_train", "train", "--config", config, *overrides])
+    world_size = _launch_world_size(args)
+    if world_size is not None:
+        checked = check_run(load_config(config, _parse_overrides(overrides)), world_size)
+        if checked.source is not None:
+            checked.source.close()
+    single_node = str(args.nnodes) in ("1", "1:1")
+    if single_node and not args.standalone and not args.rdzv_endpoint and args.rdzv_backend == "static":
+        args.standalone = True  # a free port of its own rather than the fixed default one
+    # the workers print their own one-line errors; the agent's log lines about them would only repeat them
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        torchrun(args)
+    except ChildFailedError as err:
+        _, failure = err.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except SignalException as err:
+        return 128 + int(err.sigval)
+    return 0
+
+
 def _plan(
     config: str,
-    world_size: int,
+    world_size: int | None,
     override_tokens: list[str],
     memory: bool = False,
     device_memory: float | None = None,
@@ -169,9 +272,14 @@ def _plan(
         with_microbatches,
     )
 
+    if world_size is not None and world_size <= 0:
+        raise ConfigError(
+            f"--world-size {world_size}: must be a positive number of ranks; omit it to plan for $WORLD_SIZE, else for "
+            "the smallest world the layout fits"
+        )
     cfg = load_config(config, _parse_overrides(override_tokens))
     p = cfg.parallel
-    if world_size <= 0:
+    if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "0"))
     if world_size <= 0:  # the smallest world both the attention and the expert side fold into
         attention = p.tp * p.cp * p.pp * p.dp_replicate * max(p.dp_shard, 1)
@@ -200,6 +308,7 @@ def _export(checkpoint: str, out: str | None, dtype: str | None, overwrite: bool
     from moe_models.hf import HFCheckpointError
     from moe_train.checkpoint import CheckpointError
     from moe_train.export import DTYPES, export_hf, resolve_checkpoint, trained_model_config
+    from moe_train.write_errors import describe
 
     if rest:
         raise ConfigError(f"moe-train export takes CHECKPOINT --hf OUT [--dtype] [--overwrite], got {' '.join(rest)}")
@@ -215,6 +324,8 @@ def _export(checkpoint: str, out: str | None, dtype: str | None, overwrite: bool
         config = trained_model_config(info.path)
     except (CheckpointError, HFCheckpointError, FileExistsError) as err:
         raise ConfigError(str(err)) from None
+    except OSError as err:  # a full disk, a read-only directory
+        raise ConfigError(f"{describe(err, Path(out))}; nothing was written to {out}") from None
     for warning in caught:
         print(f"moe-train: warning: {warning.message}", file=sys.stderr)
     counts = count_parameters(config)
@@ -231,6 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("--") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["train", *argv]
+    if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):
+        try:  # its options are torchrun's and train's: parsed by _launch, not by this parser
+            return _launch(argv[1:])
+        except ConfigError as err:
+            print(f"moe-train: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
     args, rest = _parser().parse_known_args(argv)
     try:
         if args.command == "env":
@@ -250,6 +367,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"moe-train: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("moe-train: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        print(f"moe-train: {err or 'interrupted'}", file=sys.stderr)
         return 130

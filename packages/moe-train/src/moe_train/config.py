@@ -67,6 +67,9 @@ class DataConfig:
     eos_token: str = ""  # the token after every document; "" = the tokenizer's own end-of-text token
     valid_fraction: float = 0.0  # the last fraction of the documents, held out for validation; 0 = none
     valid_source: str = ""  # validation documents from another source (the formats of data.source); "" = none
+    # undecodable bytes in .txt / .jsonl text (and their .gz): strict = an error naming the file and byte offset |
+    # replace = each undecodable run of bytes becomes U+FFFD (a note counts them)
+    decode_errors: str = "strict"
 
 
 @dataclass
@@ -75,7 +78,10 @@ class TrainConfig:
 
     steps: int = 100
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 0  # sequences per rank per forward; 0 = global_batch_size / data-parallel size
+    # sequences per rank per forward (gradient accumulation fills the rank's share of the global batch); 0 = the
+    # largest divisor of global_batch_size up to 4, the same under every layout, so layouts train alike (balancing
+    # losses are per micro-batch)
+    micro_batch_size: int = 0
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 10
@@ -253,10 +259,16 @@ def _model_base(preset: str | None, from_hf: str | None) -> dict[str, Any]:
     """ModelConfig fields of a moe_models preset or of a HuggingFace checkpoint's config.json."""
     if from_hf is not None:
         from moe_models.hf import config_from_hf
+        from moe_models.hf.files import resolve_inside
 
         config_json = Path(from_hf) / "config.json"
         if not config_json.is_file():
             raise ConfigError(f"model.from_hf={from_hf!r}: no config.json there; pass a HuggingFace model directory")
+        if resolve_inside(from_hf, "config.json") is None:
+            raise ConfigError(
+                f"model.from_hf={from_hf!r}: config.json leads outside the checkpoint directory; copy the file into "
+                "it instead of linking to it"
+            )
         try:
             return dataclasses.asdict(config_from_hf(json.loads(config_json.read_text())))
         except (ValueError, OSError) as err:  # HFCheckpointError and JSON errors are ValueErrors
@@ -385,6 +397,11 @@ def _validate_data(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"train.eval_interval={cfg.train.eval_interval}: there is no validation data to evaluate on; hold some "
             "out with data.valid_fraction (e.g. 0.01), name it with data.valid_source, or set train.eval_interval 0"
+        )
+    if data.decode_errors not in ("strict", "replace"):
+        raise ConfigError(
+            f"data.decode_errors={data.decode_errors!r}: must be strict (undecodable text is an error) or replace "
+            "(undecodable bytes become U+FFFD)"
         )
     if data.valid_fraction and data.valid_source:
         raise ConfigError(

@@ -181,8 +181,8 @@ def prepare_data(
     valid_spec = data.valid_source
     if data.source == STDLIB and not tokenizer.name and not valid_spec and not data.valid_fraction:
         return _stdlib_bytes(data, cache_dir, seed)
-    train = resolve_source(data.source, data.text_field, "data.source")
-    valid = resolve_source(valid_spec, data.text_field, "data.valid_source") if valid_spec else None
+    train = resolve_source(data.source, data.text_field, "data.source", data.decode_errors)
+    valid = resolve_source(valid_spec, data.text_field, "data.valid_source", data.decode_errors) if valid_spec else None
     files = token_files(cache_dir, train, valid, data.valid_fraction, tokenizer, log)
     rest = f" less data.valid_fraction={data.valid_fraction}" if data.valid_fraction else ""
     stream = TokenStream(files.train, data.seq_len, seed, what=f"training data ({train.describe()}{rest})")

@@ -102,11 +102,15 @@ class MetricsLog:
             # a kill during the rewrite leaves the old file or the new one, never half of one; re-encoding
             # (not copying the lines) also turns the bare NaN of files written before this fix into null
             tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "w") as f:
-                f.writelines(_json_line(record) for record in self.records)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "w") as f:
+                    f.writelines(_json_line(record) for record in self.records)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk: the old file stays whole, no half-written copy beside it
+                raise
             mode = "a"
         else:
             mode = "w"

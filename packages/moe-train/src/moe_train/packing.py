@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from moe_train.config import ConfigError
-from moe_train.sources import Source, iter_documents, source_key
+from moe_train.sources import Replaced, Source, iter_documents, source_key
 from moe_train.tokenization import Tokenizer
 
 FORMAT_VERSION = 1
@@ -56,6 +56,8 @@ class TokenFiles:
 
 
 def cache_key(train: Source, valid: Source | None, valid_fraction: float, tokenizer: Tokenizer) -> str:
+    # data.decode_errors is not part of it: "replace" gives the text every earlier version gave (their entries stay
+    # valid), and "strict" gives that same text or stops the build, so an entry's content never depends on it
     payload = {
         "format": FORMAT_VERSION,
         "train": source_key(train),
@@ -81,7 +83,8 @@ def token_files(
     tokenizer: Tokenizer,
     log: Callable[[str], None] | None = None,
 ) -> TokenFiles:
-    """The cache entry for these sources and tokenizer, built first when there is none."""
+    """The cache entry for these sources and tokenizer, built first when there is none. ``log`` hears about a
+    build, and, with ``data.decode_errors=replace``, how many undecodable bytes it replaced."""
     key = cache_key(train, valid, valid_fraction, tokenizer)
     entry = cache_dir / entry_name(train, key)
     if (entry / META).is_file():
@@ -95,8 +98,9 @@ def token_files(
             tokens = f"data.tokenizer={tokenizer.name!r}" if tokenizer.name else "byte-level tokens"
             log(f"moe-train: tokenising {train.describe()} ({tokens}) into {entry}")
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp", dir=cache_dir))
+        replaced = Replaced()
         try:
-            meta = _build(tmp, key, train, valid, valid_fraction, tokenizer)
+            meta = _build(tmp, key, train, valid, valid_fraction, tokenizer, replaced)
             try:
                 os.replace(tmp, entry)
             except OSError:  # a non-empty entry is there: another process's rename came first
@@ -110,7 +114,16 @@ def token_files(
                 + (f", {meta['valid']['tokens']} validation tokens" if meta["valid"] else "")
                 + f" in {time.perf_counter() - started:.1f}s"
             )
+            if replaced.bytes:
+                log(
+                    f"moe-train: note: data.decode_errors=replace: {_count(replaced.bytes, 'undecodable byte')} in "
+                    f"{_count(replaced.files, 'file')} replaced by U+FFFD"
+                )
     return _read_entry(entry)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 @contextlib.contextmanager
@@ -176,16 +189,22 @@ def valid_documents(num_documents: int, valid_fraction: float) -> int:
 
 
 def _build(
-    directory: Path, key: str, train: Source, valid: Source | None, valid_fraction: float, tokenizer: Tokenizer
+    directory: Path,
+    key: str,
+    train: Source,
+    valid: Source | None,
+    valid_fraction: float,
+    tokenizer: Tokenizer,
+    replaced: Replaced | None = None,
 ) -> dict[str, Any]:
     suffix = SUFFIXES[tokenizer.dtype]
     train_file, valid_file = directory / f"train{suffix}", directory / f"valid{suffix}"
-    ends = pack(iter_documents(train), tokenizer, train_file)
+    ends = pack(iter_documents(train, replaced), tokenizer, train_file)
     if not ends:
         raise _empty(train)
     documents, valid_docs = len(ends), 0
     if valid is not None:
-        valid_ends = pack(iter_documents(valid), tokenizer, valid_file)
+        valid_ends = pack(iter_documents(valid, replaced), tokenizer, valid_file)
         if not valid_ends:
             raise _empty(valid)
         valid_docs = len(valid_ends)

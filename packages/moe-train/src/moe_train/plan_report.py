@@ -59,7 +59,7 @@ from moe_parallel import (
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS
 from moe_parallel.stage_split import inflight_microbatches
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig
-from moe_train.setup import checked_meta_model, micro_batching
+from moe_train.setup import checked_meta_model, default_micro_batch_size, micro_batching
 
 NON_EXPERT = "non-expert"  # attention, norms, dense MLPs, routers, shared experts, embedding, head
 ROUTED_EXPERTS = "routed experts"
@@ -422,14 +422,14 @@ def plan_micro_batching(cfg: ExperimentConfig, layout: ParallelLayout) -> tuple[
     try:
         return micro_batching(cfg.train, layout)
     except ConfigError:
-        micro = cfg.train.micro_batch_size or max(cfg.train.global_batch_size // (layout.dp * layout.pp), 1)
+        micro = cfg.train.micro_batch_size or default_micro_batch_size(cfg.train.global_batch_size)
         return micro, max(cfg.train.global_batch_size // (micro * layout.dp), 1)
 
 
 def plan_memory_options(cfg: ExperimentConfig, layout: ParallelLayout) -> MemoryOptions:
-    """The :class:`MemoryOptions` of an experiment config: ``train.micro_batch_size`` (0: the global batch over the
-    data-parallel ranks, at least 1), ``data.seq_len``, ``run.dtype`` (auto: bf16, as on CUDA; fp32 only with
-    ``run.device cpu``), the AdamW state and master-weight dtypes, the dispatcher, recompute and offload."""
+    """The :class:`MemoryOptions` of an experiment config: ``train.micro_batch_size`` (0: the trainer's default,
+    ``moe_train.setup.default_micro_batch_size``), ``data.seq_len``, ``run.dtype`` (auto: bf16, as on CUDA; fp32
+    only with ``run.device cpu``), the AdamW state and master-weight dtypes, the dispatcher, recompute and offload."""
     micro, _ = plan_micro_batching(cfg, layout)
     on_cpu = cfg.run.device == "cpu"
     activation = {"fp32": 4, "bf16": 2}.get(cfg.run.dtype, 4 if on_cpu else 2)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from moe_models.hf.io import apply_default_modes
+from moe_train.checkpoint import read_checked_metadata
 from moe_train.config import DataConfig
 from moe_train.data import prepare_data
 from moe_train.export import _check_out_dir, _move_into_place, export_hf, read_meta, resolve_checkpoint
@@ -78,18 +80,19 @@ def quantize_checkpoint(
     overwrite: bool = False,
 ) -> Path:
     """Write ``checkpoint``'s model quantised with modelopt's ``recipe`` (``fp8`` or ``nvfp4``) to ``out_dir``
-    (module docstring); returns ``out_dir``. Checks (recipe, modelopt, checkpoint, output directory) come first."""
+    (module docstring); returns ``out_dir``. Checks (recipe, checkpoint, output directory, modelopt) come first."""
     if recipe not in MODELOPT_CONFIGS:
         raise QuantizeError(f"--recipe {recipe}: choose {' or '.join(MODELOPT_CONFIGS)}")
     if calib_batches < 1 or calib_batch_size < 1:
         raise QuantizeError(f"--calib-batches {calib_batches}: need at least one batch of at least one sequence")
-    mtq, export_hf_checkpoint = load_modelopt()
-    from transformers import AutoModelForCausalLM
-
     info = resolve_checkpoint(Path(checkpoint))
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite, info.path)
     meta = read_meta(info.path)
+    read_checked_metadata(info.path)  # a damaged or tampered-with checkpoint, before modelopt's slow import
+    mtq, export_hf_checkpoint = load_modelopt()
+    from transformers import AutoModelForCausalLM
+
     batches = calibration_batches(meta, calib_batches, calib_batch_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.quantize-{uuid.uuid4().hex[:8]}")
@@ -108,6 +111,7 @@ def quantize_checkpoint(
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 if (hf_dir / name).is_file():
                     shutil.copyfile(hf_dir / name, staging / name)
+            apply_default_modes(staging)  # modelopt writes its safetensors 0600, as safetensors does
         _move_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

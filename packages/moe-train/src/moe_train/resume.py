@@ -1,17 +1,34 @@
 """Where a run starts from: a fresh output directory, a cleared one (``run.overwrite``) or a checkpoint
 (``run.resume auto`` = the latest complete one in the output directory, or a path). Everything here is checked before
-the model is built, so a mistake costs nothing and leaves nothing behind."""
+the model is built, so a mistake costs nothing and leaves nothing behind.
+
+An output directory holds one history. Resuming from a checkpoint other than its latest (or from another run's)
+abandons what came after: :func:`start_history` moves those checkpoints, with the abandoned history's
+``metrics.jsonl`` and ``summary.json``, into ``checkpoints/abandoned-<time>/`` before the run writes anything, and the
+metrics log and TensorBoard events are cut back to the resume point, so ``run.resume auto`` always continues the
+history the last run wrote."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from moe_train.checkpoint import CheckpointError, CheckpointInfo, latest_checkpoint, read_meta
+from moe_train.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    incomplete_checkpoints,
+    latest_checkpoint,
+    list_checkpoints,
+    read_meta,
+)
 from moe_train.config import ConfigError, ExperimentConfig
+from moe_train.output_lock import LOCK_FILE, check_unlocked
 
 # model fields that choose how a step computes, not what the weights are: a checkpoint resumes under another value
 _RUNTIME_MODEL_FIELDS = frozenset({"moe_expert_backend"})
@@ -23,14 +40,20 @@ class ResumePoint:
 
     checkpoint: CheckpointInfo
     meta: dict[str, Any]
+    # complete checkpoints of the output directory that do not lead to ``checkpoint``: the later ones, or all of them
+    # when it is another directory's (``foreign``); set aside by start_history
+    abandoned: tuple[CheckpointInfo, ...] = ()
+    foreign: bool = False
+    incomplete: tuple[Path, ...] = ()  # saves newer than ``checkpoint`` that did not finish (passed over)
 
 
 def checkpoint_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.run.output_dir) / "checkpoints"
 
 
-def check_output_dir(cfg: ExperimentConfig) -> None:
-    """Refuse an output directory that holds another run (unless resuming or overwriting) or cannot be written."""
+def check_output_dir(cfg: ExperimentConfig, *, locked: bool = False) -> None:
+    """Refuse an output directory that another live run holds, that holds another run (unless resuming or
+    overwriting) or that cannot be written. ``locked``: this process holds its lock."""
     run = cfg.run
     out = Path(run.output_dir)
     if run.overwrite and run.resume:
@@ -39,7 +62,10 @@ def check_output_dir(cfg: ExperimentConfig) -> None:
         )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"run.output_dir={run.output_dir!r} is a file; choose a directory")
-    if out.is_dir() and any(out.iterdir()) and not (run.resume or run.overwrite):
+    # the main rank (RANK 0 under torchrun) holds the lock for every rank of a run: the others do not look
+    if out.is_dir() and not locked and int(os.environ.get("RANK", "0")) == 0:
+        check_unlocked(run.output_dir)
+    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()) and not (run.resume or run.overwrite):
         raise ConfigError(
             f"run.output_dir={run.output_dir!r} is not empty (an earlier run?): continue it with --run.resume auto, "
             "replace it with --run.overwrite true, or choose another run.output_dir"
@@ -62,6 +88,8 @@ def clear_output_dir(cfg: ExperimentConfig) -> None:
     out = Path(cfg.run.output_dir)
     if cfg.run.overwrite and out.is_dir():
         for child in out.iterdir():
+            if child.name == LOCK_FILE:  # this run's own lock
+                continue
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
@@ -91,7 +119,76 @@ def find_resume_point(cfg: ExperimentConfig) -> ResumePoint | None:
         raise ConfigError(f"run.resume={resume!r}: {err}") from None
     found = CheckpointInfo(path, int(meta["step"]))
     check_compatible(cfg, meta, found)
-    return ResumePoint(found, meta)
+    own_dir = checkpoint_dir(cfg)
+    foreign = not (own_dir.is_dir() and path.parent.resolve() == own_dir.resolve())
+    existing = list_checkpoints(own_dir)
+    abandoned = tuple(existing if foreign else (c for c in existing if c.step > found.step))
+    incomplete = tuple(p for p, step in incomplete_checkpoints(own_dir) if step > found.step and not foreign)
+    return ResumePoint(found, meta, abandoned, foreign, incomplete)
+
+
+# files of a run's output directory that describe its history up to where it stopped
+HISTORY_FILES = ("metrics.jsonl", "summary.json", "loss.svg", "expert_load.svg")
+
+
+def _aside_dir(checkpoints: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside, n = checkpoints / f"abandoned-{stamp}", 1
+    while aside.exists():
+        n += 1
+        aside = checkpoints / f"abandoned-{stamp}-{n}"
+    return aside
+
+
+def start_history(cfg: ExperimentConfig, resume: ResumePoint | None) -> list[str]:
+    """Make the output directory hold the one history this run continues (on the main rank, once the run is known to
+    be valid, before anything is written): ``run.overwrite`` clears it; saves that never finished (``.step_N.partial``)
+    and files a killed rewrite left (``*.tmp``) go; a resume sets aside the checkpoints and files of the history it
+    abandons (module docstring). Returns notes for the user."""
+    out, checkpoints = Path(cfg.run.output_dir), checkpoint_dir(cfg)
+    notes: list[str] = []
+    if resume is None:
+        clear_output_dir(cfg)
+    stale = [*checkpoints.glob(".step_*.partial"), *checkpoints.glob(".step_*.old"), *out.glob("*.tmp")]
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    passed_over = resume.incomplete if resume is not None else ()
+    if removed := [p.name for p in stale if p not in passed_over]:
+        notes.append(f"removed what interrupted writes left: {', '.join(removed)}")
+    if resume is None:
+        return notes
+    step = resume.checkpoint.step
+    if passed_over:
+        notes.append(
+            f"passed over {', '.join(p.name for p in passed_over)} (newer than step {step} but incomplete: a save that "
+            f"did not finish; partial ones removed); resuming from {resume.checkpoint.path}"
+        )
+    history = [out / name for name in HISTORY_FILES if (out / name).is_file()]
+    if resume.foreign and (out / "tensorboard").is_dir():
+        history.append(out / "tensorboard")
+    if resume.abandoned or (resume.foreign and history):
+        aside = _aside_dir(checkpoints)
+        aside.mkdir(parents=True)
+        for checkpoint in resume.abandoned:
+            checkpoint.path.rename(aside / checkpoint.path.name)
+        for path in history:
+            if path.name == "metrics.jsonl" and not resume.foreign:
+                shutil.copy2(path, aside / path.name)  # cut back to the resume point by the run's MetricsLog
+            else:
+                path.rename(aside / path.name)
+        what = f"checkpoints {', '.join(c.path.name for c in resume.abandoned)}" if resume.abandoned else "its files"
+        origin = f"{resume.checkpoint.path} (another directory's)" if resume.foreign else f"step {step}"
+        notes.append(
+            f"resuming from {origin} abandons the history this output directory went on to: {what} moved to {aside}"
+        )
+    else:
+        (out / "summary.json").unlink(missing_ok=True)  # where the last session ended; this one writes its own
+    return notes
+
+
+def print_notes(notes: list[str]) -> None:
+    for note in notes:
+        print(f"moe-train: note: {note}", file=sys.stderr)
 
 
 def check_compatible(cfg: ExperimentConfig, meta: dict[str, Any], found: CheckpointInfo) -> None:

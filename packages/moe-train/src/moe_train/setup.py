@@ -23,7 +23,7 @@ from moe_parallel import (
     ParallelPlan,
     PipelineParallelModel,
     build_meshes,
-    check_plan,
+    check_layout,
     init_distributed,
     microbatch_rule,
     parallelize,
@@ -73,11 +73,11 @@ def checked_meta_model(
     with ``run``, against its recompute and offload settings, before anything is allocated; errors become
     :class:`ConfigError`. Shared by ``train`` and ``plan``."""
     try:
-        layout = parallel_config.layout(world_size)
         with torch.device("meta"):
             model = build_model(model_config)
         plan = model.parallel_plan()
-        check_plan(model, plan, parallel_config, layout)
+        # suggested values of a refused size pass every rule at once, the model's and the world's
+        layout = check_layout(model, plan, parallel_config, world_size)
         if run is not None:
             check_memory_options(model, model.module_kinds(), *memory_options(run))
     except BackendUnavailableError as err:
@@ -107,18 +107,34 @@ def memory_options(run: RunConfig) -> tuple[list[str], list[str], int]:
     return run.recompute_modules, run.offload_modules, run.offload_min_tensor_bytes
 
 
+# train.micro_batch_size 0: at most this many sequences per forward, whatever the layout
+DEFAULT_MICRO_BATCH_SIZE = 4
+
+
+def default_micro_batch_size(global_batch_size: int) -> int:
+    """``train.micro_batch_size`` 0: the largest divisor of the global batch up to :data:`DEFAULT_MICRO_BATCH_SIZE`.
+    It depends on the batch alone, not on the layout: balancing losses are computed per micro-batch, so runs under
+    different layouts compute the same losses only with the same micro-batches."""
+    return max(d for d in range(1, min(global_batch_size, DEFAULT_MICRO_BATCH_SIZE) + 1) if global_batch_size % d == 0)
+
+
 def micro_batching(train_config: TrainConfig, layout: ParallelLayout) -> tuple[int, int]:
-    """(sequences per micro-batch, micro-batches per step) on each data-parallel rank: ``train.micro_batch_size``, or
-    by default the rank's whole share in one micro-batch (pp of them under pipeline parallelism, which needs
-    several)."""
+    """(sequences per micro-batch, micro-batches per step) on each data-parallel rank: ``train.micro_batch_size``
+    (0: :func:`default_micro_batch_size`), gradient accumulation filling the rank's share of the global batch."""
     global_batch = train_config.global_batch_size
-    micro = train_config.micro_batch_size or global_batch // layout.dp
-    if not train_config.micro_batch_size and layout.pp > 1:
-        micro = max(1, micro // layout.pp)
-    if micro == 0 or global_batch % (micro * layout.dp):
+    micro = train_config.micro_batch_size or default_micro_batch_size(global_batch)
+    if global_batch % (micro * layout.dp):
+        default = "" if train_config.micro_batch_size else ", the default"
+        share = global_batch // layout.dp if global_batch % layout.dp == 0 else 0
+        fits = [d for d in range(1, share + 1) if share % d == 0]
+        fix = (
+            f"set train.micro_batch_size to one of {fits} (equal micro-batch sizes train alike under every layout)"
+            if fits
+            else f"make train.global_batch_size a multiple of the data-parallel size {layout.dp}"
+        )
         raise ConfigError(
-            f"train.global_batch_size={global_batch} is not a multiple of "
-            f"train.micro_batch_size ({micro}) x data-parallel size ({layout.dp})"
+            f"train.global_batch_size={global_batch} is not a multiple of train.micro_batch_size ({micro}{default}) x "
+            f"data-parallel size ({layout.dp}); {fix}"
         )
     return micro, global_batch // (micro * layout.dp)
 
@@ -149,14 +165,27 @@ def _checkpoint_source(cfg: ExperimentConfig) -> CheckpointSource:
         raise ConfigError(f"model.from_hf={cfg.model_from_hf!r}: {err}{hint}") from None
 
 
-def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = True) -> Setup:
-    """Validate the config against this launch, join the process group and build this rank's part of the model.
+@dataclass
+class RunChecks:
+    """What :func:`check_run` found: everything about a run that can be known without joining a process group."""
 
-    The model is built on the meta device, split over the layout (expert, tensor parallelism, recompute, FSDP), and
-    only then materialised: each rank allocates and fills its own shards, from fresh initial values or from the
-    HuggingFace checkpoint. ``build_on_meta=False`` builds the whole model with values first (as every rank did
-    before; the same values, kept to check that both ways train alike).
-    """
+    device_type: str
+    native_precision: bool
+    resume: ResumePoint | None
+    data: PreparedData
+    source: CheckpointSource | None  # model.from_hf's files, open (close it when not building)
+    layout: ParallelLayout
+    model: nn.Module  # on the meta device
+    plan: ParallelPlan
+    micro_batch: int
+    grad_accum: int
+    dtype: torch.dtype
+
+
+def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
+    """Every check of a run of ``world_size`` ranks that needs no process group, in order, before anything is written
+    to the output directory (the token cache aside): ``ConfigError`` for the first that fails. Each rank runs it
+    before joining the group, and ``moe-train launch`` runs it once before starting any."""
     device_type = _resolve_device(cfg)
     try:
         native_precision = cfg.precision.native_on(device_type)
@@ -182,13 +211,6 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
             f"{len(data.valid.eval_offsets())} windows of data.seq_len={cfg.data.seq_len}, fewer than one batch of "
             f"train.global_batch_size={cfg.train.global_batch_size}; add validation data or raise data.valid_fraction"
         )
-    if resume is not None and resume.meta.get("data", {}).get("fingerprint") not in (None, data.fingerprint):
-        # not refused: continuing a run on new data is a thing people do on purpose; but it is not a resume
-        print(
-            f"moe-train: note: {resume.checkpoint.path} was trained on other data than data.source={cfg.data.source!r} "
-            "(another token-file fingerprint); its batches from here on differ from the original run's",
-            file=sys.stderr,
-        )
     source = _checkpoint_source(cfg) if cfg.model_from_hf else None  # names, shapes and file headers checked
     try:
         layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
@@ -196,22 +218,55 @@ def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = Tru
         problem = compile_problem(cfg, layout)
         if problem is not None:
             raise ConfigError(problem)
-    except ConfigError:
+        micro, grad_accum = micro_batching(cfg.train, layout)
+        reason = microbatch_rule(cfg.parallel, layout, grad_accum)
+        if reason is not None:
+            raise ConfigError(
+                f"train.global_batch_size={cfg.train.global_batch_size}: {grad_accum} micro-batches of "
+                f"train.micro_batch_size={micro} per data-parallel rank, and {reason}; raise the batch or lower the "
+                "micro-batch size"
+            )
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
+            cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
+        )
+        _check_expert_backend_dtype(cfg, torch.bfloat16 if cfg.train.params_dtype == "bf16" else dtype)
+    except BaseException:
         if source is not None:
             source.close()
         raise
-    micro, grad_accum = micro_batching(cfg.train, layout)
-    reason = microbatch_rule(cfg.parallel, layout, grad_accum)
-    if reason is not None:
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size}: {grad_accum} micro-batches of "
-            f"train.micro_batch_size={micro} per data-parallel rank, and {reason}; raise the batch or lower the "
-            "micro-batch size"
+    return RunChecks(device_type, native_precision, resume, data, source, layout, model, plan, micro, grad_accum, dtype)
+
+
+def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = True) -> Setup:
+    """Validate the config against this launch (:func:`check_run`), join the process group and build this rank's
+    part of the model.
+
+    The model is built on the meta device, split over the layout (expert, tensor parallelism, recompute, FSDP), and
+    only then materialised: each rank allocates and fills its own shards, from fresh initial values or from the
+    HuggingFace checkpoint. ``build_on_meta=False`` builds the whole model with values first (as every rank did
+    before; the same values, kept to check that both ways train alike).
+    """
+    checked = check_run(cfg, world_size)
+    try:
+        return _build(cfg, checked, build_on_meta)
+    except BaseException:
+        if checked.source is not None:
+            checked.source.close()
+        raise
+
+
+def _build(cfg: ExperimentConfig, checked: RunChecks, build_on_meta: bool) -> Setup:
+    """:func:`prepare` once the run is checked."""
+    device_type, native_precision = checked.device_type, checked.native_precision
+    resume, data, layout, model, plan = checked.resume, checked.data, checked.layout, checked.model, checked.plan
+    source, micro, grad_accum, dtype = checked.source, checked.micro_batch, checked.grad_accum, checked.dtype
+    if resume is not None and resume.meta.get("data", {}).get("fingerprint") not in (None, data.fingerprint):
+        # not refused: continuing a run on new data is a thing people do on purpose; but it is not a resume
+        print(
+            f"moe-train: note: {resume.checkpoint.path} was trained on other data than data.source={cfg.data.source!r} "
+            "(another token-file fingerprint); its batches from here on differ from the original run's",
+            file=sys.stderr,
         )
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
-        cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
-    )
-    _check_expert_backend_dtype(cfg, torch.bfloat16 if cfg.train.params_dtype == "bf16" else dtype)
     ctx = init_distributed(cfg.parallel.backend, device_type)
     torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
     if not build_on_meta:

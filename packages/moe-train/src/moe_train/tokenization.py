@@ -1,12 +1,15 @@
 """Text to token ids: byte-level (the default: ids 0..255, documents separated by a blank line, as the stdlib data
 always was) or a local HuggingFace tokenizer (``data.tokenizer``: a ``tokenizer.json`` or a directory holding one;
 other tokenizer formats load through ``transformers`` when it is installed), whose end-of-text token separates
-documents. Nothing here downloads."""
+documents. Nothing here downloads, and nothing outside the tokenizer's directory is read: a tokenizer file there
+that is a symlink leading out of it is refused (a HuggingFace hub cache snapshot's links into its ``blobs`` are
+fine)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_models.hf.files import containment_root, resolve_inside
 from moe_train.config import ConfigError, DataConfig
 
 BYTES = "bytes"  # data.tokenizer value that asks for byte-level ids even with model.from_hf
@@ -23,6 +27,8 @@ COMMON_EOS_TOKENS = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "[EOS]
 TOKENIZER_FILE = "tokenizer.json"
 # files of a transformers tokenizer directory that decide its ids (a model directory's weights do not)
 TOKENIZER_FILE_PATTERNS = ("*token*", "*vocab*", "*merges*", "*.model", "*spiece*")
+# the files read besides those: the end-of-text token's configuration (both match "*token*" too)
+TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,33 @@ def default_tokenizer(data: DataConfig, model_from_hf: str = "") -> str:
     if data.tokenizer:
         return data.tokenizer
     if model_from_hf and (Path(model_from_hf) / TOKENIZER_FILE).is_file():
+        if resolve_inside(model_from_hf, TOKENIZER_FILE) is None:
+            raise ConfigError(
+                f"data.tokenizer='' takes the tokenizer of model.from_hf={model_from_hf!r}, whose {TOKENIZER_FILE} "
+                f"leads to {os.path.realpath(Path(model_from_hf) / TOKENIZER_FILE)}, outside that directory; copy the "
+                "file into it, or name a tokenizer with data.tokenizer"
+            )
         return str(Path(model_from_hf) / TOKENIZER_FILE)
     return ""
+
+
+def _check_inside(name: str, directory: Path, whole: bool) -> None:
+    """The files read from the tokenizer's ``directory`` lie inside it: a symlink out of it is refused before anything
+    is read. ``whole``: data.tokenizer names the directory, whose tokenizer files are all checked (transformers reads
+    them, and config.json); else it names a tokenizer.json, which may be anywhere, and only the configuration files
+    read beside it are checked."""
+    candidates = [directory / n for n in TOKENIZER_CONFIG_FILES]
+    if whole:
+        candidates += [directory / TOKENIZER_FILE, directory / "config.json"]
+        candidates += [p for pattern in TOKENIZER_FILE_PATTERNS for p in sorted(directory.glob(pattern))]
+    for path in dict.fromkeys(candidates):
+        if not (path.exists() or path.is_symlink()):
+            continue
+        if resolve_inside(directory, path.name) is None:
+            raise ConfigError(
+                f"data.tokenizer={name!r}: {path.name} leads to {os.path.realpath(path)}, outside the tokenizer "
+                f"directory {containment_root(directory)}; copy the file into the directory instead of linking to it"
+            )
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -130,6 +161,7 @@ def load_tokenizer(path: str, eos_token: str = "") -> Tokenizer:
     location = Path(path).expanduser()
     if not location.exists():
         raise ConfigError(f"data.tokenizer={path!r}: no such file or directory; give a tokenizer.json or its directory")
+    _check_inside(path, location if location.is_dir() else location.parent, whole=location.is_dir())
     file = location / TOKENIZER_FILE if location.is_dir() else location
     if file.is_file():
         return _load_tokenizers_file(path, file, eos_token)

@@ -26,11 +26,13 @@ from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
 from moe_train.loggers import RunLoggers
 from moe_train.metrics import MetricsLog, peak_tflops
 from moe_train.optim import build_optimizer, lr_at, set_lr
+from moe_train.output_lock import OutputDirLock
 from moe_train.plots import heatmap_svg, line_chart_svg
-from moe_train.resume import checkpoint_dir, clear_output_dir
+from moe_train.resume import check_output_dir, checkpoint_dir, print_notes, start_history
 
 # what runs a training is built by moe_train.setup; ``from moe_train.trainer import prepare, train`` keeps working
 from moe_train.setup import Setup, prepare  # noqa: F401
+from moe_train.write_errors import writing
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,26 @@ class Progress:
 def train(setup: Setup) -> TrainSummary:
     """Run (or continue, from ``setup.resume``) the training loop; checkpoints as ``run.*`` says. Stops early, with
     a checkpoint, on SIGTERM / SIGINT or at ``run.exit_interval``; raises :class:`NonFiniteError` when the loss or
-    gradient norm stops being finite (after skipping up to ``train.skip_nonfinite_steps`` such steps)."""
+    gradient norm stops being finite (after skipping up to ``train.skip_nonfinite_steps`` such steps) and
+    :class:`~moe_train.write_errors.OutputWriteError` when a file of the run cannot be written (a full disk).
+
+    The main rank holds the output directory's lock (:mod:`moe_train.output_lock`) for the whole run, taken before
+    anything is read or written (a :class:`ConfigError` naming the holder's PID when another run has it) and
+    released however the run ends; the directory is checked again once held, as another run may have written into it
+    since :func:`prepare` looked."""
+    lock = None
+    if setup.ctx.is_main:
+        lock = OutputDirLock(setup.cfg.run.output_dir).acquire()
+    try:
+        if lock is not None:
+            check_output_dir(setup.cfg, locked=True)
+        return _run(setup)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(setup: Setup) -> TrainSummary:
     cfg, ctx = setup.cfg, setup.ctx
     started = time.perf_counter()
     out_dir = Path(cfg.run.output_dir)
@@ -105,11 +126,13 @@ def train(setup: Setup) -> TrainSummary:
         start = load_checkpoint(setup.resume.checkpoint.path, model, optimizer, setup.parallel, restore_rng=same_world)
     loop = _Loop(setup, optimizer, start)
     if ctx.is_main:
-        if setup.resume is None:
-            clear_output_dir(cfg)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        loop.open_logs(out_dir)
+        with writing(checkpoint_dir(cfg), "the run did not start"):
+            print_notes(start_history(cfg, setup.resume))
+        with writing(out_dir / "config.json", "the run did not start"):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            _write_whole(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+        with writing(out_dir / "metrics.jsonl", "the run did not start"):
+            loop.open_logs(out_dir)
     if ctx.world_size > 1:
         torch.distributed.barrier()  # the output directory is cleared before any rank writes a checkpoint into it
     progress = Progress(cfg.train.steps, cfg.run.log_interval, ctx.is_main, first_step=start)
@@ -342,7 +365,10 @@ class _Loop:
             record["val_loss"] = self.evaluate()
         self.steps_done = step + 1
         if self.log is not None:
-            self.log.write(record)
+            kept = f"the last complete checkpoint is {last_saved}" if last_saved else "no checkpoint was written"
+            stopped = f"the run stopped at step {step + 1} and {kept}; continue with --run.resume auto"
+            with writing(self.log.path, stopped):
+                self.log.write(record)
         if self.loggers is not None:
             self.loggers.log(step + 1, record)
         if diverged is not None:
@@ -414,11 +440,13 @@ class _Loop:
             resumed_from=str(self.setup.resume.checkpoint.path) if self.setup.resume else None,
         )
         if self.log is not None:
-            self.log.close()
-            self.loggers.close()
-            if records:
-                _write_pictures(out_dir, self.log.records, self.load_LE)
-            (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2, allow_nan=False))
+            saved = f"its checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+            with writing(out_dir / "summary.json", f"the run ended ({status}) and {saved}, but its summary did not"):
+                self.log.close()
+                self.loggers.close()
+                if records:
+                    _write_pictures(out_dir, self.log.records, self.load_LE)
+                _write_whole(out_dir / "summary.json", json.dumps(summary.__dict__, indent=2, allow_nan=False))
         return summary
 
 
@@ -441,6 +469,17 @@ class _PipelineLoss:
         if loss.mtp:
             self.mtp_sum = self.mtp_sum + full_value(torch.stack(loss.mtp).mean())
         return loss.total
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """``path`` with ``text``, or (on a failed write) as it was: written aside, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _loss_text(value: float | None) -> str:

@@ -1,9 +1,12 @@
 """safetensors checkpoint files: finding them (one file or an index of shards), reading tensors or expert rows of
-them lazily, and writing shards. Pickle checkpoints are refused, never unpickled."""
+them lazily, and writing shards. Pickle checkpoints are refused, never unpickled, and so is every file that resolves
+outside the checkpoint directory (an index entry like ``../x.safetensors`` or ``/etc/passwd``, a symlink out):
+:func:`resolve_inside` is that rule, for model, data and tokenizer directories alike."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -19,6 +22,44 @@ from moe_models.hf.state_dict_map import Source
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
+HUB_SNAPSHOTS = "snapshots"  # a HuggingFace hub cache: models--org--name/snapshots/<revision>/ -> ../../blobs/<hash>
+
+
+def containment_root(directory: str | Path) -> Path:
+    """The folder every file of ``directory`` must resolve inside: ``directory`` itself (symlinks resolved), or,
+    for a HuggingFace hub cache snapshot (``models--org--name/snapshots/<revision>``, whose files are symlinks into
+    ``../../blobs``), the repository's cache folder ``models--org--name``."""
+    resolved = Path(directory).resolve()
+    return resolved.parent.parent if resolved.parent.name == HUB_SNAPSHOTS else resolved
+
+
+def resolve_inside(directory: str | Path, name: str | Path) -> Path | None:
+    """``directory / name`` with ``..`` and symlinks resolved (``Path.resolve``), or None when that lands outside
+    :func:`containment_root` of ``directory`` (an absolute ``name`` lands where it points) or cannot be resolved
+    (a symlink loop). The file need not exist."""
+    try:
+        resolved = (Path(directory) / name).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop (RuntimeError before Python 3.13), a NUL byte
+        return None
+    return resolved if resolved.is_relative_to(containment_root(directory)) else None
+
+
+def _target(path: Path) -> str:
+    """Where ``path`` really is, for an error message (nothing for a name no file system takes, e.g. with a NUL)."""
+    try:
+        return f" (to {os.path.realpath(path)})"
+    except ValueError:
+        return ""
+
+
+def inside_or_refuse(directory: Path, name: str) -> None:
+    """A file the checkpoint directory holds under a fixed name (config.json, the index, model.safetensors) stays
+    inside it."""
+    if (directory / name).exists() and resolve_inside(directory, name) is None:
+        raise HFCheckpointError(
+            f"{directory / name} resolves to {os.path.realpath(directory / name)}, outside the checkpoint directory "
+            f"{containment_root(directory)}: copy the file into the directory instead of linking to it"
+        )
 
 
 def _refuse_pickle(directory: Path) -> None:
@@ -52,12 +93,27 @@ class CheckpointReader:
             raise HFCheckpointError(f"{self.directory} is not a directory: give the checkpoint directory")
         index = self.directory / INDEX_FILE
         if index.is_file():
+            inside_or_refuse(self.directory, INDEX_FILE)
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as err:
+                if not all(isinstance(f, str) for f in weight_map.values()):
+                    raise TypeError("weight_map values must be file names")
+                files = set(weight_map.values())
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
                 raise HFCheckpointError(f"{index} is not a safetensors index ({err}): download it again") from None
+            outside = sorted(f for f in files if resolve_inside(self.directory, f) is None)
+            if outside:
+                key = min(k for k, f in weight_map.items() if f == outside[0])
+                more = f" (and {len(outside) - 1} more files)" if len(outside) > 1 else ""
+                raise HFCheckpointError(
+                    f"{index}: weight_map entry {key!r}: {outside[0]!r}{more}: the index points outside the "
+                    f"checkpoint directory {containment_root(self.directory)}{_target(self.directory / outside[0])}; "
+                    "its files must lie inside it: download the checkpoint again, or copy the shards in and name "
+                    "them relative to the directory"
+                )
             self.file_of: dict[str, Path] = {k: self.directory / f for k, f in weight_map.items()}
         elif (self.directory / SINGLE_FILE).is_file():
+            inside_or_refuse(self.directory, SINGLE_FILE)
             with _safe_open(self.directory / SINGLE_FILE) as f:
                 self.file_of = dict.fromkeys(f.keys(), self.directory / SINGLE_FILE)
         else:

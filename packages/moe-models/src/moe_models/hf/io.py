@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import uuid
 import warnings
@@ -17,7 +18,7 @@ from torch import nn
 from moe_models.config import ModelConfig
 from moe_models.hf.config_map import config_from_hf, config_to_hf
 from moe_models.hf.errors import HFCheckpointError, name_list
-from moe_models.hf.files import CheckpointReader, ShardWriter, parse_size
+from moe_models.hf.files import CheckpointReader, ShardWriter, inside_or_refuse, parse_size
 from moe_models.hf.state_dict_map import Plan, build_plan, mtp_prefixes
 from moe_models.model import build_model
 
@@ -138,6 +139,7 @@ def load_pretrained(
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HFCheckpointError(f"{path} has no config.json: point at a HuggingFace checkpoint directory")
+    inside_or_refuse(path, "config.json")
     config = config_from_hf(json.loads(config_file.read_text()))
     with CheckpointReader(path) as reader:
         prefixes = tuple(mtp_prefixes(config))
@@ -167,6 +169,21 @@ def _hf_tensors(model: nn.Module, plan: Plan) -> Iterator[tuple[str, torch.Tenso
         yield key, torch.zeros(shape, dtype=torch.float32)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def apply_default_modes(directory: Path) -> None:
+    """Give the files under ``directory`` the mode a plain ``open()`` would (0666 less the umask): safetensors writes
+    its files 0600, unreadable to the other users who serve or copy the model, unlike every other file."""
+    mode = 0o666 & ~_umask()
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
 def save_pretrained(
     model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB", overwrite: bool = False
 ) -> None:
@@ -188,6 +205,7 @@ def save_pretrained(
             writer.add(key, tensor)
         writer.finish()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        apply_default_modes(tmp)
         if path.exists():  # an empty directory, or overwrite=True: move it aside so `path` is never half-written
             old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
             path.rename(old)
