@@ -357,3 +357,56 @@ def test_a_from_hf_config_json_linked_from_outside_is_refused(tmp_path: Path) ->
     (checkpoint / "config.json").symlink_to(outside)
     with pytest.raises(ConfigError, match="config.json leads outside the checkpoint directory"):
         load_config("tiny", {"model.from_hf": str(checkpoint)})
+
+
+def test_a_tokenizer_config_naming_files_outside_is_refused(tmp_path: Path) -> None:
+    """transformers opens the files tokenizer_config.json names (vocab_file, merges_file...) as given, absolute paths
+    included: a BERT tokenizer directory whose config names a vocabulary elsewhere used to read it."""
+    secret = tmp_path / "outside_vocab.txt"
+    secret.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nsecret\n")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    config = {"tokenizer_class": "BertTokenizer", "vocab_file": str(secret), "unk_token": "[UNK]"}
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    _one_line_error(
+        lambda: load_tokenizer(str(tok)), f"tokenizer_config.json's vocab_file={str(secret)!r} names a file outside"
+    )
+    config["vocab_file"] = "../outside_vocab.txt"
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    _one_line_error(lambda: load_tokenizer(str(tok)), "vocab_file='../outside_vocab.txt' names a file outside")
+
+
+def test_a_folder_named_snapshots_outside_the_hub_cache_is_not_exempt(tmp_path: Path) -> None:
+    """Only a hub cache's repository folder (models--, datasets--, spaces--) lets a snapshot link into ``../../``."""
+    data = tmp_path / "home" / "snapshots" / "ds"
+    data.mkdir(parents=True)
+    (data / "a.txt").write_text(DOCS[0])
+    (tmp_path / "home" / "creds.txt").write_text("secret")
+    (data / "b.txt").symlink_to(tmp_path / "home" / "creds.txt")  # inside "home", the folder above snapshots/
+    _one_line_error(lambda: resolve_source(str(data), "text"), "entry 'b.txt' is a symlink to", "outside the directory")
+    hub = tmp_path / "models--org--name" / "snapshots" / "rev"
+    hub.mkdir(parents=True)
+    (hub.parent.parent / "blobs").mkdir()
+    (hub.parent.parent / "blobs" / "0123").write_text(DOCS[0])
+    (hub / "a.txt").symlink_to(hub.parent.parent / "blobs" / "0123")
+    assert resolve_source(str(hub), "text").files == (hub / "a.txt",)
+
+
+@pytest.mark.parametrize("mode", ["strict", "replace"])
+def test_unpaired_surrogate_escapes_in_jsonl(tmp_path: Path, mode: str) -> None:
+    """``"\\udc80"`` is valid JSON but no text: it used to crash the byte tokenizer with a UnicodeEncodeError."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": "abc \\udc80 def"}\n')
+    if mode == "strict":
+        _one_line_error(lambda: _prepare(path, tmp_path / "cache"), "s.jsonl line 2 holds an unpaired surrogate")
+        return
+    files = _prepare(path, tmp_path / "cache", decode_errors="replace")
+    tokens = np.fromfile(files.train.path, dtype=np.uint8).tobytes()
+    assert "abc \ufffd def".encode() in tokens
+
+
+def test_a_strict_run_does_not_reuse_what_replace_built(tmp_path: Path) -> None:
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"good text \xff more text " * 20)
+    _prepare(path, tmp_path / "cache", decode_errors="replace")
+    _one_line_error(lambda: _prepare(path, tmp_path / "cache"), "bad.txt is not UTF-8 text: byte 10")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,9 @@ def test_resuming_from_an_earlier_checkpoint_starts_a_new_history(
     # the branch retraces the original history from step 2 on (same weights, data and seed)
     assert _records(out)[2]["loss"] == pytest.approx(whole[3], rel=1e-6)
 
+    # TensorBoard orders event files by name: whole seconds, then host, pid and an in-process counter compared as
+    # text ("10" < "9"), so two runs of one process within one second may be read in the wrong order
+    time.sleep(1.1)
     assert _train(out, "--run.resume", "auto", *branch, steps=12) == 0
     assert [r["step"] for r in _records(out)] == list(range(1, 7))
     summary = json.loads((out / "summary.json").read_text())

@@ -3,6 +3,7 @@ without running it (its command would create a marker file); a truncated checkpo
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 import pickle
@@ -105,3 +106,20 @@ def test_exported_files_have_the_modes_of_every_other_file(run: Path, tmp_path: 
         os.umask(mask)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
     assert modes == {"config.json": "0o644", "model.safetensors": "0o644"}
+
+
+def test_a_checkpoint_naming_a_secret_as_its_tokenizer_does_not_export_it(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """meta.json comes with the checkpoint: a ``data.tokenizer`` naming a private file (an SSH key, credentials)
+    used to be copied into the export as tokenizer.json."""
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    checkpoint = tmp_path / "step_2"
+    shutil.copytree(run / "checkpoints" / "step_2", checkpoint)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["config"]["data"]["tokenizer"] = str(secret)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    assert cli.main(["export", str(checkpoint), "--hf", str(tmp_path / "hf")]) == 0
+    assert "is not a tokenizer file inside its directory; the export has no tokenizer" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]

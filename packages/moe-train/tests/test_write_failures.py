@@ -152,3 +152,47 @@ def test_a_full_disk(tmp_path: Path, warm_cache: Path) -> None:
     assert (logs / "second.rc").read_text().strip() == "2", second
     assert "No space left on device; the run did not start" in _one_line(second)
     assert "metrics.jsonl.tmp" not in (logs / "second.ls").read_text()
+
+
+@pytest.mark.dist
+def test_a_checkpoint_the_main_rank_cannot_publish_stops_every_rank(launch_gloo_workers, tmp_path: Path) -> None:
+    """Two gloo ranks save; the main rank's meta.json write fails (ENOSPC). The main rank reports the write, the other
+    stops quietly: neither waits in a barrier for the other (the old code left rank 1 in the barrier for good)."""
+    results = launch_gloo_workers(Path(__file__), 2, tmp_path, timeout=120)
+    assert results[0]["error"] == "CheckpointWriteError" and "No space left on device" in results[0]["message"]
+    assert results[1]["error"] == "OtherRankFailed"
+    assert not list((tmp_path / "checkpoints").iterdir())  # the partial save is gone
+
+
+def _worker(out: Path) -> None:
+    import errno
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import moe_train.checkpoint as checkpoint
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+
+        def full_disk(path: Path, value: dict) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        checkpoint._write_json = full_disk
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    try:
+        checkpoint.CheckpointWriter(out / "checkpoints").save(1, model, optimizer, {})
+        result = {"error": None, "message": ""}
+    except Exception as err:
+        result = {"error": type(err).__name__, "message": str(err)}
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))

@@ -56,9 +56,10 @@ from moe_parallel import (
     local_box,
     restore_expert_checkpoint_pieces,
 )
+from moe_train.faults import agree_on_failure
 from moe_train.safe_dcp import DamagedCheckpointError, SafeFileSystemReader, UnsafeCheckpointError
 from moe_train.safe_dcp import read_metadata as read_dcp_metadata
-from moe_train.write_errors import OutputWriteError, interrupted, write_failure
+from moe_train.write_errors import OutputWriteError, interrupted, is_write_failure, write_failure
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -132,6 +133,13 @@ def package_versions() -> dict[str, str]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _device() -> torch.device:
+    """The device this rank's collectives run on (the process group's backend decides: NCCL needs CUDA)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _barrier() -> None:
@@ -352,38 +360,52 @@ class CheckpointWriter:
         return self.last
 
     def _failed(self, err: BaseException, staging: Path, step: int) -> BaseException:
-        """Remove the save's partial directory; the error to raise: KeyboardInterrupt for an interrupt, else a
-        one-line :class:`CheckpointWriteError`."""
+        """Remove the save's partial directory (if it was not published already); the error to raise:
+        KeyboardInterrupt for an interrupt, a one-line :class:`CheckpointWriteError` for a write the file system
+        refused, else ``err`` itself (a bug, an out-of-memory, a collective that failed: its traceback matters)."""
         where = write_failure(err, staging)  # before the removal frees the space
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
         latest = latest_checkpoint(self.directory)
+        saved = latest is not None and latest.step == step  # it failed after the rename: the checkpoint is complete
+        what = f"checkpoint of step {step} saved ({latest.path}), then" if saved else f"checkpoint of step {step}"
         kept = f"the last complete checkpoint is {latest.path}" if latest else "no complete checkpoint was written"
         if interrupted(err):
-            return KeyboardInterrupt(f"interrupted during the checkpoint save of step {step} (removed); {kept}")
+            removed = "" if saved else " (removed)"
+            return KeyboardInterrupt(f"interrupted during the checkpoint save of step {step}{removed}; {kept}")
+        if not is_write_failure(err, staging):
+            return err
         return CheckpointWriteError(
-            f"checkpoint of step {step} not saved: cannot write {where[0]}: {where[1]}; its partial files were removed "
-            f"and {kept}; free space (or fix the directory) and continue with --run.resume auto"
+            f"{what if saved else what + ' not saved'}: cannot write {where[0]}: {where[1]}; its partial files were "
+            f"removed and {kept}; free space (or fix the directory) and continue with --run.resume auto"
         )
 
     def _publish(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
         _barrier()  # every rank's files are written
+        failure = None
         if _rank() == 0:
-            _write_json(staging / META_FILE, meta)
-            _fsync_dir(staging)
-            old = final.with_name(f".{final.name}.old")
-            if final.exists():  # the same step saved again: the old one goes only once the new one is in place
-                shutil.rmtree(old, ignore_errors=True)
-                final.rename(old)
-            staging.rename(final)
-            _fsync_dir(final.parent)
-            shutil.rmtree(old, ignore_errors=True)
-            if self.keep_last > 0:  # never the one just written: only older ones count against keep_last
-                older = [c for c in list_checkpoints(self.directory) if c.step < int(meta["step"])]
-                for stale in older[: max(len(older) - (self.keep_last - 1), 0)]:
-                    shutil.rmtree(stale.path, ignore_errors=True)
-        _barrier()
+            try:
+                self._publish_files(staging, final, meta)
+            except OSError as err:
+                failure = err
+        agree_on_failure(failure, _device())  # every rank stops if the main rank could not publish
         self.last = final
+
+    def _publish_files(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:
+        """The main rank's part: ``meta.json``, the rename into place, the checkpoints ``keep_last`` lets go."""
+        _write_json(staging / META_FILE, meta)
+        _fsync_dir(staging)
+        old = final.with_name(f".{final.name}.old")
+        if final.exists():  # the same step saved again: the old one goes only once the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        staging.rename(final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        if self.keep_last > 0:  # never the one just written: only older ones count against keep_last
+            older = [c for c in list_checkpoints(self.directory) if c.step < int(meta["step"])]
+            for stale in older[: max(len(older) - (self.keep_last - 1), 0)]:
+                shutil.rmtree(stale.path, ignore_errors=True)
 
 
 def save_checkpoint(

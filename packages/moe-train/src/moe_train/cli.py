@@ -22,6 +22,8 @@ from moe_train.config import ConfigError, load_config, preset_names
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3  # the loss or gradient norm stopped being finite
+# how long `moe-train launch` waits for workers told to stop (they save first) before killing them; torchrun's is 30 s
+LAUNCH_SHUTDOWN_TIMEOUT_S = 600
 
 
 def _parse_overrides(tokens: Sequence[str]) -> dict[str, str]:
@@ -144,7 +146,7 @@ def _quantize(checkpoint: str, recipe: str, out: str, calib_batches: int, overwr
 def _train(config: str, override_tokens: list[str]) -> int:
     from moe_parallel import shutdown_distributed
     from moe_train.checkpoint import CheckpointError
-    from moe_train.faults import NonFiniteError
+    from moe_train.faults import NonFiniteError, OtherRankFailed
     from moe_train.trainer import prepare, train
     from moe_train.write_errors import OutputWriteError
 
@@ -155,6 +157,8 @@ def _train(config: str, override_tokens: list[str]) -> int:
         raise ConfigError(f"run.resume={cfg.run.resume!r}: {err}") from None
     except OutputWriteError as err:  # a full disk, a read-only directory: what to free or fix
         raise ConfigError(str(err)) from None
+    except OtherRankFailed:  # the rank that failed says why
+        return EXIT_USAGE
     except NonFiniteError as err:
         if int(os.environ.get("RANK", "0")) == 0:  # every rank stops at the same step (global values): one line
             print(f"moe-train: error: {err}", file=sys.stderr)
@@ -239,6 +243,8 @@ def _launch(tokens: list[str]) -> int:
     single_node = str(args.nnodes) in ("1", "1:1")
     if single_node and not args.standalone and not args.rdzv_endpoint and args.rdzv_backend == "static":
         args.standalone = True  # a free port of its own rather than the fixed default one
+    if args.shutdown_timeout is None:  # on Ctrl-C / SIGTERM the workers finish their step and save: give them time
+        args.shutdown_timeout = LAUNCH_SHUTDOWN_TIMEOUT_S
     # the workers print their own one-line errors; the agent's log lines about them would only repeat them
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -348,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as err:
             print(f"moe-train: error: {err}", file=sys.stderr)
             return EXIT_USAGE
+        except KeyboardInterrupt:  # during the checks, before any worker started
+            print("moe-train: interrupted", file=sys.stderr)
+            return 130
     args, rest = _parser().parse_known_args(argv)
     try:
         if args.command == "env":
@@ -368,5 +377,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"moe-train: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as err:
-        print(f"moe-train: {err or 'interrupted'}", file=sys.stderr)
+        print(f"moe-train: {str(err) or 'interrupted'}", file=sys.stderr)
         return 130

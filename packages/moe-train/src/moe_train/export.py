@@ -27,6 +27,7 @@ from torch import nn
 
 from moe_models import ModelConfig, build_model
 from moe_models.hf import config_to_hf, save_pretrained
+from moe_models.hf.files import resolve_inside
 from moe_train.checkpoint import (
     META_FILE,
     CheckpointError,
@@ -114,21 +115,49 @@ def _torch_dtype(dtype: str | torch.dtype | None, meta: dict[str, Any]) -> torch
 
 
 def _tokenizer_files(meta: dict[str, Any]) -> list[Path]:
-    """The local tokenizer files of the run (``data.tokenizer``: a tokenizer.json, or a directory holding one)."""
+    """The local tokenizer files of the run (``data.tokenizer``: a tokenizer.json, or a directory holding one).
+
+    ``meta.json`` comes with the checkpoint, which may come from elsewhere: a file is copied only when it is what it
+    says it is (JSON, a tokenizers file for ``tokenizer.json``) and lies inside the tokenizer's directory, so a
+    ``data.tokenizer`` naming ``~/.ssh/id_ed25519`` does not end up in the export."""
     name = ((meta.get("config") or {}).get("data") or {}).get("tokenizer")
     if not name or not isinstance(name, str):
         return []
     path = Path(name).expanduser()
     if path.is_file():
-        return [path]
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
-    if path.suffix == ".json" or path.is_dir():
+        directory, names = path.parent, [path.name]
+    elif path.is_dir() and (path / "tokenizer.json").is_file():
+        directory, names = path, [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    else:
+        if path.suffix == ".json" or path.is_dir():
+            warnings.warn(
+                f"data.tokenizer={name!r}: no tokenizer.json there (from this directory); the export has no tokenizer",
+                stacklevel=3,
+            )
+        return []  # a tokenizer by hub name, or none: nothing local to copy
+    files = [directory / n for n in names]
+    refused = [f for f in files if resolve_inside(directory, f.name) is None or not _is_tokenizer_file(f)]
+    if refused:
         warnings.warn(
-            f"data.tokenizer={name!r}: no tokenizer.json there (from this directory); the export has no tokenizer",
+            f"data.tokenizer={name!r}: {refused[0]} is not a tokenizer file inside its directory; the export has no "
+            "tokenizer (copy one in by hand)",
             stacklevel=3,
         )
-    return []  # a tokenizer by hub name, or none: nothing local to copy
+        return []
+    return files
+
+
+def _is_tokenizer_file(path: Path) -> bool:
+    """A JSON file, and for ``tokenizer.json`` (or the one file a run named) one that ``tokenizers`` loads."""
+    try:
+        json.loads(path.read_text())
+        if path.name not in TOKENIZER_FILES[1:]:
+            from tokenizers import Tokenizer
+
+            Tokenizer.from_file(str(path))
+    except Exception:  # not text, not JSON, not a tokenizer: whatever it is, it is not copied
+        return False
+    return True
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool, checkpoint: Path) -> None:

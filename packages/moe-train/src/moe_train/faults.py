@@ -79,3 +79,23 @@ class NonFiniteGuard:
                 f"{saved}; lower train.lr, raise train.warmup_steps, or allow skips with train.skip_nonfinite_steps"
             )
         return None
+
+
+class OtherRankFailed(RuntimeError):
+    """Another rank failed at a point all ranks pass together, and reports why itself: this rank stops quietly."""
+
+
+def agree_on_failure(error: BaseException | None, device: torch.device) -> None:
+    """Raise on every rank if any rank failed (one small all-reduce): the failed rank its own ``error``, the others
+    :class:`OtherRankFailed`. Where only the main rank writes (the run's files, a checkpoint's ``meta.json``), this
+    replaces the barrier after the write, so that a full disk on the main rank stops every rank instead of leaving
+    them waiting in the barrier."""
+    failed = error is not None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(failed)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise OtherRankFailed("another rank failed")

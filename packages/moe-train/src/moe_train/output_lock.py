@@ -9,6 +9,7 @@ not honour it across machines).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -66,8 +67,14 @@ class OutputDirLock:
     def acquire(self) -> OutputDirLock:
         directory = self.path.parent
         self._created_dir = not directory.exists()
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # another user's lock file, a read-only directory
+            raise ConfigError(
+                f"run.output_dir={self.output_dir!r}: cannot take its lock file {self.path} ({err.strerror or err}); "
+                "choose a directory this user can write"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -83,8 +90,11 @@ class OutputDirLock:
             return
         directory = self.path.parent
         if self._created_dir and [p.name for p in directory.iterdir()] == [LOCK_FILE]:
+            # removed while still held: a run that opened the file meanwhile fails to lock it (its attempt does not
+            # wait), rather than locking a file no longer in the directory
             self.path.unlink(missing_ok=True)
-            directory.rmdir()
+            with contextlib.suppress(OSError):  # another run created something in it meanwhile
+                directory.rmdir()
         os.close(self._fd)  # drops the lock
         self._fd = None
 

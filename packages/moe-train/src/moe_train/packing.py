@@ -56,8 +56,8 @@ class TokenFiles:
 
 
 def cache_key(train: Source, valid: Source | None, valid_fraction: float, tokenizer: Tokenizer) -> str:
-    # data.decode_errors is not part of it: "replace" gives the text every earlier version gave (their entries stay
-    # valid), and "strict" gives that same text or stops the build, so an entry's content never depends on it
+    # data.decode_errors=strict is not part of it (its entries are the ones earlier versions wrote; it gives the same
+    # text or stops the build); "replace" is, so that a strict run never reuses an entry whose text was replaced
     payload = {
         "format": FORMAT_VERSION,
         "train": source_key(train),
@@ -67,6 +67,8 @@ def cache_key(train: Source, valid: Source | None, valid_fraction: float, tokeni
         "separator": list(tokenizer.separator),
         "dtype": tokenizer.dtype.name,
     }
+    if train.decode_errors == "replace":
+        payload["decode_errors"] = "replace"
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

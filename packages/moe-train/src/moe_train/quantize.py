@@ -18,6 +18,7 @@ The output directory appears whole or not at all.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import shutil
 import tempfile
@@ -63,7 +64,8 @@ def calibration_batches(meta: dict[str, Any], num_batches: int, batch_size: int)
     """``num_batches`` batches of the run's configured training data (``data`` section of the checkpoint's config,
     its windows of ``data.seq_len`` tokens), as the trainer draws them from step 1."""
     config = meta.get("config") or {}
-    data = DataConfig(**(config.get("data") or {}))
+    # the token cache goes where this machine keeps it, never where a checkpoint's meta.json says
+    data = dataclasses.replace(DataConfig(**(config.get("data") or {})), cache_dir="")
     seed = int((config.get("train") or {}).get("seed", 0))
     vocab = (config.get("model") or {}).get("vocab_size")
     prepared = prepare_data(data, seed=seed, model_vocab_size=vocab, model_from_hf=config.get("model_from_hf", ""))

@@ -149,7 +149,10 @@ def start_history(cfg: ExperimentConfig, resume: ResumePoint | None) -> list[str
     notes: list[str] = []
     if resume is None:
         clear_output_dir(cfg)
-    stale = [*checkpoints.glob(".step_*.partial"), *checkpoints.glob(".step_*.old"), *out.glob("*.tmp")]
+    # a .step_N.old whose step_N is missing is the complete checkpoint a re-save of step N was replacing when it was
+    # killed: it is left for the user (rename it to step_N to use it)
+    olds = [p for p in checkpoints.glob(".step_*.old") if (checkpoints / p.name[1:].removesuffix(".old")).exists()]
+    stale = [*checkpoints.glob(".step_*.partial"), *olds, *out.glob("*.tmp")]
     for path in stale:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     passed_over = resume.incomplete if resume is not None else ()

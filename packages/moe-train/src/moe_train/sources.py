@@ -50,6 +50,7 @@ READ_BATCH_ROWS = 1024
 DECODE_ERRORS = ("strict", "replace")  # data.decode_errors
 # what surrogateescape makes of each undecodable byte: one per byte of every error span that "replace" replaces
 _ESCAPED_BYTE = re.compile(r"[\udc80-\udcff]")
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")  # in a decoded str: unpaired (a paired escape decodes to one char)
 
 
 @dataclass(frozen=True)
@@ -319,8 +320,24 @@ def _jsonl_documents(source: Source, path: Path, replaced: Replaced) -> Iterator
             raise ConfigError(f"{source.describe()}: {where} is a JSON {type(record).__name__}, not an object")
         if source.text_field not in record:
             raise _missing_field(source, where, list(record))
-        yield _text_value(source, record[source.text_field], where)
+        yield _unescaped_surrogates(source, _text_value(source, record[source.text_field], where), where, replaced)
     replaced.files += replaced.bytes > before
+
+
+def _unescaped_surrogates(source: Source, text: str | None, where: str, replaced: Replaced) -> str | None:
+    """JSON's ``\\udXXX`` escapes decode to lone surrogates, which are not text (no UTF-8 encodes them): an error
+    under ``decode_errors=strict``, U+FFFD each (counted with the replaced bytes) under ``replace``."""
+    if text is None or not (found := _LONE_SURROGATE.search(text)):
+        return text
+    if source.decode_errors != "replace":
+        raise ConfigError(
+            f"{source.describe()}: {where} holds an unpaired surrogate escape (U+{ord(found.group()):04X}, character "
+            f"{found.start()} of the text), which is not text; fix the file, or set --data.decode_errors replace to "
+            "replace it with U+FFFD"
+        )
+    text, count = _LONE_SURROGATE.subn("\ufffd", text)
+    replaced.bytes += count
+    return text
 
 
 def _parquet_documents(source: Source, path: Path) -> Iterator[str | None]:

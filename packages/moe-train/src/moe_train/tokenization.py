@@ -87,6 +87,29 @@ def _check_inside(name: str, directory: Path, whole: bool) -> None:
                 f"data.tokenizer={name!r}: {path.name} leads to {os.path.realpath(path)}, outside the tokenizer "
                 f"directory {containment_root(directory)}; copy the file into the directory instead of linking to it"
             )
+    for key, named in _files_named_by_config(directory):
+        if resolve_inside(directory, named) is None:
+            raise ConfigError(
+                f"data.tokenizer={name!r}: tokenizer_config.json's {key}={named!r} names a file outside the tokenizer "
+                f"directory {containment_root(directory)}; copy the file in and name it relative to the directory"
+            )
+
+
+def _files_named_by_config(directory: Path) -> list[tuple[str, str]]:
+    """(key, value) of every file tokenizer_config.json names (``vocab_file``, ``merges_file``, ``tokenizer_file``...:
+    any ``*_file`` / ``*_files`` key), which transformers opens as given, absolute paths included."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    named = []
+    for key, value in config.items():
+        if isinstance(key, str) and key.endswith(("_file", "_files")):
+            values = value if isinstance(value, list) else [value]
+            named += [(key, v) for v in values if isinstance(v, str) and v]
+    return named
 
 
 def byte_tokenizer() -> Tokenizer:

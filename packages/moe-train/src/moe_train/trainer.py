@@ -22,17 +22,25 @@ from moe_models import StageRouting, causal_lm_loss, next_token_loss, training_f
 from moe_parallel import PipelineParallelModel, all_reduce_mean, full_value, local_grad
 from moe_precision import PrecisionConfig
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
-from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
+from moe_train.config import ConfigError
+from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest, agree_on_failure
 from moe_train.loggers import RunLoggers
 from moe_train.metrics import MetricsLog, peak_tflops
 from moe_train.optim import build_optimizer, lr_at, set_lr
 from moe_train.output_lock import OutputDirLock
 from moe_train.plots import heatmap_svg, line_chart_svg
-from moe_train.resume import check_output_dir, checkpoint_dir, print_notes, start_history
+from moe_train.resume import (
+    ResumePoint,
+    check_output_dir,
+    checkpoint_dir,
+    find_resume_point,
+    print_notes,
+    start_history,
+)
 
 # what runs a training is built by moe_train.setup; ``from moe_train.trainer import prepare, train`` keeps working
 from moe_train.setup import Setup, prepare  # noqa: F401
-from moe_train.write_errors import writing
+from moe_train.write_errors import OutputWriteError, writing
 
 
 @dataclass(frozen=True)
@@ -95,16 +103,36 @@ def train(setup: Setup) -> TrainSummary:
     anything is read or written (a :class:`ConfigError` naming the holder's PID when another run has it) and
     released however the run ends; the directory is checked again once held, as another run may have written into it
     since :func:`prepare` looked."""
-    lock = None
-    if setup.ctx.is_main:
-        lock = OutputDirLock(setup.cfg.run.output_dir).acquire()
+    lock, failure = None, None
     try:
-        if lock is not None:
-            check_output_dir(setup.cfg, locked=True)
+        if setup.ctx.is_main:
+            try:
+                lock = OutputDirLock(setup.cfg.run.output_dir).acquire()
+                check_output_dir(setup.cfg, locked=True)
+                _check_resume_point_unchanged(setup)
+            except ConfigError as err:
+                failure = err
+        agree_on_failure(failure, setup.ctx.device)
         return _run(setup)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_resume_point_unchanged(setup: Setup) -> None:
+    """The resume point (and the history it abandons) :func:`prepare` chose, chosen again under the lock: another
+    run may have written a checkpoint in between."""
+    now = find_resume_point(setup.cfg)
+
+    def key(point: ResumePoint | None) -> tuple[object, ...] | None:
+        return None if point is None else (point.checkpoint, point.abandoned)
+
+    if key(now) != key(setup.resume):
+        was = setup.resume.checkpoint.path if setup.resume else "a fresh start"
+        raise ConfigError(
+            f"run.output_dir={setup.cfg.run.output_dir!r}: another run wrote into it while this one was being built "
+            f"(the resume point was {was}, is now {now.checkpoint.path if now else 'a fresh start'}); start again"
+        )
 
 
 def _run(setup: Setup) -> TrainSummary:
@@ -125,16 +153,20 @@ def _run(setup: Setup) -> TrainSummary:
         same_world = setup.resume.meta.get("world_size") == ctx.world_size  # per-rank generators only map 1:1
         start = load_checkpoint(setup.resume.checkpoint.path, model, optimizer, setup.parallel, restore_rng=same_world)
     loop = _Loop(setup, optimizer, start)
+    failure = None
     if ctx.is_main:
-        with writing(checkpoint_dir(cfg), "the run did not start"):
-            print_notes(start_history(cfg, setup.resume))
-        with writing(out_dir / "config.json", "the run did not start"):
-            out_dir.mkdir(parents=True, exist_ok=True)
-            _write_whole(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
-        with writing(out_dir / "metrics.jsonl", "the run did not start"):
-            loop.open_logs(out_dir)
-    if ctx.world_size > 1:
-        torch.distributed.barrier()  # the output directory is cleared before any rank writes a checkpoint into it
+        try:
+            with writing(checkpoint_dir(cfg), "the run did not start"):
+                print_notes(start_history(cfg, setup.resume))
+            with writing(out_dir / "config.json", "the run did not start"):
+                out_dir.mkdir(parents=True, exist_ok=True)
+                _write_whole(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+            with writing(out_dir / "metrics.jsonl", "the run did not start"):
+                loop.open_logs(out_dir)
+        except OutputWriteError as err:
+            failure = err
+    # also the barrier: the output directory is cleared before any rank writes a checkpoint into it
+    agree_on_failure(failure, ctx.device)
     progress = Progress(cfg.train.steps, cfg.run.log_interval, ctx.is_main, first_step=start)
     progress.message(loop.start_message())
     if setup.resume is not None:

@@ -68,6 +68,15 @@ def write_failure(err: BaseException, where: Path) -> tuple[Path, str]:
     return where, f"{type(last).__name__}: {first_line}" if first_line else type(last).__name__
 
 
+def is_write_failure(err: BaseException, where: Path) -> bool:
+    """Whether ``err`` is (or wraps) an ``OSError`` with an errno, or happened with the disk under ``where`` full: a
+    failure the user fixes on the file system, not a bug."""
+    if any(isinstance(cause, OSError) and cause.errno is not None for cause in _chain(err)):
+        return True
+    free = _free_bytes(where)
+    return free is not None and free < LOW_SPACE_BYTES
+
+
 def describe(err: BaseException, where: Path) -> str:
     """``cannot write <file>: <why>`` for ``err``."""
     path, why = write_failure(err, where)

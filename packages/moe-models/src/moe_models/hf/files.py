@@ -23,6 +23,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
 HUB_SNAPSHOTS = "snapshots"  # a HuggingFace hub cache: models--org--name/snapshots/<revision>/ -> ../../blobs/<hash>
+# the hub cache names a repository folder models--org--name (datasets--, spaces-- for the other kinds)
+HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
 
 def containment_root(directory: str | Path) -> Path:
@@ -30,7 +32,8 @@ def containment_root(directory: str | Path) -> Path:
     for a HuggingFace hub cache snapshot (``models--org--name/snapshots/<revision>``, whose files are symlinks into
     ``../../blobs``), the repository's cache folder ``models--org--name``."""
     resolved = Path(directory).resolve()
-    return resolved.parent.parent if resolved.parent.name == HUB_SNAPSHOTS else resolved
+    in_hub_cache = resolved.parent.name == HUB_SNAPSHOTS and resolved.parent.parent.name.startswith(HUB_REPO_PREFIXES)
+    return resolved.parent.parent if in_hub_cache else resolved
 
 
 def resolve_inside(directory: str | Path, name: str | Path) -> Path | None:

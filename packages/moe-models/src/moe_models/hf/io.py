@@ -170,6 +170,14 @@ def _hf_tensors(model: nn.Module, plan: Plan) -> Iterator[tuple[str, torch.Tenso
 
 
 def _umask() -> int:
+    """The process's umask, read without setting it where Linux shows it (setting it, even back at once, changes it
+    for every thread in between)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
