@@ -135,13 +135,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _device() -> torch.device:
-    """The device this rank's collectives run on (the process group's backend decides: NCCL needs CUDA)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -388,7 +381,7 @@ class CheckpointWriter:
                 self._publish_files(staging, final, meta)
             except OSError as err:
                 failure = err
-        agree_on_failure(failure, _device())  # every rank stops if the main rank could not publish
+        agree_on_failure(failure)  # every rank stops if the main rank could not publish
         self.last = final
 
     def _publish_files(self, staging: Path, final: Path, meta: dict[str, Any]) -> None:

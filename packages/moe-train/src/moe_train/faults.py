@@ -47,14 +47,10 @@ class StopRequest:
 
     def agreed(self, device: torch.device) -> bool:
         """Whether any rank was asked to stop (one small all-reduce per step when distributed)."""
-        local = self.signal_name is not None
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return local
-        flag = torch.tensor([float(local)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.signal_name is None:
+        asked = any_rank(self.signal_name is not None, device)
+        if asked and self.signal_name is None:
             self.signal_name = "a signal to another rank"
-        return bool(flag.item())
+        return asked
 
 
 class NonFiniteGuard:
@@ -85,16 +81,25 @@ class OtherRankFailed(RuntimeError):
     """Another rank failed at a point all ranks pass together, and reports why itself: this rank stops quietly."""
 
 
-def agree_on_failure(error: BaseException | None, device: torch.device) -> None:
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """Whether ``flag`` holds on any rank (one small all-reduce when distributed). ``device``: where the process
+    group's collectives run (None: CUDA under NCCL, else the CPU)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    if device is None:
+        on_cuda = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def agree_on_failure(error: BaseException | None, device: torch.device | None = None) -> None:
     """Raise on every rank if any rank failed (one small all-reduce): the failed rank its own ``error``, the others
     :class:`OtherRankFailed`. Where only the main rank writes (the run's files, a checkpoint's ``meta.json``), this
     replaces the barrier after the write, so that a full disk on the main rank stops every rank instead of leaving
     them waiting in the barrier."""
-    failed = error is not None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([float(failed)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(flag.item())
+    failed = any_rank(error is not None, device)
     if error is not None:
         raise error
     if failed:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+from moe_train.write_errors import write_whole
 
 # dense BF16 datasheet peaks (TFLOPS) by a substring of torch.cuda.get_device_name()
 DATASHEET_BF16_TFLOPS = {"GB200": 2500.0, "B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
@@ -101,16 +102,8 @@ class MetricsLog:
             self.records = [_null_to_nan(record) for record in _kept_records(path, resume_step)]
             # a kill during the rewrite leaves the old file or the new one, never half of one; re-encoding
             # (not copying the lines) also turns the bare NaN of files written before this fix into null
-            tmp = path.with_name(path.name + ".tmp")
-            try:
-                with open(tmp, "w") as f:
-                    f.writelines(_json_line(record) for record in self.records)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)  # a full disk: the old file stays whole, no half-written copy beside it
-                raise
+            # (a full disk leaves the old file whole, and no half-written copy beside it)
+            write_whole(path, "".join(_json_line(record) for record in self.records), fsync=True)
             mode = "a"
         else:
             mode = "w"

@@ -325,8 +325,8 @@ def _jsonl_documents(source: Source, path: Path, replaced: Replaced) -> Iterator
 
 
 def _unescaped_surrogates(source: Source, text: str | None, where: str, replaced: Replaced) -> str | None:
-    """JSON's ``\\udXXX`` escapes decode to lone surrogates, which are not text (no UTF-8 encodes them): an error
-    under ``decode_errors=strict``, U+FFFD each (counted with the replaced bytes) under ``replace``."""
+    """JSON's surrogate escapes (``\\udc80``) decode to lone surrogates, which are not text (no UTF-8 encodes
+    them): an error under ``decode_errors=strict``, U+FFFD each (counted with the replaced bytes) under ``replace``."""
     if text is None or not (found := _LONE_SURROGATE.search(text)):
         return text
     if source.decode_errors != "replace":

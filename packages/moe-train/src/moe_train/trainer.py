@@ -40,7 +40,7 @@ from moe_train.resume import (
 
 # what runs a training is built by moe_train.setup; ``from moe_train.trainer import prepare, train`` keeps working
 from moe_train.setup import Setup, prepare  # noqa: F401
-from moe_train.write_errors import OutputWriteError, writing
+from moe_train.write_errors import OutputWriteError, write_whole, writing
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def _run(setup: Setup) -> TrainSummary:
                 print_notes(start_history(cfg, setup.resume))
             with writing(out_dir / "config.json", "the run did not start"):
                 out_dir.mkdir(parents=True, exist_ok=True)
-                _write_whole(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+                write_whole(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
             with writing(out_dir / "metrics.jsonl", "the run did not start"):
                 loop.open_logs(out_dir)
         except OutputWriteError as err:
@@ -478,7 +478,7 @@ class _Loop:
                 self.loggers.close()
                 if records:
                     _write_pictures(out_dir, self.log.records, self.load_LE)
-                _write_whole(out_dir / "summary.json", json.dumps(summary.__dict__, indent=2, allow_nan=False))
+                write_whole(out_dir / "summary.json", json.dumps(summary.__dict__, indent=2, allow_nan=False))
         return summary
 
 
@@ -501,17 +501,6 @@ class _PipelineLoss:
         if loss.mtp:
             self.mtp_sum = self.mtp_sum + full_value(torch.stack(loss.mtp).mean())
         return loss.total
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """``path`` with ``text``, or (on a failed write) as it was: written aside, then renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _loss_text(value: float | None) -> str:

@@ -91,3 +91,19 @@ def writing(path: Path, consequence: str) -> Iterator[None]:
         yield
     except OSError as err:
         raise OutputWriteError(f"{describe(err, path)}; {consequence}") from None
+
+
+def write_whole(path: Path, text: str, *, fsync: bool = False) -> None:
+    """``path`` holding ``text``, or, when the write fails (a full disk), as it was: written aside as ``<name>.tmp``
+    (removed on failure) and renamed over it; ``fsync``: on disk before the rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as out:
+            out.write(text)
+            if fsync:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
