@@ -94,7 +94,13 @@ def test_torchrun_cli_drives_tensor_and_expert_parallel(tmp_path: Path, data_cac
     assert one[-1] < one[0]
 
     cfg = load_config(
-        "tiny", {"model.num_layers": "1", "model.moe_aux_loss_coeff": "0", "data.cache_dir": str(data_cache)}
+        "tiny",
+        {
+            "model.num_layers": "1",
+            "model.moe_aux_loss_coeff": "0",
+            "data.cache_dir": str(data_cache),
+            "run.output_dir": str(tmp_path / "unused"),  # not the preset's outputs/tiny, which a user's run may hold
+        },
     )
     config = cfg.model
     initial = build_model(config, seed=cfg.train.seed)  # the weights both runs started from
