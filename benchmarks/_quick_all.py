@@ -26,7 +26,7 @@ def main(out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
     failed = []
-    sys.path.insert(0, str(ROOT))  # the scripts import their helpers (_timing, _rss, _ranks) from beside them
+    sys.path.insert(0, str(ROOT))  # the scripts import their helpers (_harness, _estimate, _rss) from beside them
     for script in sorted(ROOT.glob("[!_]*.py")):  # _*.py: helpers
         argv = sys.argv
         sys.argv = [str(script), "--quick", "--out", str(out_dir / f"bench-{script.stem}.json")]

@@ -19,19 +19,15 @@ values with a few outlier channels), over several seeds.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import statistics
-from pathlib import Path
 
 import torch
+from _harness import cli, header, parse, write  # benchmarks/_harness.py, beside this script
 
 from moe_dispatch.accounting import SCHEMES, bytes_sent
 from moe_dispatch.alltoall import send_map
 from moe_precision import BlockwiseFP8Wire
-
-ROOT = Path(__file__).resolve().parent
 
 
 def uniform_routing(num_tokens: int, num_experts: int, topk: int, gen: torch.Generator) -> torch.Tensor:
@@ -97,9 +93,7 @@ def fp8_wire(args: argparse.Namespace, summary: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "dispatch_bytes.json")
-    parser.add_argument("--quick", action="store_true", help="fewer tokens and seeds (CI)")
+    parser = cli("dispatch_bytes", __doc__, "fewer tokens and seeds (CI)")
     parser.add_argument("--ep", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=8)
@@ -107,7 +101,7 @@ def main() -> None:
     parser.add_argument("--element-size", type=int, default=2, help="bytes per element (bf16: 2)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank")
     parser.add_argument("--seeds", type=int, default=None)
-    args = parser.parse_args()
+    args = parse(parser)
     args.tokens = args.tokens or (512 if args.quick else 4096)
     args.seeds = args.seeds or (2 if args.quick else 5)
 
@@ -127,10 +121,12 @@ def main() -> None:
             "ratio_to_minimum": statistics.fmean(ratios),
             "ratio_spread": [min(ratios), max(ratios)],
         }
-    report = {
-        "benchmark": "dispatch_bytes",
-        "what": "dispatch payload bytes sent to other ep ranks per token; minimum = once per distinct remote rank",
-        "baseline": minimum,
+    report = header(
+        args,
+        what="dispatch payload bytes sent to other ep ranks per token; minimum = once per distinct remote rank",
+        baseline=minimum,
+    )
+    report |= {
         "inputs": {
             "ep": args.ep,
             "num_experts": args.experts,
@@ -146,12 +142,7 @@ def main() -> None:
         "results": summary,
         "fp8_dispatch": fp8_wire(args, summary),
         "device": "cpu (bytes are computed from the routing, not timed)",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "quick": args.quick,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
     for scheme, row in summary.items():
         print(
             f"{scheme:15s} {row['bytes_per_token']:10.1f} B/token  {row['rows_per_token']:5.3f} rows/token  "
@@ -163,7 +154,7 @@ def main() -> None:
         f"x{fp8['bytes_ratio_to_bf16']['7168']:.4f} (7168); token error {fp8['token_rel_error']['median']:.4f}, "
         f"expert output error {fp8['expert_output_rel_error']['median']:.4f}"
     )
-    print(f"wrote {args.out}")
+    write(args.out, report)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Setting (default): 2048 tokens, hidden 512, 32 experts, top-4, expert FFN 192, f
 - ``dense``: the expert GEMMs as if every row went to one expert: ``[T*K, H] @ [H, 2F]`` -> SwiGLU ->
   ``@ [F, H]`` (same GEMM FLOPs as the experts, no routing, no permutation).
 
-Times: two head-to-head pairs (``benchmarks/_timing.py``), ours against HF and ours against dense, each interleaved
+Times: two head-to-head pairs (``benchmarks/_harness.py``), ours against HF and ours against dense, each interleaved
 in one process and taking turns at going first; the ratio of the medians and the spread of the per-repetition
 ratios. Each repetition runs forward + backward (``out.backward(grad)``, input requires grad, parameter grads reset to
 None). Peak memory: each block runs in a fresh process
@@ -37,7 +37,6 @@ balanced routing) against a dense matmul of the same shape measured in the same 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -45,16 +44,13 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _harness import cli, device_sync, head_to_head, header, parse, ratio_spread, spread, write
 from _rss import reset_peak, set_mmap_threshold, status_kib  # benchmarks/_rss.py, beside this script
-from _timing import head_to_head, ratio_spread, spread  # benchmarks/_timing.py
 
-ROOT = Path(__file__).resolve().parent
 TARGETS = {"ours_over_hf_time": 0.77, "ours_over_dense_time": 1.2, "ours_over_hf_peak_memory": 0.7}
 
 
@@ -337,7 +333,7 @@ def grouped_gemm_tflops(
     grad = torch.randn(rows, hidden, device=dev, dtype=dtype)
     w1 = (torch.randn(hidden, 2 * ffn, device=dev, dtype=dtype) * 0.02).requires_grad_()
     w2 = (torch.randn(ffn, hidden, device=dev, dtype=dtype) * 0.02).requires_grad_()
-    gmm = module._grouped_mm(x.dtype)
+    gmm = module._backend(x.dtype).gmm
     w_gate_up = module.w_gate_up_EH2F.detach()
 
     def grouped_gemm():
@@ -357,10 +353,6 @@ def grouped_gemm_tflops(
         gate, up = (x @ w1).chunk(2, dim=-1)
         ((F.silu(gate) * up) @ w2).backward(grad)
 
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
     flops_up = 2 * rows * hidden * 2 * ffn
     flops_fwd_bwd = 3 * (flops_up + 2 * rows * ffn * hidden)
     fns = {
@@ -369,18 +361,9 @@ def grouped_gemm_tflops(
         "grouped_experts_fwd_bwd": (grouped_experts, flops_fwd_bwd),
         "dense_chain_fwd_bwd": (dense_chain, flops_fwd_bwd),
     }
-    for fn, _ in fns.values():
-        for _ in range(3):
-            fn()
-    sync()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):  # interleaved
-        for name, (fn, _) in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
+    times = {}
+    for a, b in (("grouped_gemm_up_fwd", "dense_gemm_up_fwd"), ("grouped_experts_fwd_bwd", "dense_chain_fwd_bwd")):
+        times[a], times[b] = head_to_head(fns[a][0], fns[b][0], reps, 3, device_sync(dev))  # grouped vs dense
     results: dict = {"shape": dict(shape), "dtype": str(dtype).removeprefix("torch."), "backend": module.backend.name}
     results["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else device
     for name, (_, flops) in fns.items():
@@ -399,9 +382,7 @@ def grouped_gemm_tflops(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "experts_block.json")
-    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI, under ~20 s)")
+    parser = cli("experts_block", __doc__, "small shapes, few repetitions (CI, under ~20 s)")
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--experts", type=int, default=None)
@@ -413,7 +394,7 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of ours and HF")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse(parser)
     args.tokens = args.tokens or (256 if args.quick else 2048)
     args.hidden = args.hidden or (128 if args.quick else 512)
     args.experts = args.experts or (8 if args.quick else 32)
@@ -477,7 +458,6 @@ def main() -> None:
     import transformers
 
     report = {
-        "benchmark": "experts_block",
         "what": "MoE expert block forward + backward: ours (router -> dispatch -> grouped experts -> combine) vs "
         "HuggingFace Qwen3MoeSparseMoeBlock (experts_implementation=grouped_mm, same weights) vs a dense GEMM chain "
         "with the same expert FLOPs",
@@ -509,19 +489,15 @@ def main() -> None:
         "targets_met": met,
         "device": "cpu",
         "cpu_threads": args.threads,
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "quick": args.quick,
     }
+    report = header(args, **report)
     if args.profile:
         report["profile"] = profile(variants, [n for n in names if n != "dense"])
     if torch.cuda.is_available():
         # --quick (CI): the same layer with 4096 tokens
         shape = dict(QWEN3_30B_A3B_LAYER, tokens=4096) if args.quick else None
         report["cuda_qwen3_30b_a3b_grouped_gemm"] = grouped_gemm_tflops(shape)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
     for baseline, pair in pairs.items():
         print(f"ours {pair['ours']['median'] * 1e3:8.2f} ms vs {baseline} {pair[baseline]['median'] * 1e3:8.2f} ms")
     for name, mem in memory.items():
@@ -529,7 +505,7 @@ def main() -> None:
     for key, value in ratios.items():
         print(f"{key:40s} {value}")
     print(f"targets met: {met}")
-    print(f"wrote {args.out}")
+    write(args.out, report)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import statistics
@@ -39,10 +38,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _ranks import launch_ranks  # benchmarks/_ranks.py, beside this script
+from _estimate import measured_step  # benchmarks/_estimate.py, beside this script
+from _harness import cli, head_to_head, header, launch_ranks, parse, ratio_spread, write
 
-ROOT = Path(__file__).resolve().parent
-DEFAULT_OUT = ROOT / "results" / "long_context.json"
 REPEATS = 7
 
 
@@ -95,35 +93,32 @@ def _model_and_ids(preset_name: str, seq: int):
     return build_model(config, seed=0), ids
 
 
-def _step(model, ids: torch.Tensor):
-    from moe_models import causal_lm_loss
-
-    return causal_lm_loss(model(ids), ids.roll(-1, dims=1), model.config.mtp_loss_scaling_factor)
-
-
 def _attention_step(preset_name: str, seq: int, previous: bool) -> dict:
     """One forward + loss + backward on one sequence of ``seq`` tokens: saved bytes, peak live bytes, seconds."""
     from moe_memory import LiveTensorBytes
-    from moe_memory.measure import SavedTensorBytes
 
     model, ids = _model_and_ids(preset_name, seq)
     with _attention(previous):
         start = time.perf_counter()
         with LiveTensorBytes() as live:
-            with SavedTensorBytes(model=model) as saved:
-                loss = _step(model, ids)
-            loss.total.backward()
+            saved = measured_step(model, ids, model.config.mtp_loss_scaling_factor)
         seconds = time.perf_counter() - start
     core = sum(n for name, n in saved.by_module.items() if name.endswith("core_attention"))
     return {"saved_bytes": saved.total, "core_attention_saved_bytes": core, "peak_live_bytes": live.peak, "s": seconds}
 
 
-def _timed(preset_name: str, seq: int, previous: bool) -> float:
+def _timed_step(preset_name: str, seq: int, previous: bool):
+    """A function to time: one forward + loss + backward of a model of its own (its gradients allocated afresh)."""
+    from moe_models import causal_lm_loss
+
     model, ids = _model_and_ids(preset_name, seq)
-    with _attention(previous):
-        start = time.perf_counter()
-        _step(model, ids).total.backward()
-        return time.perf_counter() - start
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with _attention(previous):
+            causal_lm_loss(model(ids), ids.roll(-1, dims=1), model.config.mtp_loss_scaling_factor).total.backward()
+
+    return step
 
 
 def train_gpt_oss(seq: int, steps: int) -> dict:
@@ -141,9 +136,10 @@ def attention_memory(lengths: tuple[int, ...], repeats: int) -> dict:
     for preset_name in ("tiny-gpt-oss", "tiny-deepseek-v3"):
         for seq in lengths:
             before, after = _attention_step(preset_name, seq, True), _attention_step(preset_name, seq, False)
-            ratios = []
-            for _ in range(repeats):  # interleaved: previous, current
-                ratios.append(_timed(preset_name, seq, True) / _timed(preset_name, seq, False))
+            previous_s, blockwise_s = head_to_head(
+                _timed_step(preset_name, seq, True), _timed_step(preset_name, seq, False), repeats, 0
+            )
+            speedup = ratio_spread(previous_s, blockwise_s)
             out[f"{preset_name} S={seq}"] = {
                 "preset": preset_name,
                 "seq_len": seq,
@@ -151,14 +147,14 @@ def attention_memory(lengths: tuple[int, ...], repeats: int) -> dict:
                 "blockwise": after,
                 "saved_ratio": after["saved_bytes"] / before["saved_bytes"],
                 "peak_ratio": after["peak_live_bytes"] / before["peak_live_bytes"],
-                "speedup_median": statistics.median(ratios),
-                "speedup_range": [min(ratios), max(ratios)],
+                "speedup_median": speedup["median"],
+                "speedup_range": [speedup["min"], speedup["max"]],
             }
             print(
                 f"{preset_name} S={seq}: saved {before['saved_bytes'] / 2**20:,.1f} -> "
                 f"{after['saved_bytes'] / 2**20:,.1f} MiB, peak {before['peak_live_bytes'] / 2**20:,.1f} -> "
                 f"{after['peak_live_bytes'] / 2**20:,.1f} MiB, step time previous / blockwise "
-                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+                f"{speedup['median']:.2f} ({speedup['min']:.2f}-{speedup['max']:.2f})",
                 flush=True,
             )
     return out
@@ -202,8 +198,6 @@ def _activations(out: Path, seq: int, cp: int) -> dict:
     """One training forward of the tiny Qwen3-MoE at ``seq`` tokens, built as moe-train builds it under cp (in this
     process for cp=1): the bytes this rank saves for backward, and the estimate's."""
     from moe_memory.estimate import estimate_memory
-    from moe_memory.measure import SavedTensorBytes
-    from moe_models import causal_lm_loss
     from moe_models.memory import local_parameters, model_shape, run_shape
     from moe_train.config import load_config
     from moe_train.setup import prepare
@@ -222,10 +216,7 @@ def _activations(out: Path, seq: int, cp: int) -> dict:
     cfg = load_config("tiny-qwen3-moe", overrides)
     setup = prepare(cfg, cp)
     ids = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    positions = setup.parallel.positions(seq)
-    with SavedTensorBytes(model=setup.model) as saved:
-        loss = causal_lm_loss(setup.model(ids, positions), ids.roll(-1, dims=1), 0.0, positions)
-    loss.total.backward()
+    saved = measured_step(setup.model, ids, 0.0, setup.parallel.positions(seq))
     run = run_shape(
         cfg.model, local_parameters(setup.model), micro_batch=1, seq_len=seq, activation_bytes=4, layout=setup.layout
     )
@@ -348,15 +339,12 @@ def several_ranks() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON to write (full runs default to {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true", help="small sizes over the same code paths (nox benchmarks)")
-    parser.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)  # set when launched as one rank
+    parser = cli("long_context", __doc__, "small sizes over the same code paths (nox benchmarks)", ranks=True)
     parser.add_argument("--parts", help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=1024, help=argparse.SUPPRESS)
     parser.add_argument("--logits-seq", type=int, default=64, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse(parser)
     if args.rank_dir is not None:
         args.rank_dir.mkdir(parents=True, exist_ok=True)
         _rank(args.rank_dir, args.parts.split(","), args.seq, args.vocab, args.logits_seq)
@@ -364,13 +352,7 @@ def main() -> None:
     torch.set_num_threads(2)
     started = time.perf_counter()
     quick = args.quick
-    result = {
-        "benchmark": "long_context",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "device": "cpu",
-        "dtype": "float32",
-        "quick": quick,
+    result = header(args, device="cpu", dtype="float32") | {
         "attention_memory": attention_memory((128,) if quick else (2048, 4096, 8192), 1 if quick else REPEATS),
         "gpt_oss_training": None if quick else train_gpt_oss(8192, 5),
     }
@@ -380,11 +362,7 @@ def main() -> None:
     else:
         result.update(several_ranks())
     result["seconds"] = round(time.perf_counter() - started, 1)
-    out = args.out if args.out is not None else (None if quick else DEFAULT_OUT)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {out}")
+    write(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,14 @@ compares it with what it finally holds:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import json
+import tempfile
 from pathlib import Path
 
 import torch
-from _ranks import launch_ranks  # benchmarks/_ranks.py, beside this script
+from _harness import cli, header, launch_ranks, parse, write  # benchmarks/_harness.py, beside this script
 
-ROOT = Path(__file__).resolve().parent
 WORLD = 4
 LAYOUTS = {"ep=4": {"ep": 4}, "tp=2 x ep=2": {"tp": 2, "ep": 2, "etp": 1}}
 
@@ -94,23 +92,13 @@ def _rank(quick: bool, out: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _launch(quick: bool, tmp: Path) -> list[dict]:
-    return launch_ranks(__file__, WORLD, tmp, *(["--quick"] if quick else []))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "materialized_bytes.json")
-    parser.add_argument("--quick", action="store_true", help="a smaller model (the nox benchmarks session)")
-    parser.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)  # set when launched as one rank
-    args = parser.parse_args()
+    args = parse(cli("materialized_bytes", __doc__, "a smaller model (the nox benchmarks session)", ranks=True))
     if args.rank_dir is not None:
         _rank(args.quick, args.rank_dir)
         return
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = _launch(args.quick, Path(tmp))
+        ranks = launch_ranks(__file__, WORLD, Path(tmp), *(["--quick"] if args.quick else []))
     config = _model_config(args.quick)
     summary = {
         name: {
@@ -120,24 +108,14 @@ def main() -> None:
         }
         for name in LAYOUTS
     }
-    result = {
-        "benchmark": "materialized_bytes",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "device": "cpu",
-        "world_size": WORLD,
-        "model": {k: getattr(config, k) for k in ("num_moe_experts", "num_layers", "hidden_size", "vocab_size")},
-        "quick": args.quick,
-        "summary": summary,
-        "ranks": ranks,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    model = {k: getattr(config, k) for k in ("num_moe_experts", "num_layers", "hidden_size", "vocab_size")}
+    result = header(args, device="cpu", world_size=WORLD, model=model) | {"summary": summary, "ranks": ranks}
     for name, row in summary.items():
         print(
             f"{name}: peak/bound {row['max_peak_meta_over_bound']:.3f} (whole model first: "
             f"{row['max_peak_whole_model_first_over_bound']:.2f}), peak/shard {row['max_peak_meta_over_shard']:.3f}"
         )
+    write(args.out, result)
 
 
 if __name__ == "__main__":

@@ -17,17 +17,21 @@ where ``--out`` says (never the committed full results).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from _ranks import launch_ranks  # benchmarks/_ranks.py, beside this script
+from _estimate import compare, measured_step, training_step  # benchmarks/_estimate.py, beside this script
+from _harness import cli, header, launch_ranks, parse, write
 
-ROOT = Path(__file__).resolve().parent
-DEFAULT_OUT = ROOT / "results" / "memory_estimate.json"
+from moe_memory import apply_memory_policy
+from moe_memory.estimate import estimate_memory
+from moe_models import build_model
+from moe_models.memory import local_parameters, model_shape, run_shape
+from moe_models.presets import preset
+
 WORLD = 2
 # name -> (preset, micro-batch, sequence length, ModelConfig overrides)
 SINGLE = {
@@ -104,56 +108,14 @@ LAYOUTS = {
 }
 
 
-def _storage_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        local = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
-        seen.setdefault(local.untyped_storage().data_ptr(), local.untyped_storage().nbytes())
-    return sum(seen.values())
-
-
-def _by_module(saved, model) -> dict[str, int]:
-    from moe_models.memory import estimate_module
-
-    dense = {n for n, m in model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
-    out: dict[str, int] = {}
-    for storage in saved.storages:
-        module = estimate_module(storage.module, storage.module in dense)
-        out[module] = out.get(module, 0) + storage.nbytes
-    return out
-
-
-def _record(estimate, saved, model, params, optimizer_bytes: int) -> dict:
-    by_estimate = dict(estimate.activations_by_module())
-    by_estimate["dispatch"] = by_estimate.get("dispatch", 0) + by_estimate.pop("combine", 0)  # one module measured
-    return {
-        "estimated_activation_bytes": estimate.activation_bytes,
-        "measured_activation_bytes": saved.total,
-        "activation_rel_error": (estimate.activation_bytes - saved.total) / saved.total,
-        "estimated_by_module": by_estimate,
-        "measured_by_module": _by_module(saved, model),
-        "params": {"estimated": estimate.parameters, "allocated": _storage_bytes(params)},
-        "grads": {"estimated": estimate.gradients, "allocated": _storage_bytes(p.grad for p in params)},
-        "optimizer": {"estimated": estimate.optimizer_states + estimate.master_weights, "allocated": optimizer_bytes},
-    }
-
-
 def _single(name: str, recompute: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> dict:
-    from moe_memory import apply_memory_policy
-    from moe_memory.estimate import estimate_memory
-    from moe_memory.measure import SavedTensorBytes
-    from moe_models import build_model, causal_lm_loss
-    from moe_models.memory import local_parameters, model_shape, run_shape
-    from moe_models.presets import preset
-
+    """One of SINGLE in this process, torch's AdamW, with the recompute and offload kinds."""
     preset_name, batch, seq_len, overrides = SINGLE[name]
     config = preset(preset_name, **overrides)
     model = build_model(config, seed=0)
     policy = apply_memory_policy(model, model.module_kinds(), recompute, offload, offload_min_tensor_bytes=0)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    with SavedTensorBytes(model=model) as saved:
-        loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
-    loss.total.backward()
+    saved = measured_step(model, ids, config.mtp_loss_scaling_factor)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
     optimizer.step()
     run = run_shape(
@@ -162,12 +124,10 @@ def _single(name: str, recompute: tuple[str, ...] = (), offload: tuple[str, ...]
     estimate = estimate_memory(
         model_shape(config), run, recompute=frozenset(recompute), offload=frozenset(offload), offload_min_tensor_bytes=0
     )
-    states = _storage_bytes(t for state in optimizer.state.values() for t in state.values())
-    params = list(model.parameters())
     memory = {"recompute": list(recompute), "offload": list(offload)} if recompute or offload else {}
     if offload:
         memory["offloaded_bytes"] = {"estimated": estimate.offloaded_bytes, "measured": policy.stats.offloaded_bytes}
-    record = _record(estimate, saved, model, params, states)
+    record = compare(estimate, saved, model, list(model.parameters()), optimizer)
     return {"micro_batch": batch, "seq_len": seq_len, **memory, **record}
 
 
@@ -175,69 +135,14 @@ def _rank(out: Path) -> None:
     """One rank: every layout of LAYOUTS in this process group."""
     import torch.distributed as dist
 
-    from moe_memory.estimate import estimate_memory
-    from moe_memory.measure import SavedTensorBytes
-    from moe_models import causal_lm_loss
-    from moe_models.memory import local_parameters, model_shape, run_shape
-    from moe_train.config import load_config
-    from moe_train.optim import build_optimizer
-    from moe_train.trainer import prepare
-
-    results = {}
-    for name, (preset_name, overrides) in LAYOUTS.items():
-        settings = {"run.dtype": "fp32", "run.save_checkpoint": "false", "run.device": "cpu", **COMMON, **overrides}
-        cfg = load_config(preset_name, settings)
-        setup = prepare(cfg, WORLD)
-        model, layout = setup.model, setup.layout
-        torch.manual_seed(1000 + dist.get_rank())
-        ids = torch.randint(0, cfg.model.vocab_size, (setup.micro_batch, cfg.data.seq_len))
-        if layout.tp * layout.cp > 1:  # the ranks of a tensor- or context-parallel group read the same sequences
-            dist.broadcast(ids, src=0)
-        positions = setup.parallel.positions(cfg.data.seq_len)
-        with setup.parallel.loss_context():
-            with SavedTensorBytes(model=model) as saved:
-                output = model(ids, positions)
-                loss = causal_lm_loss(output, ids.roll(-1, dims=1), cfg.model.mtp_loss_scaling_factor, positions)
-            loss.total.backward()
-        setup.parallel.finalize_grads()
-        optimizer = build_optimizer(model, cfg.train)
-        optimizer.step()
-        states = _storage_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-        run = run_shape(
-            cfg.model,
-            local_parameters(model),
-            micro_batch=setup.micro_batch,
-            seq_len=cfg.data.seq_len,
-            activation_bytes=4,
-            layout=layout,
-            dispatcher=cfg.parallel.moe_token_dispatcher_type,
-            device="cpu",
-        )
-        estimate = estimate_memory(
-            model_shape(cfg.model),
-            run,
-            recompute=frozenset(cfg.run.recompute_modules),
-            offload=frozenset(cfg.run.offload_modules),
-            offload_min_tensor_bytes=cfg.run.offload_min_tensor_bytes,
-        )
-        params = [p for p in model.parameters() if p.requires_grad]
-        layout_sizes = {k: getattr(layout, k) for k in ("tp", "cp", "ep", "etp", "edp", "dp")}
-        results[name] = {"layout": layout_sizes, **_record(estimate, saved, model, params, states)}
+    results = {name: training_step(p, {**COMMON, **overrides}, WORLD) for name, (p, overrides) in LAYOUTS.items()}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _launch(tmp: Path) -> list[dict]:
-    return launch_ranks(__file__, WORLD, tmp)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON to write (full runs default to {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true", help="the five presets in one process (nox benchmarks)")
-    parser.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)  # set when launched as one rank
-    args = parser.parse_args()
+    args = parse(cli("memory_estimate", __doc__, "the five presets in one process (nox benchmarks)", ranks=True))
     if args.rank_dir is not None:
         _rank(args.rank_dir)
         return
@@ -249,10 +154,8 @@ def main() -> None:
     for name, (case, recompute, offload) in {} if args.quick else MEMORY.items():
         configurations[name] = {"ranks": 1, **_single(case, recompute, offload)}
     if not args.quick:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
-            ranks = _launch(Path(tmp))
+            ranks = launch_ranks(__file__, WORLD, Path(tmp))
         for name in LAYOUTS:
             per_rank = [r[name] for r in ranks]
             measured = sum(r["measured_activation_bytes"] for r in per_rank) / WORLD
@@ -276,25 +179,14 @@ def main() -> None:
     worst = max(errors, key=lambda n: abs(errors[n]))
     exact = {name: _exact(c) for name, c in configurations.items()}
     result = {
-        "benchmark": "memory_estimate",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "device": "cpu",
-        "dtype": "float32",
-        "quick": args.quick,
+        **header(args, device="cpu", dtype="float32"),
         "seconds": round(time.perf_counter() - started, 1),
         "worst_activation_rel_error": {"configuration": worst, "rel_error_on_any_rank": errors[worst]},
         "params_grads_optimizer_exact": all(exact.values()),
         "configurations": configurations,
     }
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
     md = _markdown(configurations, errors, exact)
-    if out is not None:
-        out.with_suffix(".md").write_text(md)
-        print(f"wrote {out} and {out.with_suffix('.md')}")
+    write(args.out, result, {".md": md})
     print(md, end="")
     print(f"worst activation error (any rank): {errors[worst]:+.2%} ({worst}); {result['seconds']} s")
 

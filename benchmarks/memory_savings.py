@@ -37,19 +37,18 @@ repetitions, and writes only where ``--out`` says (nothing by default), never ov
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
 import gc
-import json
 import os
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
+from _harness import cli, head_to_head, header, parse, quartiles, write  # benchmarks/_harness.py, beside this script
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -59,7 +58,6 @@ from moe_models.layers import MoEBlock
 from moe_models.presets import preset
 from moe_models.rope import rotary_cos_sin
 
-ROOT = Path(__file__).resolve().parent
 SEED = 7
 MIB = 1 << 20
 GRAD_RTOL = 1e-5  # max |grad - grad_plain| / max |grad_plain| per tensor
@@ -374,19 +372,6 @@ def micro_step(setup, inputs: torch.Tensor, labels: torch.Tensor, meter: DeviceS
     return loss.total.item()
 
 
-def timed_step(setup, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-    start = time.perf_counter()
-    micro_step(setup, inputs, labels)
-    return time.perf_counter() - start
-
-
-def quartiles(values: list[float]) -> list[float]:
-    if len(values) < 2:
-        return [values[0], values[0]]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return [q[0], q[2]]
-
-
 def measure_step_time(quick: bool, reps: int, warmup: int, cache_dir: str) -> dict:
     """Part 2: each variant against none on the tiny preset, head to head (module docstring)."""
     started = time.perf_counter()
@@ -407,15 +392,8 @@ def measure_step_time(quick: bool, reps: int, warmup: int, cache_dir: str) -> di
         loss_var = micro_step(var, inputs, labels, meters[1])
         grad_diff = max(max_rel_diff(p.grad, grads_none[n]) for n, p in var.model.named_parameters() if n in grads_none)
         assert grad_diff <= GRAD_RTOL and abs(loss_var - loss_none) <= GRAD_RTOL * abs(loss_none), (v.name, grad_diff)
-        for _ in range(warmup):
-            micro_step(none, inputs, labels)
-            micro_step(var, inputs, labels)
-        times: dict[str, list[float]] = {"none": [], "variant": []}
-        for rep in range(reps):  # interleaved pairs, alternating which runs first
-            pair = [("none", none), ("variant", var)]
-            for key, setup in pair[::-1] if rep % 2 else pair:
-                times[key].append(timed_step(setup, inputs, labels))
-        t_none, t_var = times["none"], times["variant"]
+        step_none, step_var = (partial(micro_step, setup, inputs, labels) for setup in (none, var))
+        t_none, t_var = head_to_head(step_none, step_var, reps, warmup)
         ratios = [a / b for a, b in zip(t_var, t_none, strict=True)]
         rows[v.name] = {
             **{k: list(val) if isinstance(val, tuple) else val for k, val in asdict(v).items() if k != "name"},
@@ -424,7 +402,7 @@ def measure_step_time(quick: bool, reps: int, warmup: int, cache_dir: str) -> di
             "time_ratio_iqr": quartiles(ratios),
             "time_ratio_of_medians": statistics.median(t_var) / statistics.median(t_none),
             "pair_ratios": ratios,
-            "times_s": times,
+            "times_s": {"none": t_none, "variant": t_var},
             "kept_bytes_model_over_none": meters[1].total / meters[0].total,
             "offloaded_bytes_per_step": var.memory.stats.offloaded_bytes,
             "grad_max_rel_diff": grad_diff,
@@ -554,9 +532,7 @@ NOTES = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="JSON path; the markdown goes beside it (.md)")
-    parser.add_argument("--quick", action="store_true", help="narrow layers, 3 repetitions (CI, < 30 s)")
+    parser = cli("memory_savings", __doc__, "narrow layers, 3 repetitions (CI, < 30 s)")
     parser.add_argument("--seq", type=int, default=128, help="tokens of the layer measurement (batch 1)")
     parser.add_argument("--reps", type=int, default=None, help="interleaved (none, variant) pairs per variant")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up pairs per variant")
@@ -564,11 +540,9 @@ def main() -> None:
     parser.add_argument("--no-step-time", action="store_true", help="skip part 2")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: see the module docstring)")
     parser.add_argument("--cache-dir", default="", help="moe-train data.cache_dir (default: a temporary directory)")
-    args = parser.parse_args()
+    args = parse(parser)
     reps = args.reps or (3 if args.quick else 11)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)  # + the checked pair
-    if args.out is None and not args.quick:
-        args.out = ROOT / "results" / "memory_savings.json"
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
@@ -583,29 +557,22 @@ def main() -> None:
             step_time = measure_step_time(args.quick, reps, warmup, args.cache_dir or tmp)
 
     report = {
-        "benchmark": "memory_savings",
         "what": "activation bytes per token of one real-width MoE layer (Qwen3-30B-A3B, DeepSeek-V3) kept on the "
         "device under recompute / offload by Megatron module kind (moe_memory), and the step-time cost of each "
         "variant against none on the tiny preset",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"CPU only, {os.cpu_count()} cores, shared with other jobs; {args.threads} torch thread(s)",
         "device": "cpu",
         "dtype": "float32",
-        "torch": torch.__version__,
-        "quick": args.quick,
         "layers": layers,
         "step_time": step_time,
         "notes": NOTES,
         "wall_s": time.perf_counter() - started,
     }
+    report = header(args, **report)
     md = markdown(report)
     print(md)
     print(f"wall time {report['wall_s']:.1f} s")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(md)
-        print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    write(args.out, report, {".md": md})
 
 
 if __name__ == "__main__":

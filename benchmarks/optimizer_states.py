@@ -24,8 +24,6 @@ default), never over the committed full-run results.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import statistics
 import tempfile
@@ -34,6 +32,7 @@ from html import escape
 from pathlib import Path
 
 import torch
+from _harness import cli, header, parse, write  # benchmarks/_harness.py, beside this script
 
 from moe_train.adamw import optimizer_state_bytes
 from moe_train.config import load_config
@@ -41,7 +40,6 @@ from moe_train.optim import build_optimizer
 from moe_train.plots import HEIGHT, PAD, WIDTH
 from moe_train.trainer import prepare, train
 
-ROOT = Path(__file__).resolve().parent
 TARGET_REL_DIFF = 0.01
 TARGETED = ("bf16_states",)  # the target is on bf16 moments; the bf16-parameter run is reported alongside
 VARIANTS = {
@@ -147,26 +145,22 @@ def curves_svg(curves: dict[str, list[float]], title: str, window: int = 10, fir
     return "".join(parts)
 
 
-def write_svg(report: dict, path: Path) -> None:
+def svg(report: dict) -> str:
     title = f"tiny preset, {report['inputs']['steps']} steps: AdamW state dtypes"
-    path.write_text(curves_svg({n: r["losses"] for n, r in report["runs"].items()}, title))
+    return curves_svg({n: r["losses"] for n, r in report["runs"].items()}, title)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (the SVG goes beside it, .svg)")
-    parser.add_argument("--quick", action="store_true", help="micro model, 10 steps (CI, a few seconds)")
+    parser = cli("optimizer_states", __doc__, "micro model, 10 steps (CI, a few seconds)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--cache-dir", default="", help="data.cache_dir (default: moe-train's)")
     parser.add_argument("--replot", type=Path, default=None, help="only redraw the SVG beside this results JSON")
-    args = parser.parse_args()
+    args = parse(parser)
     if args.replot is not None:
-        write_svg(json.loads(args.replot.read_text()), args.replot.with_suffix(".svg"))
+        args.replot.with_suffix(".svg").write_text(svg(json.loads(args.replot.read_text())))
         return
     steps = args.steps or (10 if args.quick else 300)
-    if args.out is None and not args.quick:
-        args.out = ROOT / "results" / "optimizer_states.json"
     names = args.variants.split(",")
     if names[0] != "fp32":
         raise SystemExit("--variants must start with fp32 (the baseline)")
@@ -194,7 +188,6 @@ def main() -> None:
         name: abs(r["rel_diff_vs_fp32_mean_last_10"]) <= TARGET_REL_DIFF for name, r in runs.items() if name in TARGETED
     }
     report = {
-        "benchmark": "optimizer_states",
         "what": "loss of the tiny preset trained with bf16 AdamW moments (and bf16 params + fp32 master weights) "
         "against fp32 moments, same seed",
         "inputs": {
@@ -211,10 +204,8 @@ def main() -> None:
         "targets_met": met,
         "device": "cpu",
         "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "quick": args.quick,
     }
+    report = header(args, **report)
     for name, r in runs.items():
         print(
             f"{name:20s} final loss {r['final_loss_last_step']:.4f} (mean last 10 {r['final_loss_mean_last_10']:.4f}, "
@@ -223,11 +214,7 @@ def main() -> None:
             f"{sum(r['optimizer_state_bytes'].values()) / 2**20:.2f} MiB, {r['wall_time_s']:.1f} s"
         )
     print(f"targets met: {met}")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        write_svg(report, args.out.with_suffix(".svg"))
-        print(f"wrote {args.out} and {args.out.with_suffix('.svg')}")
+    write(args.out, report, {".svg": svg(report)})
 
 
 if __name__ == "__main__":

@@ -17,31 +17,12 @@ copy of the same bytes).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import time
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from _harness import cli, device_sync, header, interleaved, parse, write  # benchmarks/_harness.py, beside this script
 
 from moe_dispatch.permutation import make_permutation_map, permute, triton_available, unpermute
-
-ROOT = Path(__file__).resolve().parent
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
 
 
 def measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, backend: str) -> dict:
@@ -70,15 +51,10 @@ def measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
     # the work is what it claims to be: unpermute(permute(x)) = sum_k probs * x
     expected = probs.float().sum(1, keepdim=True) * x.float()
     torch.testing.assert_close(permute_unpermute().float(), expected, rtol=2e-2, atol=2e-2)
-    for _ in range(args.warmup):
-        permute_unpermute()
-        copy()
-        clone()
-    perm_times, copy_times, clone_times = [], [], []
-    for rep in range(args.reps):  # interleaved, rotating which goes first
-        runs = [(perm_times, permute_unpermute), (copy_times, copy), (clone_times, clone)]
-        for times, fn in runs[rep % 3 :] + runs[: rep % 3]:
-            times.append(timed(fn, device))
+    # a three-way rotation: the copies are two baselines of one claim (see "what" in the report)
+    perm_times, copy_times, clone_times = interleaved(
+        (permute_unpermute, copy, clone), args.reps, args.warmup, device_sync(device)
+    )
     ratios = [c / p for c, p in zip(copy_times, perm_times, strict=True)]
     perm_s, copy_s = statistics.median(perm_times), statistics.median(copy_times)
     clone_s = statistics.median(clone_times)
@@ -101,16 +77,14 @@ def measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "permute_throughput.json")
-    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI)")
+    parser = cli("permute_throughput", __doc__, "small shapes, few repetitions (CI)")
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--experts", type=int, default=None)
     parser.add_argument("--topk", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args()
+    args = parse(parser)
     args.tokens = args.tokens or (512 if args.quick else 4096)
     args.hidden = args.hidden or (256 if args.quick else 1024)
     args.experts = args.experts or (8 if args.quick else 32)
@@ -125,7 +99,6 @@ def main() -> None:
             results.append(measure(args, cuda, torch.bfloat16, "triton"))
 
     report = {
-        "benchmark": "permute_throughput",
         "what": "permute + unpermute forward (map built once) vs dst.copy_(src) of the same bytes read + written, "
         "and vs src.clone() (a copy that allocates its output, as permute and unpermute do)",
         "baseline": "memory copy",
@@ -142,12 +115,7 @@ def main() -> None:
         },
         "results": results,
         "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "quick": args.quick,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
     for row in results:
         print(
             f"{row['backend']:6s} {row['device']:24s} {row['dtype']:8s} permute+unpermute "
@@ -155,7 +123,7 @@ def main() -> None:
             f"ratio {row['ratio']:.3f} [{row['ratio_spread'][0]:.3f}, {row['ratio_spread'][1]:.3f}]; "
             f"vs an allocating copy (clone) {row['ratio_vs_allocating_copy']:.3f}"
         )
-    print(f"wrote {args.out}")
+    write(args.out, header(args, **report))
 
 
 if __name__ == "__main__":

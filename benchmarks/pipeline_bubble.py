@@ -34,19 +34,14 @@ torch is most of the run).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
+from _harness import cli, header, parse, write  # benchmarks/_harness.py, beside this script
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-ROOT = Path(__file__).resolve().parent
-DEFAULT_OUT = ROOT / "results" / "pipeline_bubble.json"
 FULL_CONFIGS = [(p, m) for p in (2, 4, 8) for m in (8, 16)]
 QUICK_CONFIGS = [(2, 4), (4, 8)]
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -442,9 +437,7 @@ def markdown(result: dict) -> str:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON to write (full runs default to {DEFAULT_OUT})")
-    parser.add_argument("--quick", "--smoke", action="store_true", help="p=2 m=4 and p=4 m=8 only (nox benchmarks)")
+    parser = cli("pipeline_bubble", __doc__, "p=2 m=4 and p=4 m=8 only (nox benchmarks)")
     parser.add_argument("--pp", type=int, nargs="+", help="pipeline ranks (default 2 4 8)")
     parser.add_argument("--microbatches", type=int, nargs="+", help="micro-batches (default 8 16)")
     for kind, cost in DEFAULT_COSTS.items():
@@ -455,7 +448,7 @@ def parse_args() -> argparse.Namespace:
         default="serial",
         help="DualPipeV OVERLAP_F_B: sub-actions in turn (torch's runtime default) or max of the two costs",
     )
-    return parser.parse_args()
+    return parse(parser)
 
 
 def main() -> None:
@@ -470,11 +463,7 @@ def main() -> None:
     for pp, m in configs:
         runs = {name: run_schedule(name, pp, m, costs, overlap_max) for name in SCHEDULES}
         configurations[f"p={pp} m={m}"] = {"pp": pp, "microbatches": m, "schedules": runs}
-    result = {
-        "benchmark": "pipeline_bubble",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "quick": args.quick,
+    result = header(args) | {
         "cost_model": {
             **costs,
             "overlap_f_b": args.overlap_f_b,
@@ -491,12 +480,7 @@ def main() -> None:
     result["checks"] = check(configurations, costs)
     result["seconds"] = round(time.perf_counter() - started, 2)
     md = markdown(result)
-    out = args.out if args.out is not None else (None if args.quick else DEFAULT_OUT)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        out.with_suffix(".md").write_text(md)
-        print(f"wrote {out} and {out.with_suffix('.md')}")
+    write(args.out, result, {".md": md})
     print(md, end="")
     print("\n".join(result["checks"]))
 

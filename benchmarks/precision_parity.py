@@ -27,8 +27,6 @@ whole gradient, its norm ratio (a biased recipe would move it away from 1) and t
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
 import os
@@ -42,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from _harness import cli, header, parse, write  # benchmarks/_harness.py, beside this script
 
 from moe_precision import RECIPES
 from moe_train.plots import line_chart_svg
@@ -281,10 +280,8 @@ def run_set(recipes: list[str], steps: int, ranks: int, extra: list[str], work: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "precision_parity.json")
+    parser = cli("precision_parity", __doc__, "3 steps of two recipes on one process (CI)")
     parser.add_argument("--svg", type=Path, default=ROOT.parent / "docs" / "precision_parity.svg")
-    parser.add_argument("--quick", action="store_true", help="3 steps of two recipes on one process (CI)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tp-ep-steps", type=int, default=100)
     parser.add_argument("--seeds", default="1234,1,2", help="train.seed values of the seeds set")
@@ -296,7 +293,7 @@ def main() -> None:
         choices=["noise_floor", "seeds", "gradient_error", "all_seeds"],
         help="run this set alone and add it to --out (all_seeds: pool the seeds sets already there, no training)",
     )
-    args = parser.parse_args()
+    args = parse(parser)
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.only:
         work = Path(tempfile.mkdtemp(prefix="precision_parity_"))
@@ -314,8 +311,7 @@ def main() -> None:
                 report["sets"]["all_seeds"] = all_seeds(report["sets"])
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write(args.out, report)
         return
     recipes = list(RECIPES)
     work = Path(tempfile.mkdtemp(prefix="precision_parity_"))
@@ -334,19 +330,15 @@ def main() -> None:
             sets["tp2_ep2"] = run_set(recipes, args.tp_ep_steps, 4, tp_ep, work, "tp2xep2")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report = {
-        "benchmark": "precision_parity",
-        "what": "final training loss of each precision.recipe (exact emulation) against the unquantised run",
-        "baseline": "recipe none (fp32)",
-        "preset": "tiny (Qwen3-MoE-style, 4 layers, 8 experts top-2, hidden 128, seq 128, batch 16)",
-        "sets": sets,
-        "device": "cpu (emulation: quantise, dequantise, fp32 GEMM)",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "quick": args.quick,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report = header(
+        args,
+        what="final training loss of each precision.recipe (exact emulation) against the unquantised run",
+        baseline="recipe none (fp32)",
+        preset="tiny (Qwen3-MoE-style, 4 layers, 8 experts top-2, hidden 128, seq 128, batch 16)",
+        sets=sets,
+        device="cpu (emulation: quantise, dequantise, fp32 GEMM)",
+    )
+    write(args.out, report)
     if not args.quick:
         curves = sets["one_process"]["curves"]
         steps = list(range(1, len(curves["none"]) + 1))
@@ -362,7 +354,6 @@ def main() -> None:
         )
         args.svg.write_text(svg)
         print(f"wrote {args.svg}")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

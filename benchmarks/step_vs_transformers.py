@@ -6,7 +6,7 @@ Ours is built from the preset, written as a HuggingFace checkpoint (``moe_models
 transformers with SDPA attention (eager where it has none: GPT-OSS) and its ``grouped_mm`` experts; both compute in
 fp32, MTP off (transformers has none). Ours runs eager and with ``run.compile``'s regional compile (each decoder
 layer, inductor). Each is timed head to head against transformers: two steps interleaved in one process, taking
-turns at going first (``_timing.head_to_head``), after warm-up steps that also take compilation out of the timing;
+turns at going first (``_harness.head_to_head``), after warm-up steps that also take compilation out of the timing;
 the ratios are per repetition (transformers' time / ours), reported as median and range.
 
 The achieved FLOP rate of our step (Megatron's convention, ``moe_models.flops``) is divided by the fp32 GEMM rate
@@ -20,10 +20,7 @@ rate on the default preset (``tiny``, Qwen3-MoE).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import json
 import statistics
 import tempfile
 import time
@@ -31,14 +28,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from _timing import head_to_head, ratio_spread  # benchmarks/_timing.py, beside this script
+from _harness import cli, head_to_head, header, parse, ratio_spread, write  # benchmarks/_harness.py, beside this script
 
 from moe_models import build_model, causal_lm_loss
 from moe_models.flops import training_flops_per_token
 from moe_models.hf import save_pretrained
 from moe_train.compile import compile_decoder_layers
 
-ROOT = Path(__file__).resolve().parent
 FAMILIES = {
     "qwen3_moe": "tiny",
     "deepseek_v3": "tiny-deepseek-v3",
@@ -137,27 +133,21 @@ def measure_family(name: str, batch: int, reps: int, warmup: int, seq: int = 128
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "step_vs_transformers.json")
-    parser.add_argument("--quick", action="store_true", help="one family, 2 repetitions, batch 2 (CI)")
+    parser = cli("step_vs_transformers", __doc__, "one family, 2 repetitions, batch 2 (CI)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
-    args = parser.parse_args()
+    args = parse(parser)
     families = {"qwen3_moe": FAMILIES["qwen3_moe"]} if args.quick else FAMILIES
     reps, warmup, batch = (2, 1, 2) if args.quick else (args.reps, args.warmup, args.batch)
     torch.manual_seed(0)
-    report: dict = {
-        "benchmark": "step_vs_transformers",
-        "what": "forward + LM loss + backward of one batch; ratios = transformers' time / ours, per repetition",
-        "baseline": "transformers (SDPA attention, grouped_mm experts), same weights and tokens, fp32",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "targets": TARGETS,
-        "families": {},
-    }
+    report = header(
+        args,
+        what="forward + LM loss + backward of one batch; ratios = transformers' time / ours, per repetition",
+        baseline="transformers (SDPA attention, grouped_mm experts), same weights and tokens, fp32",
+        threads=torch.get_num_threads(),
+    )
+    report |= {"targets": TARGETS, "families": {}}
     for family, name in families.items():
         entry = measure_family(name, batch, reps, warmup)
         report["families"][family] = entry
@@ -169,9 +159,7 @@ def main() -> None:
             f"compiled {entry['gemm_fraction_compiled']:.1%}; first losses {entry['first_losses']}",
             flush=True,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write(args.out, report)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,190 @@
 """The documentation that states our interfaces stays in step with the code."""
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import itertools
 import re
 import tomllib
+import typing
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+README_MAX_LINES = 250
+
+
+def _pages() -> list[Path]:
+    """The prose a user reads: the README, the changelog and docs/*.md (interfaces.md is generated from docstrings)."""
+    docs = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "interfaces.md"]
+    return [ROOT / "README.md", ROOT / "CHANGELOG.md", *docs]
+
+
+def _script(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_docs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_interfaces_page_is_generated_from_the_code() -> None:
-    spec = importlib.util.spec_from_file_location("gen_interfaces", ROOT / "docs" / "gen_interfaces.py")
-    generator = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generator)
+    generator = _script(ROOT / "docs" / "gen_interfaces.py")
     assert sorted(generator.PACKAGES) == PACKAGES
     assert (ROOT / "docs" / "interfaces.md").read_text() == generator.render(), "run docs/gen_interfaces.py"
+
+
+def test_measured_tables_are_written_from_the_benchmark_results() -> None:
+    generator = _script(ROOT / "docs" / "gen_tables.py")
+    used: set[str] = set()
+    for page in generator.pages():
+        text = page.read_text()
+        assert text == generator.render(text), f"{page.relative_to(ROOT)} differs from the JSON: run docs/gen_tables.py"
+        used |= generator.used(text)
+    unused = sorted((set(generator.TABLES) | set(generator.FIGURES)) - used)
+    assert not unused, f"docs/gen_tables.py writes {unused}, which no page shows"
+    assert len(generator.TABLES) >= 10
+
+
+# a figure as the tables print it: a decimal with at least three digits, or a number with thousands separators
+_FIGURE = re.compile(r"(?<![\w.,/-])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+)(?![\w.]*\d)")
+
+
+def _figures(text: str) -> set[str]:
+    return {f for f in _FIGURE.findall(text) if sum(c.isdigit() for c in f) >= 3}
+
+
+def test_no_measured_figure_is_typed_twice() -> None:
+    """A number a generated table or figure holds appears nowhere else in the prose (it would not follow a rerun).
+    CHANGELOG.md is exempt: its figures are dated statements of what was measured then. Code (commands, versions in
+    backticks) is not prose."""
+    generator = _script(ROOT / "docs" / "gen_tables.py")
+    generated: set[str] = set()
+    prose: dict[str, str] = {}
+    for page in _pages():
+        text = page.read_text()
+        for pattern in (generator.TABLE, generator.FIGURE):
+            generated |= {f for m in pattern.finditer(text) for f in _figures(m.group(3))}
+            text = pattern.sub("", text)
+        if page.name != "CHANGELOG.md":
+            prose[str(page.relative_to(ROOT))] = re.sub(r"```.*?```|`[^`\n]*`", "", text, flags=re.S)
+    assert len(generated) > 100
+    twice = {name: sorted(_figures(text) & generated) for name, text in prose.items()}
+    twice = {name: figures for name, figures in twice.items() if figures}
+    assert not twice, f"figures of the generated tables typed again (refer to the table instead): {twice}"
+
+
+def test_readme_is_a_front_page() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES, "the README is a front page; details go to docs/"
+    for page in ("docs/running.md", "docs/parallelism.md", "docs/memory.md", "docs/precision.md", "CHANGELOG.md"):
+        assert f"({page})" in readme, page
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def test_links_between_pages_resolve() -> None:
+    for page in _pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # https: and the like
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+            if anchor and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
+                slugs = {_slug(h) for h in headings}
+                assert anchor in slugs, f"{page.relative_to(ROOT)} links to {target}: no such heading"
+
+
+@functools.cache
+def _config_keys() -> set[str]:
+    from moe_train.config import MODEL_SOURCE_KEYS, SECTIONS
+
+    keys = {f"{section}.{key}" for section, cls in SECTIONS.items() for key in typing.get_type_hints(cls)}
+    return keys | {f"model.{key}" for key in MODEL_SOURCE_KEYS}
+
+
+def _shown_keys(text: str) -> set[str]:
+    """``--section.key`` anywhere, and ``section.key`` (with or without a value) as a code span of its own."""
+    from moe_train.config import SECTIONS
+
+    flags = set(re.findall(r"(?<![\w-])--([A-Za-z_]\w*\.\w+)", text)) - {"section.key"}  # the placeholder
+    sections = "|".join(SECTIONS)
+    spans = set(re.findall(rf"`((?:{sections})\.\w+)(?:[ =][^`]*)?`", text))
+    return flags | spans
+
+
+def test_every_config_key_the_docs_show_exists() -> None:
+    shown = {}
+    for page in _pages():
+        for key in _shown_keys(page.read_text()):
+            shown.setdefault(key, str(page.relative_to(ROOT)))
+    assert len(shown) > 40
+    unknown = {key: page for key, page in shown.items() if key not in _config_keys()}
+    assert not unknown, f"config keys the docs show that moe_train.config does not have: {unknown}"
+
+
+@functools.cache
+def _nox_sessions() -> tuple[set[str], set[str]]:
+    """(every session of noxfile.py, those ``uv run nox`` runs), from nox's own registry."""
+    import nox
+    import nox.registry
+
+    _script(ROOT / "noxfile.py")
+    return set(nox.registry.get()), set(nox.options.sessions)
+
+
+def test_the_nox_sessions_the_docs_name_are_the_noxfiles() -> None:
+    sessions, default = _nox_sessions()
+    for page in _pages():
+        for name in re.findall(r"nox -s ([\w-]+)", page.read_text()):
+            assert name in sessions, f"{page.relative_to(ROOT)} names nox session {name!r}; noxfile.py has {sessions}"
+    listed = {}
+    for line in (ROOT / "docs" / "testing.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`[\w-]+`", cells[0]):
+            listed[cells[0].strip("`")] = cells[2].startswith("yes")
+    assert set(listed) == sessions, "docs/testing.md's table of sessions and noxfile.py differ"
+    assert {name for name, runs in listed.items() if runs} == default, "which sessions `uv run nox` runs"
+
+
+def _field_errors(dist: str) -> set[str]:
+    """The errors a library package exports that carry a field of its config (``field``, ``value``, ``reason``)."""
+    module = importlib.import_module(dist.replace("-", "_"))
+    found = set()
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if not (inspect.isclass(obj) and issubclass(obj, ValueError)) or "__init__" not in vars(obj):
+            continue
+        if list(inspect.signature(obj.__init__).parameters)[1:4] == ["field", "value", "reason"]:
+            found.add(f"{module.__name__}.{name}")
+    return found
+
+
+def test_architecture_error_table_names_the_errors_the_packages_raise() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Errors")[1].split("\n## ")[0]
+    table = set(re.findall(r"^\| `(moe_\w+\.\w+)` \|", section, re.M))
+    assert table
+    for dotted in sorted(table):
+        module, _, name = dotted.rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None)
+        assert inspect.isclass(cls) and issubclass(cls, ValueError), f"architecture.md names {dotted}, not an error"
+    libraries = set().union(*(_field_errors(dist) for dist in PACKAGES if dist != "moe-train"))
+    assert table == libraries, "architecture.md's error table and the packages' field errors differ"
+    from moe_train.config import _field_error_sections
+
+    for cls in _field_error_sections():
+        assert f"`{cls.__name__}` -> `{_field_error_sections()[cls]}.<field>`" in " ".join(section.split()), cls
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -59,11 +224,11 @@ def test_readme_example_of_the_parts_runs() -> None:
     assert namespace["router"].expert_bias.abs().sum() > 0  # the bias update ran
 
 
-def test_readme_example_of_the_model_families_runs() -> None:
-    readme = (ROOT / "README.md").read_text()
-    code = readme.split("## Model families and HuggingFace checkpoints")[1].split("```python")[1].split("```")[0]
+def test_models_page_example_of_the_model_families_runs() -> None:
+    page = (ROOT / "docs" / "models.md").read_text()
+    code = page.split("## HuggingFace checkpoints")[1].split("```python")[1].split("```")[0]
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/models.md", "exec"), namespace)
     ids = namespace["ids"]
     torch.testing.assert_close(namespace["again"](ids).logits, namespace["model"](ids).logits)
     assert namespace["experts_0_to_3"]["layers.1.mlp.experts.w_down_EFH"].shape[0] == 4

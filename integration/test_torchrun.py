@@ -105,7 +105,7 @@ def test_torchrun_cli_drives_tensor_and_expert_parallel(tmp_path: Path, data_cac
     config = cfg.model
     initial = build_model(config, seed=cfg.train.seed)  # the weights both runs started from
     # which is what the trainer materialises from the meta-device model
-    materialised = dict(prepare(cfg, 1).model.named_parameters())
+    materialised = dict(prepare(cfg, 1).model[0].named_parameters())  # the one stage, under the model's names
     assert materialised.keys() == dict(initial.named_parameters()).keys()
     for key, value in initial.named_parameters():
         torch.testing.assert_close(materialised[key], value, rtol=0, atol=0, msg=key)

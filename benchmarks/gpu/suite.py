@@ -13,7 +13,7 @@ lent a GPU, run from source on torch >= 2.11 with PYTHONPATH to each package's s
    of the same shape, forward + backward of a linear layer, speed-up.
 
 Every ratio is of two things timed head to head (interleaved in one process, taking turns at going first:
-``benchmarks/_timing.py``), median of >= 7 repetitions after warm-up, with the range. ``--smoke`` runs the same
+``benchmarks/_harness.py``), median of >= 7 repetitions after warm-up, with the range. ``--smoke`` runs the same
 code paths on the CPU at tiny sizes in fp32 (CI: ``benchmarks`` nox session); its figures mean nothing.
 
     benchmarks/gpu/run.sh --out results.json            # on the GPU machine
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/_timing.py
-from _timing import head_to_head, spread
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/_harness.py
+from _harness import head_to_head, spread
 
 from moe_dispatch.permutation import make_permutation_map, permute, unpermute
 from moe_experts import GroupedExperts
@@ -74,7 +74,7 @@ def sync(device: torch.device) -> None:
 def timed_pair(
     a: Callable[[], object], b: Callable[[], object], device: torch.device, reps: int, warmup: int
 ) -> tuple[dict, dict]:
-    """Median and range of ``a`` and ``b``, head to head (``benchmarks/_timing.py``)."""
+    """Median and range of ``a`` and ``b``, head to head (``benchmarks/_harness.py``)."""
     times_a, times_b = head_to_head(a, b, reps, warmup, sync=lambda: sync(device))
     return (
         {

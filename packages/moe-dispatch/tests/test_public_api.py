@@ -24,6 +24,7 @@ PUBLIC_NAMES = [
     "PermutationMap",
     "RouterConfig",
     "RouterConfigError",
+    "RouterGroups",
     "RoutingReplay",
     "RoutingResult",
     "TokenDispatcher",
@@ -58,7 +59,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_dispatch.__version__ == "0.4.2"
+    assert moe_dispatch.__version__ == "0.4.3"
     assert importlib.metadata.version("moe-dispatch") == moe_dispatch.__version__
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from moe_dispatch.config import RouterConfig
 from moe_dispatch.load_balancing import AuxLossAutoScaler, global_aux_loss, seq_aux_loss, switch_aux_loss, z_loss
-from moe_dispatch.router import TopKRouter
+from moe_dispatch.router import RouterGroups, TopKRouter
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -139,6 +139,29 @@ def test_attachment_changes_gradient_and_eval_has_none():
     assert not torch.allclose(grads[0], grads[1])
     router.eval()
     assert router(x).losses == {} and router(x).aux_loss.item() == 0.0
+
+
+def test_set_groups_sets_the_groups_and_the_divisor_scales_the_attached_losses():
+    """The gradient the balancing losses attach, measured as (train-mode gradient) - (eval-mode gradient), doubles
+    with ``sequence_grad_divisor=2``; the reported losses do not change."""
+    cfg = RouterConfig(num_experts=4, topk=2, aux_loss_coeff=1.0, z_loss_coeff=0.1)
+    router = TopKRouter(3, cfg)
+    x = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+
+    def weight_grad(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        router.train(train)
+        router.weight.grad = None
+        out = router(x)
+        (out.probs_TK[:, 0] * 3.0).sum().backward()
+        return router.weight.grad.clone(), out.aux_loss
+
+    main, _ = weight_grad(False)
+    once, reported = weight_grad(True)
+    router.set_groups(RouterGroups(sequence_grad_divisor=2))
+    assert (router.stats_group, router.sequence_group, router.sequence_grad_divisor) == (None, None, 2)
+    twice, reported_again = weight_grad(True)
+    torch.testing.assert_close(twice - main, 2 * (once - main))
+    assert torch.equal(reported, reported_again)
 
 
 def test_no_grad_forward_reports_losses_without_attaching():

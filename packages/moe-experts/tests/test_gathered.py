@@ -105,3 +105,19 @@ def test_weight_gradient_kernels_against_per_expert_matmuls(wgrad):
     want = torch.stack([x[a:b].t() @ dy[a:b] for a, b in itertools.pairwise(starts)])
     torch.testing.assert_close(wgrad(x, dy, counts), want, rtol=1e-6, atol=1e-6)
     assert math.isclose(float(wgrad(x, dy, counts)[1].abs().sum()), 0.0)  # an expert without rows
+
+
+def test_a_first_projection_that_takes_rows_gets_them_gathered():
+    # a replacement projection (moe-precision's quantised one) says it cannot gather rows itself: the experts hand
+    # it the rows, so the rows are saved again, and the results are those of the gathering projection
+    tokens, hidden, ffn = 5, 16, 4
+    experts = GroupedExperts(3, hidden, ffn, seed=0)
+    row_source = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4])
+    counts = torch.tensor([4, 3, 3])
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    rows_bytes = row_source.numel() * hidden * 4
+    gathering = experts(x, counts, row_source_N=row_source)
+    assert rows_bytes not in _saved_storage_bytes(lambda: experts(x, counts, row_source_N=row_source))
+    experts.fc1.gathers_rows = False
+    assert rows_bytes in _saved_storage_bytes(lambda: experts(x, counts, row_source_N=row_source))
+    torch.testing.assert_close(experts(x, counts, row_source_N=row_source), gathering)

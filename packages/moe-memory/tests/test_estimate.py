@@ -1,5 +1,6 @@
 """The per-rank memory estimate from plain sizes: hand-counted bytes of a small layer, the optimizer formula, the
-layouts, recompute and offload. (Against measured forwards of the real models: moe-models' test_memory_estimate.)"""
+layouts, recompute and offload. (Against measured forwards of the real models: moe-models' test_memory_estimate.)
+What the modules save is declared by the packages that own them; the shapes carry moe_models' declarations."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import pytest
 
+from moe_dispatch.saved_bytes import expected_ranks_per_token
 from moe_memory.estimate import (
     ExpertsShape,
     GQAShape,
@@ -19,13 +21,17 @@ from moe_memory.estimate import (
     estimate_memory,
     format_estimates,
 )
-from moe_memory.saved_activations import _expected_ranks_per_token
+from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES as SAVES
 
 PARAMS = LocalParameters(numel=1000, tensors=10)
 # hidden 8, vocab 16, one dense layer: 2 query heads and 1 key/value head of 4, dense FFN 12
-DENSE = ModelShape(hidden=8, vocab=16, layers=(LayerShape(GQAShape(2, 1, 4), moe=False),), dense_ffn=12)
+DENSE = ModelShape(
+    hidden=8, vocab=16, layers=(LayerShape(GQAShape(2, 1, 4), moe=False),), dense_ffn=12, saved_bytes=SAVES
+)
 EXPERTS = ExpertsShape(num_experts=8, topk=2, ffn_hidden=6)
-MOE = ModelShape(hidden=8, vocab=16, layers=(LayerShape(GQAShape(2, 2, 4), moe=True),) * 2, experts=EXPERTS)
+MOE = ModelShape(
+    hidden=8, vocab=16, layers=(LayerShape(GQAShape(2, 2, 4), moe=True),) * 2, experts=EXPERTS, saved_bytes=SAVES
+)
 
 
 def run(**fields) -> RunShape:
@@ -94,7 +100,7 @@ def test_two_byte_activations_keep_fp32_norm_internals() -> None:
 
 
 def test_sequence_parallel_splits_tokens_outside_attention_and_heads_inside() -> None:
-    model = ModelShape(8, 16, (LayerShape(GQAShape(4, 2, 4), moe=False),), dense_ffn=12)
+    model = ModelShape(8, 16, (LayerShape(GQAShape(4, 2, 4), moe=False),), dense_ffn=12, saved_bytes=SAVES)
     one = estimate_memory(model, run(seq_len=8)).activations_by_module()
     two = estimate_memory(model, run(seq_len=8, tp=2)).activations_by_module()
     assert two["attn_norm"] * 2 == one["attn_norm"]  # the local half of the sequence
@@ -114,13 +120,13 @@ def test_routed_rows_expected_with_ep_and_bounded_by_capacity() -> None:
     # the first projection gathers its t * k rows itself: it saves their int64 source rows and int64 group sizes; the
     # source (the block's input) is the router's, counted there
     assert local.activations_by_module()["expert_fc1"] == 2 * (t * k * 8 + 8 * 8)
-    ranks = _expected_ranks_per_token(8, 2, 2)
+    ranks = expected_ranks_per_token(8, 2, 2)
     received = math.ceil(t * ranks)  # under ep the source is the received rows, fewer than the t * k rows
     assert ep.activations_by_module()["expert_fc1"] == 2 * (received * h * 4 + t * k * 8 + 4 * 8)
     assert local.dispatcher_buffers == 0
     assert ranks == pytest.approx(2 * (1 - math.comb(4, 2) / math.comb(8, 2)))
     assert ep.dispatcher_buffers == 2 * math.ceil(t * ranks) * h * 4  # rows in and out, one layer at a time
-    assert _expected_ranks_per_token(8, 8, 4) == 4 and _expected_ranks_per_token(8, 2, 1) == 1
+    assert expected_ranks_per_token(8, 8, 4) == 4 and expected_ranks_per_token(8, 2, 1) == 1
     # capacity: ceil(16 * 2 / 8 * 0.5) = 2 pairs per expert, 16 rows in all (padded or not: every expert full), no
     # more than the 16 tokens: the rows themselves are saved, with int32 offsets
     for pad in (False, True):
@@ -168,7 +174,7 @@ def test_offload_moves_large_tensors_of_offloaded_kinds_to_host() -> None:
 
 def test_mla_on_cpu_takes_the_blockwise_kernel_and_on_cuda_the_fused_one() -> None:
     mla = MLAShape(heads=2, q_lora_rank=4, kv_lora_rank=4, qk_nope_dim=4, qk_rope_dim=2, v_dim=4)
-    model = ModelShape(8, 16, (LayerShape(mla, moe=False),), dense_ffn=12)
+    model = ModelShape(8, 16, (LayerShape(mla, moe=False),), dense_ffn=12, saved_bytes=SAVES)
     cpu = estimate_memory(model, run(micro_batch=2)).activations_by_module()["core_attn"]
     cuda = estimate_memory(model, run(micro_batch=2, device="cuda")).activations_by_module()["core_attn"]
     n, s = 8, 4

@@ -11,6 +11,7 @@ import torch
 
 from moe_models import ModelConfig, StageRouting, build_model, causal_lm_loss, next_token_loss, preset
 from moe_models.module_kinds import module_kinds
+from moe_models.pipeline import DEFAULT_SEQ_LEN
 
 FAMILIES = ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-mixtral")
 SPLITS = ([(0,), (1, 2), (3,)], [(0, 1, 2), (3,)], [(0,), (1,), (2,), (3,)])
@@ -111,3 +112,15 @@ def test_costs_weigh_moe_layers_above_dense_ones_and_the_head() -> None:
     assert plan.last_stage_copies == ("embed_tokens.weight",)
     tied = build_model(replace(_config("tiny-qwen3-moe"), share_embeddings_and_output_weights=True))
     assert "share_embeddings_and_output_weights" in tied.parallel_plan().pipeline.unsupported
+
+
+def test_costs_are_at_the_sequence_length_given() -> None:
+    model = build_model(_config("tiny-qwen3-moe"), seed=5)
+    default, short, long = (model.parallel_plan(seq_len).pipeline for seq_len in (None, 256, 65536))
+    assert default.layer_costs == model.parallel_plan(DEFAULT_SEQ_LEN).pipeline.layer_costs
+    assert short.layer_costs != default.layer_costs != long.layer_costs
+    # core attention grows with the sequence, the rest of a layer, the embedding and the head do not
+    assert all(s < d < lo for s, d, lo in zip(short.layer_costs, default.layer_costs, long.layer_costs, strict=True))
+    assert short.first_cost == default.first_cost == long.first_cost
+    assert short.last_cost == default.last_cost == long.last_cost
+    assert long.layer_costs[0] / long.last_cost > short.layer_costs[0] / short.last_cost

@@ -1,4 +1,4 @@
-"""init_distributed / apply_data_parallel / all_reduce_mean: one process, and 2 gloo ranks on CPU."""
+"""init_distributed / all_reduce_mean: one process, and 2 gloo ranks on CPU."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from moe_parallel import DistributedContext, all_reduce_mean, apply_data_parallel, init_distributed
+from moe_parallel import DistributedContext, all_reduce_mean, init_distributed
 
 WORLD = 2
 WORKER = Path(__file__).with_name("_dist_worker.py")
@@ -39,11 +38,6 @@ def test_auto_device_follows_cuda_availability(no_torchrun_env):
 
 def test_is_main_only_on_rank_zero():
     assert not DistributedContext(1, 1, 2, torch.device("cpu")).is_main
-
-
-def test_single_rank_data_parallel_returns_the_model(no_torchrun_env):
-    model = nn.Linear(3, 2)
-    assert apply_data_parallel(model, init_distributed("gloo", "cpu")) is model
 
 
 def test_all_reduce_mean_without_group_is_a_detached_copy():
@@ -82,27 +76,3 @@ def test_gloo_all_reduce_mean_equals_hand_mean(gloo_results):
     for res in gloo_results:
         torch.testing.assert_close(res["reduced"], hand_mean, rtol=0, atol=1e-7)
         assert res["input_untouched"]
-
-
-@pytest.mark.dist
-def test_gloo_data_parallel_gradients_equal_full_batch_gradients(gloo_results):
-    for res in gloo_results:
-        assert res["wrapper"] == "DistributedDataParallel"
-        assert res["ddp_grads"].keys() == res["reference_grads"].keys()
-        for name, grad in res["ddp_grads"].items():
-            torch.testing.assert_close(grad, res["reference_grads"][name], rtol=1e-6, atol=1e-6)
-    # each rank's own half gives a different gradient, so the averaging above did real work
-    for res in gloo_results:
-        assert any(
-            not torch.allclose(res["local_grads"][n], res["reference_grads"][n], atol=1e-4) for n in res["local_grads"]
-        )
-
-
-@pytest.mark.dist
-def test_gloo_data_parallel_starts_from_rank0_weights(gloo_results):
-    rank0 = gloo_results[0]["own_params"]
-    assert not torch.equal(gloo_results[1]["own_params"]["0.weight"], rank0["0.weight"])  # built differently
-    for res in gloo_results:
-        assert res["broadcast_params"].keys() == rank0.keys()
-        for name, param in res["broadcast_params"].items():
-            assert torch.equal(param, rank0[name])

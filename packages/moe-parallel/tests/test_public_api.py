@@ -19,12 +19,11 @@ PUBLIC_NAMES = [
     "ParallelModel",
     "ParallelPlan",
     "ParameterSource",
-    "PipelineParallelModel",
     "PipelinePlan",
+    "StagedModel",
     "__version__",
     "all_reduce_mean",
     "apply_context_parallel",
-    "apply_data_parallel",
     "apply_expert_parallel",
     "apply_fsdp",
     "apply_tensor_parallel",
@@ -44,7 +43,7 @@ PUBLIC_NAMES = [
     "microbatch_rule",
     "moe_blocks",
     "parallelize",
-    "pipeline_parallelize",
+    "parallelize_stages",
     "replica_count",
     "restore_expert_checkpoint_pieces",
     "shard_experts",
@@ -57,7 +56,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_parallel.__version__ == "0.5.3"
+    assert moe_parallel.__version__ == "0.6.0"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

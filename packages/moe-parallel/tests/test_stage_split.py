@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_parallel import LayoutError, ParallelConfig, ParallelLayout, available_schedules, microbatch_rule
-from moe_parallel.stage_split import rank_stages, split_layers, stage_rank
+from moe_parallel.schedules import rank_stages, stage_rank
+from moe_parallel.stage_split import split_layers
 
 
 def _brute_force_best(costs: list[float], stages: int, first: float, last: float) -> float:

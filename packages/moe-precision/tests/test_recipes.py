@@ -118,8 +118,16 @@ def test_quantize_linear_in_place_keeps_parameters_and_hooks():
 class Projection(nn.Module):
     """Stands in for moe-experts' ExpertLinear: ``forward(x_NK, w_EKM, tokens_per_expert_E, gmm)``."""
 
+    gathers_rows = True  # as ExpertLinear: the experts may hand it row indices instead of rows
+
     def forward(self, x_NK, w_EKM, tokens_per_expert_E, gmm):
         return gmm(x_NK, w_EKM, tokens_per_expert_E)
+
+
+def test_a_quantised_projection_says_it_takes_rows_not_indices():
+    # moe-experts' GroupedExperts reads this before handing its first projection row indices: a quantised GEMM must
+    # get the rows themselves (it quantises them)
+    assert Projection.gathers_rows and not quantize_grouped_linear_(Projection(), Recipe("mxfp8")).gathers_rows
 
 
 @pytest.mark.parametrize("recipe", ["fp8_delayed", "mxfp8"])

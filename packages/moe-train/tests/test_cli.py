@@ -189,7 +189,7 @@ def test_checkpoint_restores_the_trained_weights(micro_overrides: dict[str, str]
     setup = prepare(cfg, world_size=1)
     summary = train(setup)
     fresh = build_model(cfg.model)
-    assert not torch.equal(fresh.lm_head.weight, setup.model.lm_head.weight)
+    assert not torch.equal(fresh.lm_head.weight, setup.model[0].lm_head.weight)  # the one stage
     assert load_checkpoint(Path(summary.checkpoint), fresh) == 3
     for (name, trained), (_, restored) in zip(
         setup.model.state_dict().items(), fresh.state_dict().items(), strict=True

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_models import build_model, causal_lm_loss
+from moe_models import StageRouting, build_model, causal_lm_loss
 from moe_train.adamw import PrecisionAwareAdamW, optimizer_state_bytes
 from moe_train.checkpoint import load_checkpoint, save_checkpoint
 from moe_train.config import ExperimentConfig, TrainConfig, load_config
+from moe_train.loop import NextTokenLoss
 from moe_train.optim import build_optimizer, lr_at, set_lr
 
 # sigmoid scores with the aux-loss-free expert bias: an fp32 buffer that must survive the bf16 cast and the resume
@@ -248,6 +249,7 @@ def _train_steps(setup, optimizer: torch.optim.Optimizer, steps: range) -> list[
     cfg: ExperimentConfig = setup.cfg
     stream = setup.data.train
     params = [p for p in setup.model.parameters() if p.requires_grad]
+    routing, loss_fn = StageRouting(), NextTokenLoss(cfg.model.mtp_loss_scaling_factor)
     losses = []
     for step in steps:
         set_lr(optimizer, lr_at(step, cfg.train))
@@ -255,15 +257,16 @@ def _train_steps(setup, optimizer: torch.optim.Optimizer, steps: range) -> list[
         batch = stream.batch(
             step, cfg.train.global_batch_size, setup.parallel.dp_index * setup.micro_batch, setup.micro_batch
         )
-        out = setup.model(batch.input_ids_BS)
-        loss = causal_lm_loss(out, batch.labels_BS, cfg.model.mtp_loss_scaling_factor)
-        loss.total.backward()
+        routing.clear()
+        loss_fn.reset(torch.device("cpu"))
+        setup.parallel.forward_backward(batch.input_ids_BS, batch.labels_BS, 1, loss_fn, torch.float32, routing=routing)
         setup.parallel.finalize_grads()
         setup.parallel.clip_grad_norm_(cfg.train.clip_grad, params)
         optimizer.step()
-        for router, counts_E in zip(setup.model.routers(), out.tokens_per_expert_LE, strict=True):
+        load_LE = torch.cat([routing.tokens_per_expert_LE[i] for i in setup.parallel.stage_indices])
+        for router, counts_E in zip(setup.parallel.routers(), load_LE, strict=True):
             router.update_expert_bias(counts_E)
-        losses.append(loss.lm.item())
+        losses.append(loss_fn.lm_sum.item())
     return losses
 
 
@@ -344,7 +347,7 @@ def test_resume_with_bf16_states_and_master_weights_equals_an_uninterrupted_run(
 ) -> None:
     result = resume_equals_uninterrupted({**micro_overrides, **EXPERT_BIAS, **BF16_ALL}, tmp_path / "ckpt", 3, 3)
     _assert_resume(result, 6)
-    assert any(k.startswith("layers.0.mlp.router.expert_bias") for k in result["whole"])
+    assert any(k.startswith("0.layers.0.mlp.router.expert_bias") for k in result["whole"])  # stage 0 holds it
 
 
 WORLD = 2
@@ -356,7 +359,7 @@ def test_resume_under_fsdp_on_two_ranks(launch_gloo_workers, micro_overrides: di
     (tmp_path / "overrides.json").write_text(json.dumps(overrides))
     for result in launch_gloo_workers(Path(__file__), WORLD, tmp_path, timeout=120):
         # the parameters and every optimizer state are sharded by FSDP: saved and loaded per shard
-        assert "Shard(dim=0)" in result["placements"]["layers.0.attention.q_proj.weight"]
+        assert "Shard(dim=0)" in result["placements"]["0.layers.0.attention.q_proj.weight"]
         for key, placements in result["state_placements"].items():
             assert placements == result["placements"][key.split(":")[0]], key
         _assert_resume(result, 4)

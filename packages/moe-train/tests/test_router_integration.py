@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_dispatch import TopKRouter
+from moe_parallel import StagedModel
 from moe_train.config import load_config
 from moe_train.trainer import prepare, train
 
@@ -20,11 +21,11 @@ BIAS = {
 }
 
 
-def _run(overrides: dict[str, str]) -> tuple[torch.nn.Module, list[dict]]:
+def _run(overrides: dict[str, str]) -> tuple[StagedModel, list[dict]]:
     setup = prepare(load_config("tiny", overrides), world_size=1)
     train(setup)
     lines = Path(overrides["run.output_dir"], "metrics.jsonl").read_text().splitlines()
-    return setup.model, [json.loads(line) for line in lines]
+    return setup.parallel, [json.loads(line) for line in lines]
 
 
 def test_expert_bias_follows_the_returned_counts_and_recompute_does_not_double_count(

@@ -28,12 +28,12 @@ from moe_dispatch.permutation import (
     unpermute,
 )
 from moe_dispatch.replay import RoutingReplay
-from moe_dispatch.router import RoutingResult, TopKRouter
+from moe_dispatch.router import RouterGroups, RoutingResult, TopKRouter
 from moe_dispatch.scores import group_limited_topk
 from moe_dispatch.stats import routing_stats
 from moe_dispatch.wire import WireCodec, all_gather_encoded, all_to_all_encoded
 
-__version__ = "0.4.2"
+__version__ = "0.4.3"
 
 __all__ = [
     "DISPATCHERS",
@@ -55,6 +55,7 @@ __all__ = [
     "RouterConfig",
     "RouterConfigError",
     "RoutingReplay",
+    "RouterGroups",
     "RoutingResult",
     "TokenDispatcher",
     "TopKRouter",

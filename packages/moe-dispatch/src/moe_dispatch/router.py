@@ -61,6 +61,17 @@ class RoutingResult:
         return routing_stats(self.tokens_per_expert_E, self.expert_idx_TK.numel())
 
 
+@dataclass(frozen=True)
+class RouterGroups:
+    """Which ranks a router shares its statistics with, set in one call (:meth:`TopKRouter.set_groups`) by whatever
+    applies parallelism: ``stats`` (``stats_group``), ``sequence`` (``sequence_group``) and
+    ``sequence_grad_divisor``, as :class:`TopKRouter` describes them. The default is one process."""
+
+    stats: dist.ProcessGroup | None = None
+    sequence: dist.ProcessGroup | None = None
+    sequence_grad_divisor: int = 1
+
+
 class TopKRouter(nn.Module):
     """Linear gate + top-k selection, with the router math in fp32 (or fp64) whatever the model dtype.
 
@@ -75,10 +86,11 @@ class TopKRouter(nn.Module):
     ``probs_TK`` is used by the loss (the dispatcher's combine does so).
 
     ``stats_group``: the data-parallel process group ``global_aux_loss`` sums expert counts over and
-    :meth:`update_expert_bias` defaults to; parallelize code may set the attribute later. ``replay``: a
+    :meth:`update_expert_bias` defaults to; parallelize code sets it later with the other groups
+    (:meth:`set_groups`). ``replay``: a
     :class:`~moe_dispatch.replay.RoutingReplay` that records or replays the chosen experts.
 
-    ``sequence_group`` (settable later too): under sequence parallelism, the ranks holding the other chunks
+    ``sequence_group`` (:meth:`set_groups` too): under sequence parallelism, the ranks holding the other chunks
     of the same sequences (each an equal contiguous chunk of every sequence, ``seq_len`` = the LOCAL chunk
     length). Balancing one chunk would balance the wrong tokens, so the losses then use counts of the full
     sequences and keep only the local tokens differentiable: with the model loss replicated over the group
@@ -89,7 +101,7 @@ class TopKRouter(nn.Module):
     summed over the sequence group. Costs one all-reduce of a small fp64 vector per training forward (plus
     ``global_aux_loss``'s own over ``stats_group``); None or a group of size 1 changes nothing.
 
-    ``sequence_grad_divisor`` (settable later too): how many ranks of the sequence group have their gradients
+    ``sequence_grad_divisor`` (set by :meth:`set_groups`): how many ranks of the sequence group have their gradients
     AVERAGED rather than summed (context parallelism: each rank's model loss is the mean over its own tokens and FSDP
     averages the cp ranks). The balancing losses' attached gradients are multiplied by it, so that the average
     leaves their sum; the reported values are unchanged.
@@ -116,6 +128,11 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias: torch.Tensor | None = None
         self.reset_parameters()
+
+    def set_groups(self, groups: RouterGroups) -> None:
+        """Share statistics with the ranks ``groups`` names (all three settings at once)."""
+        self.stats_group, self.sequence_group = groups.stats, groups.sequence
+        self.sequence_grad_divisor = groups.sequence_grad_divisor
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.weight, std=std)

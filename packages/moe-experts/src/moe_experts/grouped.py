@@ -67,7 +67,12 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 class ExpertLinear(nn.Module):
     """One grouped projection of the experts, ``[N, K] @ w_EKM`` per expert's rows. It holds no parameters (the
     weights stay on :class:`GroupedExperts`, under their checkpoint names): it is a module so that memory policies
-    can address it (Megatron's ``expert_fc1`` offload)."""
+    can address it (Megatron's ``expert_fc1`` offload). A module that replaces it (moe-precision's quantised one)
+    says with :attr:`gathers_rows` whether the first projection may hand it its input's rows by index."""
+
+    # the first projection may gather its rows itself (row indices, a separate weight-gradient kernel); a
+    # replacement that only takes rows leaves it False
+    gathers_rows = True
 
     def forward(
         self, x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor, gmm: GroupedMM
@@ -259,10 +264,10 @@ class GroupedExperts(nn.Module):
     def _wgrad(
         self, backend: Backend, x_TH: torch.Tensor, row_source_N: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> GroupedWgrad | None:
-        """The weight-gradient kernel of ``backend`` when the first projection can gather its own rows: a
-        plain :class:`ExpertLinear` (a quantised one takes rows), plain tensors (not DTensors), a back end with a
-        separate weight gradient, groups that cover every row, and not under torch.compile."""
-        if type(self.fc1) is not ExpertLinear or type(x_TH) is not torch.Tensor:
+        """The weight-gradient kernel of ``backend`` when the first projection can gather its own rows: its module
+        says so (:attr:`ExpertLinear.gathers_rows`; a quantised one takes rows), plain tensors (not DTensors), a back
+        end with a separate weight gradient, groups that cover every row, and not under torch.compile."""
+        if not getattr(self.fc1, "gathers_rows", False) or type(x_TH) is not torch.Tensor:
             return None
         if torch.compiler.is_compiling():  # as for the fused activation: the compiler chooses what to save itself
             return None

@@ -16,8 +16,10 @@ weights and buffers; the activations saved for backward, by module and layer kin
 total, and a text table (:meth:`MemoryEstimate.format`, :func:`format_estimates` for several ranks side by side).
 
 **Activations** are what the modules of this code base actually save for backward, tensor by tensor, as measured
-with :class:`moe_memory.measure.SavedTensorBytes`: :mod:`moe_memory.saved_activations` writes each module's saves
-out (what each saves, and how the layouts divide the rows), the inputs are in :mod:`moe_memory.shapes`.
+with :class:`moe_memory.measure.SavedTensorBytes`: the packages that own the modules declare their saves next to
+their code (``moe_dispatch.saved_bytes``, ``moe_experts.saved_bytes``, ``moe_models.saved_bytes``: what each module
+saves, and how the layouts divide the rows), the model's :class:`ModelShape` carries them (``saved_bytes``, see
+:mod:`moe_memory.saved_activations`), and this module composes them; the inputs are in :mod:`moe_memory.shapes`.
 
 **Recompute and offload** (Megatron-Core's module kinds) act on the list of saved tensors, each with the module
 that saves it and the modules it runs inside (its ``path``):
@@ -55,7 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from moe_memory.kinds import OFFLOAD_KINDS, OUTPUT_DISCARDING_KINDS, RECOMPUTE_KINDS
-from moe_memory.saved_activations import ForwardSaves, RankSizes, Save, Scope, layer_saves, model_level_saves
+from moe_memory.saved_activations import ForwardSaves, RankSizes, Save, SavedBytesDeclarations, Scope
 from moe_memory.shapes import (
     DEFAULT_OFFLOAD_MIN_TENSOR_BYTES,
     FP32,
@@ -76,6 +78,7 @@ __all__ = [
     "OUTPUT_DISCARDING_KINDS",
     "RECOMPUTE_KINDS",
     "ExpertsShape",
+    "ForwardSaves",
     "GQAShape",
     "LayerShape",
     "LocalParameters",
@@ -83,7 +86,9 @@ __all__ = [
     "MemoryEstimate",
     "ModelShape",
     "PipelineShare",
+    "RankSizes",
     "RunShape",
+    "SavedBytesDeclarations",
     "SavedTensor",
     "estimate_memory",
     "format_estimates",
@@ -337,9 +342,15 @@ def estimate_memory(
     rank's, ``model`` holding its stages' layers: its saved activations count ``pipeline.inflight`` times."""
     recompute, offload = frozenset(recompute), frozenset(offload)
     _check_kinds(recompute, offload)
-    seq = run.seq_len // run.cp
-    tokens = run.micro_batch * seq
-    z = RankSizes(run.micro_batch, seq, tokens, tokens // run.tp, run.activation_bytes, run.cp)
+    declarations = model.saved_bytes
+    if declarations is None:
+        raise ValueError(
+            "ModelShape.saved_bytes: the declarations of what the model's modules save for backward are needed "
+            "(moe_models.memory.model_shape sets them)"
+        )
+    positions = run.seq_len // run.cp
+    tokens = run.micro_batch * positions
+    sizes = RankSizes(run.micro_batch, positions, tokens, tokens // run.tp, run.activation_bytes, run.cp)
     # the same layer shape counts once, times its layers; MTP depths run a MoE layer of the model's attention
     kinds: dict[tuple[LayerShape, bool], int] = {}
     for layer in model.layers:
@@ -354,24 +365,26 @@ def estimate_memory(
     working = 0
     dispatcher = 0
     for (layer, is_mtp), count in kinds.items():
-        forward, routing = layer_saves(model, layer, z, run)
+        forward = ForwardSaves()
+        declarations.layer(forward, model, layer, sizes, run)
         where = _layer_kind_name(layer, count, run, is_mtp)
         on_device, on_host, recomputed = _account(forward, recompute, offload, offload_min_tensor_bytes)
         device += [SavedTensor(m, forward.names[k], n, count, where, by) for m, k, n, by in on_device]
         host += [SavedTensor(m, forward.names[k], n, count, where, by) for m, k, n, by in on_host]
         working = max(working, recomputed)
-        if routing is not None and run.ep * run.etp > 1:
-            # one layer's exchange in flight: the rows received (and as many sent back in its combine)
-            sent = 0 if run.dispatcher == "allgather" else routing.sent
-            dispatcher = max(dispatcher, (routing.received + sent) * model.hidden * z.a)
-    forward = model_level_saves(model, z, run, pipeline)
+        # one layer's exchange in flight: the rows received (and as many sent back in its combine)
+        dispatcher = max(dispatcher, forward.dispatcher_buffer_bytes)
+    forward = ForwardSaves()
+    declarations.model_level(forward, model, sizes, run, pipeline)
     on_device, on_host, recomputed = _account(forward, recompute, offload, offload_min_tensor_bytes)
     device += [SavedTensor(m, forward.names[k], n, 1, "model", by) for m, k, n, by in on_device]
     host += [SavedTensor(m, forward.names[k], n, 1, "model", by) for m, k, n, by in on_host]
     working = max(working, recomputed)
     p = run.params
     states, master = optimizer_state_bytes(p.numel, p.tensors, run)
-    logits = (1 + model.mtp_depth) * z.tokens * (model.vocab // run.tp) * z.a  # vocabulary-parallel under tp
+    logits = (
+        (1 + model.mtp_depth) * sizes.tokens * (model.vocab // run.tp) * sizes.activation_bytes
+    )  # vocabulary-parallel under tp
     notes = []
     if pipeline is not None:
         # every micro-batch in flight keeps its own saved tensors; the logits live only while the loss runs

@@ -3,7 +3,11 @@ packages), and the byte sizes the estimate counts in. :mod:`moe_memory.estimate`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_memory.saved_activations import SavedBytesDeclarations
 
 FP32 = 4
 INDEX = 8  # int64 indices and labels
@@ -74,6 +78,9 @@ class ModelShape:
     dense_ffn: int = 0
     mtp_depth: int = 0
     tied_embeddings: bool = False  # changes no activation; the parameters are given
+    # what the model's modules save for backward, declared by the packages that own them (moe_memory.saved_activations;
+    # moe_models.memory.model_shape sets it); not part of the shape's identity
+    saved_bytes: SavedBytesDeclarations | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

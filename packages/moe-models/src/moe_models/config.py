@@ -248,6 +248,13 @@ class ModelConfig:
         """One 0/1 per layer: 1 = the layer's MLP is a routed MoE, 0 = a dense MLP."""
         return _layer_pattern(self.moe_layer_freq, self.num_layers, "moe_layer_freq", every_nth_is=1)
 
+    def router_layers(self) -> list[str]:
+        """The layers holding a router, in the order of the model's routers (the rows of its ``tokens_per_expert_LE``,
+        a step's expert loads): the routed MoE decoder layers, then each MTP depth's layer. The one place this order
+        is written."""
+        moe = [f"layers.{i}" for i, is_moe in enumerate(self.moe_layer_pattern()) if is_moe]
+        return moe + [f"mtp.{k}.layer" for k in range(self.mtp_num_layers or 0)]
+
     def full_attention_pattern(self) -> list[int]:
         """One 0/1 per layer: 1 = full causal attention, 0 = sliding window of ``window_size``."""
         if self.window_size is None:

@@ -30,6 +30,7 @@ from moe_memory.estimate import (
     RunShape,
 )
 from moe_models.config import ModelConfig
+from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
 
@@ -60,7 +61,8 @@ def _attention(config: ModelConfig, full: bool) -> GQAShape | MLAShape:
 
 
 def model_shape(config: ModelConfig) -> ModelShape:
-    """The layer shapes of ``config`` (one per decoder layer; the MTP depths are ``mtp_depth``)."""
+    """The layer shapes of ``config`` (one per decoder layer; the MTP depths are ``mtp_depth``), with what its modules
+    save for backward (:mod:`moe_models.saved_bytes`)."""
     c = config
     moe, full = c.moe_layer_pattern(), c.full_attention_pattern()
     layers = tuple(LayerShape(_attention(c, bool(f)), moe=bool(m)) for m, f in zip(moe, full, strict=True))
@@ -87,6 +89,7 @@ def model_shape(config: ModelConfig) -> ModelShape:
         dense_ffn=c.ffn_hidden_size,
         mtp_depth=c.mtp_num_layers or 0,
         tied_embeddings=c.share_embeddings_and_output_weights,
+        saved_bytes=MOE_TRANSFORMER_SAVED_BYTES,
     )
 
 

@@ -25,9 +25,12 @@ from torch import nn
 from moe_dispatch import RoutingResult, TopKRouter
 from moe_models.attention import Attention
 from moe_models.config import ModelConfig
+from moe_models.forward import at_positions, aux_loss_sum, positions_or_length, run_head, run_layers, tokens_per_expert
 from moe_models.init import InitialWeights
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.mla import MultiLatentAttention
+from moe_models.module_kinds import module_kinds as kinds_of
+from moe_models.parallel_plan import parallel_plan as plan_of
 from moe_models.rope import rotary_cos_sin
 
 if TYPE_CHECKING:
@@ -144,22 +147,19 @@ class MoETransformer(nn.Module):
         """The initial value of every tensor for ``seed``, servable in slices (a ``ParameterSource``)."""
         return InitialWeights(self, seed)
 
-    def parallel_plan(self) -> ParallelPlan:
-        """How moe_parallel splits this model (:mod:`moe_models.parallel_plan`)."""
-        from moe_models.parallel_plan import parallel_plan
-
-        return parallel_plan(self)
+    def parallel_plan(self, seq_len: int | None = None) -> ParallelPlan:
+        """How moe_parallel splits this model (:mod:`moe_models.parallel_plan`). ``seq_len``, the run's sequence
+        length, weighs the pipeline stages (None: :data:`~moe_models.pipeline.DEFAULT_SEQ_LEN`)."""
+        return plan_of(self, seq_len)
 
     def module_kinds(self) -> dict[str, list[str]]:
         """``{Megatron module kind: [qualified module names]}``: what recompute and offload act on
         (:mod:`moe_models.module_kinds`)."""
-        from moe_models.module_kinds import module_kinds
-
-        return module_kinds(self)
+        return kinds_of(self)
 
     def moe_layers(self) -> list[DecoderLayer]:
         """Decoder layers with a routed MoE, main layers first, then the MTP layers."""
-        return [layer for layer in self.layers if layer.is_moe] + [m.layer for m in self.mtp]
+        return [self.get_submodule(name) for name in self.config.router_layers()]
 
     def routers(self) -> list[TopKRouter]:
         """The router of every MoE layer, in :meth:`moe_layers` order (the rows of ``tokens_per_expert_LE``)."""
@@ -170,7 +170,7 @@ class MoETransformer(nn.Module):
         position). Attention sees the keys of the positions computed, causally by position: a context-parallel rank
         computes its positions, and moe_parallel hands its attention the other ranks' keys and values."""
         x_BSH = self.embed_tokens(at_positions(input_ids_BS, positions_S))
-        cos_SF, sin_SF = rotary_cos_sin(self.config, _positions_or_length(input_ids_BS, positions_S), x_BSH.device)
+        cos_SF, sin_SF = rotary_cos_sin(self.config, positions_or_length(input_ids_BS, positions_S), x_BSH.device)
         routings: list[RoutingResult | None] = []
         x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings, positions_S)
         logits_BSV, mtp_logits = run_head(self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S)
@@ -178,69 +178,6 @@ class MoETransformer(nn.Module):
         return ModelOutput(
             logits_BSV, aux_loss_sum(kept, x_BSH), tokens_per_expert(kept, self.config, x_BSH), mtp_logits
         )
-
-
-def at_positions(ids_BS: torch.Tensor, positions_S: torch.Tensor | None) -> torch.Tensor:
-    """The tokens of ``ids_BS`` at ``positions_S`` (all of them for None)."""
-    return ids_BS if positions_S is None else ids_BS[:, positions_S]
-
-
-def _positions_or_length(ids_BS: torch.Tensor, positions_S: torch.Tensor | None) -> int | torch.Tensor:
-    return ids_BS.shape[1] if positions_S is None else positions_S
-
-
-def run_layers(
-    layers,
-    x_BSH: torch.Tensor,
-    cos_SF: torch.Tensor,
-    sin_SF: torch.Tensor,
-    routings: list,
-    positions_S: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``x_BSH`` through decoder ``layers`` in order; each layer's routing (None for a dense one) goes to
-    ``routings``."""
-    for layer in layers:
-        x_BSH, routing = layer(x_BSH, cos_SF, sin_SF, positions_S)
-        routings.append(routing)
-    return x_BSH
-
-
-def run_head(
-    parts: nn.Module,
-    x_BSH: torch.Tensor,
-    input_ids_BS: torch.Tensor,
-    cos_SF: torch.Tensor,
-    sin_SF: torch.Tensor,
-    routings: list,
-    positions_S: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The logits and the MTP depths' logits from the last layer's output; ``parts`` holds ``norm``, ``lm_head``,
-    ``mtp`` and (for MTP) ``embed_tokens``: the whole model, or the last pipeline stage. ``input_ids_BS`` is the
-    whole sequences, ``positions_S`` the positions computed."""
-    logits_BSV = parts.lm_head(parts.norm(x_BSH))
-    mtp_logits = []
-    hidden_BSH, ids_BS = x_BSH, input_ids_BS
-    for mtp in parts.mtp:
-        # one token further on (in the whole sequence); the wrapped-around last position has no label and is left
-        # out of the loss
-        ids_BS = torch.roll(ids_BS, -1, dims=1)
-        next_embed_BSH = parts.embed_tokens(at_positions(ids_BS, positions_S))
-        hidden_BSH, routing = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S)
-        routings.append(routing)
-        mtp_logits.append(parts.lm_head(mtp.final_norm(hidden_BSH)))
-    return logits_BSV, tuple(mtp_logits)
-
-
-def aux_loss_sum(routings: list[RoutingResult], like: torch.Tensor) -> torch.Tensor:
-    """The routers' balancing losses summed (fp32 scalar, zero without MoE layers)."""
-    return sum((r.aux_loss.float() for r in routings), like.new_zeros((), dtype=torch.float32))
-
-
-def tokens_per_expert(routings: list[RoutingResult], config: ModelConfig, like: torch.Tensor) -> torch.Tensor:
-    """``[L, E]`` kept (token, expert) pairs, one row per router (``[0, E]`` without MoE layers)."""
-    if routings:
-        return torch.stack([r.tokens_per_expert_E for r in routings])
-    return torch.zeros(0, config.num_moe_experts, dtype=torch.int64, device=like.device)
 
 
 def build_model(config: ModelConfig, seed: int | None = None) -> MoETransformer:

@@ -31,13 +31,12 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from moe_models.model import MoETransformer
 from moe_models.pipeline import pipeline_plan
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan
 
 if TYPE_CHECKING:
     from moe_models.config import ModelConfig
-    from moe_models.model import DecoderLayer
+    from moe_models.model import DecoderLayer, MoETransformer
 
 
 def _attention_styles(prefix: str, layer: DecoderLayer, mla: bool) -> dict[str, ParallelStyle]:
@@ -88,8 +87,11 @@ def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dic
         styles[f"{mlp}.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
 
 
-def parallel_plan(model: MoETransformer) -> ParallelPlan:
-    """The plan moe_parallel applies to ``model`` (module docstring)."""
+def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> ParallelPlan:
+    """The plan moe_parallel applies to ``model`` (module docstring).
+
+    ``seq_len``, the run's sequence length, weighs the pipeline stages (:func:`~moe_models.pipeline.pipeline_plan`;
+    None: :data:`~moe_models.pipeline.DEFAULT_SEQ_LEN`)."""
     c = model.config
     plan: dict = {
         "tensor_parallel": {
@@ -132,5 +134,5 @@ def parallel_plan(model: MoETransformer) -> ParallelPlan:
         tied_parameters=(("embed_tokens.weight", "lm_head.weight"),) if c.share_embeddings_and_output_weights else (),
         # every attention: under context parallelism its core attention sees the keys and values of every cp rank
         context_parallel=tuple(f"{prefix}.attention.core_attention" for prefix, _ in layers + depths),
-        pipeline=pipeline_plan(model) if isinstance(model, MoETransformer) else None,
+        pipeline=pipeline_plan(model, seq_len),
     )

@@ -17,14 +17,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from moe_dispatch import RoutingResult
-from moe_models.config import ModelConfig
 from moe_models.flops import stage_costs
-from moe_models.model import MoETransformer, aux_loss_sum, run_head, run_layers, tokens_per_expert
+from moe_models.forward import aux_loss_sum, positions_or_length, run_head, run_layers, tokens_per_expert
+from moe_models.module_kinds import module_kinds
 from moe_models.rope import rotary_cos_sin
+from moe_parallel.plan import PipelinePlan
 
 if TYPE_CHECKING:
-    from moe_parallel.plan import PipelinePlan
+    from moe_dispatch import RoutingResult
+    from moe_models.config import ModelConfig
+    from moe_models.model import MoETransformer
+
+# the sequence length the stage costs are at when the caller gives none
+DEFAULT_SEQ_LEN = 4096
 
 
 class StageRouting:
@@ -71,25 +76,27 @@ class ModelStage(nn.Module):
         if last:
             self.norm, self.lm_head, self.mtp = model.norm, model.lm_head, model.mtp
 
+    def _held_router_layers(self) -> list[tuple[int, str]]:
+        """(row among the whole model's routers, layer name) of each router layer this stage holds."""
+        held = {f"layers.{k}" for k in self.layers}
+        if self.last:
+            held |= {f"mtp.{k}.layer" for k in range(len(self.mtp))}
+        return [(row, name) for row, name in enumerate(self.config.router_layers()) if name in held]
+
     def moe_layers(self) -> list[nn.Module]:
-        return [layer for layer in self.layers.values() if layer.is_moe] + (
-            [m.layer for m in self.mtp] if self.last else []
-        )
+        # the stage keeps the whole model's names: ``layers.<i>`` is ``self.layers["<i>"]``
+        return [self.get_submodule(name) for _, name in self._held_router_layers()]
 
     def routers(self) -> list[nn.Module]:
         """This stage's routers, in the order of its rows of :class:`StageRouting`'s loads."""
         return [layer.mlp.router for layer in self.moe_layers()]
 
     def router_rows(self) -> list[int]:
-        """Where each of :meth:`routers` stands among the whole model's (``MoETransformer.routers``: the MoE layers
-        in order, then the MTP depths): its row of the whole model's ``tokens_per_expert_LE``."""
-        pattern = self.config.moe_layer_pattern()
-        rows = [sum(pattern[:i]) for i, layer in ((int(k), v) for k, v in self.layers.items()) if layer.is_moe]
-        return rows + ([sum(pattern) + k for k in range(len(self.mtp))] if self.last else [])
+        """Where each of :meth:`routers` stands among the whole model's (``ModelConfig.router_layers``): its row of
+        the whole model's ``tokens_per_expert_LE``."""
+        return [row for row, _ in self._held_router_layers()]
 
     def module_kinds(self) -> dict[str, list[str]]:
-        from moe_models.module_kinds import module_kinds
-
         return module_kinds(self)
 
     def forward(
@@ -101,8 +108,7 @@ class ModelStage(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         positions_S = None if positions_BS is None else positions_BS[0]
         x_BSH = self.embed_tokens(x) if self.first else x
-        where = input_ids_BS.shape[1] if positions_S is None else positions_S
-        cos_SF, sin_SF = rotary_cos_sin(self.config, where, x_BSH.device)
+        cos_SF, sin_SF = rotary_cos_sin(self.config, positions_or_length(input_ids_BS, positions_S), x_BSH.device)
         routings: list[RoutingResult | None] = []
         x_BSH = run_layers(self.layers.values(), x_BSH, cos_SF, sin_SF, routings, positions_S)
         out: torch.Tensor | tuple[torch.Tensor, ...] = x_BSH
@@ -131,11 +137,12 @@ def stage_io(
         return inputs, (logits,) * (1 + len(stage.mtp))
 
 
-def pipeline_plan(model: MoETransformer, seq_len: int = 4096) -> PipelinePlan:
-    """How ``model`` splits into stages; the costs are training FLOPs per token at ``seq_len``."""
-    from moe_parallel.plan import PipelinePlan
+def pipeline_plan(model: MoETransformer, seq_len: int | None = None) -> PipelinePlan:
+    """How ``model`` splits into stages; the costs are training FLOPs per token at ``seq_len``.
 
-    costs = stage_costs(model.config, seq_len)
+    ``seq_len`` is the run's sequence length (None: :data:`DEFAULT_SEQ_LEN`): attention's share of a layer's cost
+    grows with it."""
+    costs = stage_costs(model.config, DEFAULT_SEQ_LEN if seq_len is None else seq_len)
     unsupported = {}
     if model.config.share_embeddings_and_output_weights:
         unsupported["share_embeddings_and_output_weights"] = (

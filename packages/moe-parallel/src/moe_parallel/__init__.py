@@ -10,7 +10,6 @@ from moe_parallel.context_parallel import apply_context_parallel, gather_sequenc
 from moe_parallel.distributed import (
     DistributedContext,
     all_reduce_mean,
-    apply_data_parallel,
     init_distributed,
     shutdown_distributed,
 )
@@ -20,21 +19,17 @@ from moe_parallel.grads import GradientSync, local_grad, replica_count
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, ParallelLayout
 from moe_parallel.materialize import ParameterSource, local_box, materialize
 from moe_parallel.mesh import ParallelMeshes, build_meshes
-from moe_parallel.parallelize import ParallelModel, check_plan, parallelize
-from moe_parallel.pipeline import (
-    PipelineParallelModel,
-    available_schedules,
-    microbatch_rule,
-    pipeline_parallelize,
-    stage_map,
-    stage_split,
-)
+from moe_parallel.parallel_model import ParallelModel
+from moe_parallel.parallelize import check_plan, parallelize
+from moe_parallel.pipeline import microbatch_rule, stage_map, stage_split
 from moe_parallel.plan import LayoutError, MoEBlockPlan, ParallelPlan, PipelinePlan
+from moe_parallel.schedules import available_schedules
 from moe_parallel.stage_split import split_layers
+from moe_parallel.staged import StagedModel, parallelize_stages
 from moe_parallel.suggest import check_layout
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, full_value, vocab_parallel_loss
 
-__version__ = "0.5.3"
+__version__ = "0.6.0"
 
 __all__ = [
     "ATTENTION_DIMS",
@@ -50,12 +45,11 @@ __all__ = [
     "ParallelLayout",
     "ParallelMeshes",
     "ParallelModel",
-    "PipelineParallelModel",
+    "StagedModel",
     "PipelinePlan",
     "__version__",
     "all_reduce_mean",
     "apply_context_parallel",
-    "apply_data_parallel",
     "apply_expert_parallel",
     "apply_fsdp",
     "apply_tensor_parallel",
@@ -75,7 +69,7 @@ __all__ = [
     "microbatch_rule",
     "moe_blocks",
     "parallelize",
-    "pipeline_parallelize",
+    "parallelize_stages",
     "replica_count",
     "restore_expert_checkpoint_pieces",
     "shard_experts",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from moe_parallel.layout import ParallelLayout
 from moe_parallel.plan import LayoutError
+from moe_parallel.schedules import check_schedule_name
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
 PRECISIONS = ("float32", "bfloat16")
@@ -45,8 +46,6 @@ class ParallelConfig:
                 self.moe_token_dispatcher_type,
                 f"choose one of {', '.join(TOKEN_DISPATCHERS)}",
             )
-        from moe_parallel.pipeline import check_schedule_name
-
         check_schedule_name(self.pp_schedule)
         for name in ("vpp", "pp_first_stage_layers", "pp_last_stage_layers"):
             value = getattr(self, name)

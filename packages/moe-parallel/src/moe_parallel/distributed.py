@@ -1,4 +1,4 @@
-"""Process-group start-up from torchrun's environment, data parallelism, and reductions."""
+"""Process-group start-up from torchrun's environment, and reductions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -49,14 +48,6 @@ def shutdown_distributed() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def apply_data_parallel(model: nn.Module, ctx: DistributedContext) -> nn.Module:
-    """Replicate ``model`` over every rank with gradient averaging (DistributedDataParallel)."""
-    if ctx.world_size == 1:
-        return model
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:

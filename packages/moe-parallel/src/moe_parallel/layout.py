@@ -15,6 +15,9 @@ from moe_parallel.plan import LayoutError
 
 ATTENTION_DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 EXPERT_DIMS = ("etp", "ep", "edp", "pp")
+# attention dimensions flattened into one, by name (the first named is the slower): FSDP's shard dimension under
+# context parallelism, and the ranks holding other tokens of the same sequences
+FLATTENED_DIMS = {"dp_shard_cp": ("dp_shard", "cp"), "cp_tp": ("cp", "tp")}
 
 
 def divisors(n: int) -> list[int]:
@@ -107,6 +110,13 @@ class ParallelLayout:
             raise ValueError(f"side={side!r}: choose 'attention' or 'expert'")
         dims = ATTENTION_DIMS if side == "attention" else EXPERT_DIMS
         return {d: getattr(self, d) for d in dims}
+
+    def flattened_coord(self, rank: int, name: str) -> int:
+        """Position of ``rank`` along the flattened attention dimension ``name`` (:data:`FLATTENED_DIMS`)."""
+        coords, sizes, out = self.coords(rank, "attention"), self.sizes("attention"), 0
+        for dim in FLATTENED_DIMS[name]:
+            out = out * sizes[dim] + coords[dim]
+        return out
 
     def coords(self, rank: int, side: str) -> dict[str, int]:
         """Position of ``rank`` along each dimension of the ``"attention"`` or ``"expert"`` layout."""

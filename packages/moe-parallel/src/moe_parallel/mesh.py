@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, ParallelLayout
+from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, FLATTENED_DIMS, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class ParallelMeshes:
     expert: DeviceMesh  # (pp, edp, ep, etp)
     # every rank of this rank's pipeline stage (all but the pp dimension); the world without pipeline parallelism
     stage_group: dist.ProcessGroup | None = None
-    # flattened dimensions of the attention mesh, kept as _flatten returned them: "dp_shard_cp", "cp_tp"
+    # flattened dimensions of the attention mesh (layout.FLATTENED_DIMS), kept as _flatten returned them
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
 
     @property
@@ -106,11 +106,9 @@ def build_meshes(layout: ParallelLayout, device_type: str = "cpu") -> ParallelMe
     expert = DeviceMesh(
         device_type, ranks.view(*(layout.sizes("expert")[d] for d in expert_dims)), mesh_dim_names=expert_dims
     )
-    flattened = {}
-    if layout.cp > 1:  # FSDP's shard mesh and the routers' sequence group, on the attention mesh (FSDP needs TP's root)
-        flattened["dp_shard_cp"] = attention["dp_shard", "cp"]._flatten("dp_shard_cp")
-        if layout.tp > 1:
-            flattened["cp_tp"] = attention["cp", "tp"]._flatten("cp_tp")
+    # FSDP's shard mesh and the routers' sequence group, on the attention mesh (FSDP needs TP's root)
+    wanted = ["dp_shard_cp", "cp_tp"] if layout.cp > 1 and layout.tp > 1 else ["dp_shard_cp"] if layout.cp > 1 else []
+    flattened = {name: attention[FLATTENED_DIMS[name]]._flatten(name) for name in wanted}
     stage_group = None
     if layout.pp > 1:
         rank = dist.get_rank()

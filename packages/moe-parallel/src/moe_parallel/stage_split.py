@@ -1,8 +1,4 @@
-"""Which pipeline stages each rank holds, and which decoder layers each stage runs.
-
-Stages are numbered along the model, ``0 .. pp * vpp - 1``. 1F1B and GPipe give rank ``r`` stage ``r``; the
-interleaved schedule loops, rank ``r`` holding ``r, r + pp, r + 2 pp, ...``; the V-shaped ones (ZBV, DualPipeV)
-give rank ``r`` stages ``r`` and ``2 pp - 1 - r``, so rank 0 holds both the first and the last.
+"""Which decoder layers each pipeline stage runs (which stages each rank holds: :mod:`moe_parallel.schedules`).
 
 The split balances cost (training FLOPs per token): the embedding rides on stage 0 and the head (with MTP) on the
 last stage, so those stages get fewer layers when the head is expensive. ``first_layers`` / ``last_layers`` fix
@@ -15,36 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from moe_parallel.plan import LayoutError
-
-SCHEDULE_STYLES = {
-    "1F1B": "single",
-    "GPipe": "single",
-    "Interleaved1F1B": "loop",
-    "ZBVZeroBubble": "v",
-    "DualPipeV": "v",
-}
-
-
-def stages_per_rank(schedule: str, vpp: int | None) -> int:
-    """``vpp`` as the schedule takes it (None: its default)."""
-    if vpp is not None:
-        return vpp
-    return 1 if SCHEDULE_STYLES[schedule] == "single" else 2
-
-
-def rank_stages(schedule: str, pp: int, vpp: int, pp_rank: int) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds, in model order."""
-    style = SCHEDULE_STYLES[schedule]
-    if style == "v":
-        return sorted({pp_rank, 2 * pp - 1 - pp_rank})
-    return [pp_rank + k * pp for k in range(vpp)]
-
-
-def stage_rank(schedule: str, pp: int, stage: int) -> int:
-    """The pipeline rank holding ``stage`` (the inverse of :func:`rank_stages`)."""
-    if SCHEDULE_STYLES[schedule] == "v" and stage >= pp:
-        return 2 * pp - 1 - stage
-    return stage % pp
 
 
 def _balanced(costs: Sequence[float], stages: int) -> list[int]:
@@ -139,50 +105,3 @@ def split_layers(
         out.append(tuple(range(at, at + count)))
         at += count
     return out
-
-
-class _StandInStage:
-    """What torch's schedule constructors read of a stage, so that their action lists can be had without a process
-    group (``pipeline_order``: every rank's list, whichever rank the stand-in claims to be)."""
-
-    def __init__(self, num_stages: int, group_size: int, stage_index: int) -> None:
-        self.num_stages, self.group_size, self.group_rank, self.stage_index = num_stages, group_size, 0, stage_index
-        self.submod = None
-        self.stage_index_to_group_rank: dict[int, int] = {}
-
-
-def inflight_microbatches(schedule: str, pp: int, vpp: int, microbatches: int) -> list[int] | None:
-    """Per pipeline rank, the most stage micro-batches whose activations it holds at once (forward done, weight
-    gradient not yet): what its activation memory is a multiple of. From the schedule's own action list for the
-    multi-stage schedules; 1F1B's (``min(m, pp - rank)``) and GPipe's (``m``) by their definition, as torch's 1F1B
-    action list numbers the last rank's micro-batches from 1. None when the installed torch has no action list."""
-    if SCHEDULE_STYLES[schedule] == "single":
-        return [microbatches if schedule == "GPipe" else min(microbatches, pp - r) for r in range(pp)]
-    from torch.distributed.pipelining import schedules
-
-    name = {"Interleaved1F1B": "ScheduleInterleaved1F1B", "ZBVZeroBubble": "ScheduleZBVZeroBubble"}.get(
-        schedule, "ScheduleDualPipeV"
-    )
-    try:
-        stages = [_StandInStage(pp * vpp, pp, i) for i in range(vpp)]
-        order = getattr(schedules, name)(stages, microbatches).pipeline_order
-        kinds = schedules._ComputationType
-    except Exception:  # private parts of torch: another version may lay them out otherwise
-        return None
-    frees = {"FULL_BACKWARD", "BACKWARD_WEIGHT"}  # an input gradient alone keeps what the weight gradient needs
-    peaks = []
-    for rank in range(pp):
-        alive = peak = 0
-        for action in order.get(rank, []):
-            if action is None:
-                continue
-            parts = action.sub_actions if getattr(action, "sub_actions", None) else (action,)
-            for part in parts:
-                kind = part.computation_type
-                if kind == kinds.FORWARD:
-                    alive += 1
-                elif kind.name in frees:
-                    alive -= 1
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks

@@ -79,6 +79,7 @@ class QuantizedGroupedLinear(nn.Module):
     recipe: Recipe
     native: bool
     scaling: list[ScalingState]
+    gathers_rows = False  # it quantises the rows it is given: the experts' first projection must gather them first
 
     def forward(
         self,

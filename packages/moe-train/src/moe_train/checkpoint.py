@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_parallel import (
     ParallelModel,
-    PipelineParallelModel,
+    StagedModel,
     expert_checkpoint_pieces,
     local_box,
     restore_expert_checkpoint_pieces,
@@ -69,6 +69,10 @@ _PARTIAL_DIR = re.compile(r"\.step_(\d+)\.partial")
 # (fqn, tensor) -> tensors to save instead (None: save as is); then copy loaded pieces back into the tensor
 PiecesFn = Callable[[str, torch.Tensor], "dict[str, torch.Tensor] | None"]
 RestoreFn = Callable[[str, torch.Tensor, "dict[str, torch.Tensor]"], None]
+
+
+# what moe_parallel made of the model: split in place, or the rank's stages (what the trainer holds)
+Parallelised = ParallelModel | StagedModel
 
 
 class CheckpointError(ValueError):
@@ -93,7 +97,7 @@ class ExpertForm:
     restore: RestoreFn
 
 
-def expert_form(model: nn.Module, parallel: ParallelModel | None = None) -> ExpertForm | None:
+def expert_form(model: nn.Module, parallel: Parallelised | None = None) -> ExpertForm | None:
     """The canonical form of ``model``'s routed experts under ``parallel`` (one process when None); None for a
     model without a parallel plan (nothing is an expert)."""
     if parallel is None:
@@ -236,11 +240,11 @@ def _join(model_state: dict[str, Any], optim_state: dict[str, Any] | None, form:
 Aliases = list[tuple[Any, Any]]  # (state left out, the state of the same name that stands for it)
 
 
-def _whole_model_names(state: dict[str, Any], parallel: Any) -> tuple[dict[str, Any], Aliases]:
-    """``state`` (DCP's state) under the whole model's names when ``parallel`` is a pipeline: its stages sit under
-    ``<k>.`` in the rank's ``ModuleList``. A name two stages of one rank both hold (a copied embedding) is stored once;
-    the aliases say what to copy the loaded value into."""
-    if not isinstance(parallel, PipelineParallelModel):
+def _whole_model_names(state: dict[str, Any], parallel: Parallelised | None) -> tuple[dict[str, Any], Aliases]:
+    """``state`` (DCP's state) under the whole model's names (``parallel.global_name``: a staged model's stages sit
+    under ``<k>.`` in the rank's ``ModuleList``). A name two stages of one rank both hold (a copied embedding) is
+    stored once; the aliases say what to copy the loaded value into."""
+    if parallel is None:
         return state, []
     aliases: Aliases = []
 
@@ -303,7 +307,7 @@ class CheckpointWriter:
         *,
         keep_last: int = 0,
         async_save: bool = False,
-        parallel: ParallelModel | None = None,
+        parallel: Parallelised | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.directory, self.keep_last, self.async_save = Path(directory), keep_last, async_save
@@ -407,7 +411,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     meta: dict[str, Any] | None = None,
-    parallel: ParallelModel | None = None,
+    parallel: Parallelised | None = None,
 ) -> Path:
     """Write ``directory/step_<step>`` synchronously; it appears only once complete (written aside, then renamed)."""
     writer = CheckpointWriter(directory, parallel=parallel)
@@ -445,7 +449,7 @@ def load_checkpoint(
     path: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    parallel: ParallelModel | None = None,
+    parallel: Parallelised | None = None,
     *,
     restore_rng: bool = False,
 ) -> int:
@@ -466,8 +470,8 @@ def load_checkpoint(
     found: Pieces = {}
     state, aliases = _whole_model_names(_canonical(model_state, optim_state, form, found), parallel)
     state["step"] = torch.tensor(0)
-    # a pipeline stage holds only its part of the model: the other stages' ranks check theirs
-    metadata = _checked_keys(path, set(state["model"]), whole=not isinstance(parallel, PipelineParallelModel))
+    # a pipeline rank holds only its stages of the model: the other stages' ranks check theirs
+    metadata = _checked_keys(path, set(state["model"]), whole=parallel is None or parallel.holds_whole_model)
     try:
         with _quiet():
             dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata))

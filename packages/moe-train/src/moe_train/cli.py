@@ -293,7 +293,9 @@ def _plan(
     if device_memory is not None and device_memory <= 0:
         raise ConfigError(f"--device-memory={device_memory:g}: give the memory of one device in GiB, > 0")
     param_dtype = torch.bfloat16 if getattr(cfg.train, "params_dtype", "fp32") == "bf16" else torch.float32
-    report = plan_report(cfg.model, p, world_size, param_dtype, cfg.run)  # validates the layout against the model first
+    report = plan_report(
+        cfg.model, p, world_size, param_dtype, cfg.run, cfg.data.seq_len
+    )  # validates the layout against the model first
     report = with_microbatches(report, p.pp_schedule, plan_micro_batching(cfg, report.layout)[1])
     print(f"{world_size} ranks, {cfg.model.num_moe_experts} experts per MoE layer ({cfg.model.family})")
     if world_size <= RANK_MAP_MAX_WORLD:  # one line per rank

@@ -3,9 +3,9 @@ or gradient norm that is no longer finite."""
 
 from __future__ import annotations
 
-import math
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 import torch
@@ -45,12 +45,19 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
-    def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop (one small all-reduce per step when distributed)."""
-        asked = any_rank(self.signal_name is not None, device)
-        if asked and self.signal_name is None:
+    def asked_on_any_rank(self, not_finite_here: torch.Tensor) -> tuple[bool, bool]:
+        """(the step's loss or gradient norm is not finite on some rank, some rank was asked to stop), from this
+        rank's boolean ``not_finite_here`` (a device tensor): one small all-reduce and one read-back, the training
+        step's only host synchronisation outside the model when it writes no metrics. Under torchrun every rank
+        receives a signal, but not at the same step: this makes all ranks stop after the same one."""
+        asked = torch.tensor(self.signal_name is not None, device=not_finite_here.device)
+        flags = torch.stack([not_finite_here.reshape(()), asked]).float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        not_finite, stop_asked = (bool(v) for v in flags.tolist())
+        if stop_asked and self.signal_name is None:
             self.signal_name = "a signal to another rank"
-        return asked
+        return not_finite, stop_asked
 
 
 class NonFiniteGuard:
@@ -60,14 +67,18 @@ class NonFiniteGuard:
     def __init__(self, allowed: int) -> None:
         self.allowed, self.skipped, self.skipping = allowed, 0, False
 
-    def check(self, step: int, loss: float, grad_norm: float, last_saved: str | None) -> NonFiniteError | None:
+    def check(
+        self, step: int, not_finite: bool, values: Callable[[], tuple[float, float]], last_saved: str | None
+    ) -> NonFiniteError | None:
         """None when the step is fine or may be skipped (:attr:`skipping` says which); the error to raise once the
-        step's metrics are written when the run must stop."""
-        self.skipping = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not self.skipping:
+        step's metrics are written when the run must stop. ``values``: the step's (loss, gradient norm), read only
+        for that error."""
+        self.skipping = not_finite
+        if not not_finite:
             return None
         self.skipped += 1
         if self.skipped > self.allowed:
+            loss, grad_norm = values()
             saved = f"the last checkpoint is {last_saved}" if last_saved else "no checkpoint was written"
             return NonFiniteError(
                 f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite "

@@ -52,12 +52,11 @@ from moe_parallel import (
     ParallelConfig,
     ParallelLayout,
     build_meshes,
-    parallelize,
-    pipeline_parallelize,
+    parallelize_stages,
     stage_map,
 )
-from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS
-from moe_parallel.stage_split import inflight_microbatches
+from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, FLATTENED_DIMS
+from moe_parallel.schedules import inflight_microbatches
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig
 from moe_train.setup import checked_meta_model, default_micro_batch_size, micro_batching
 
@@ -117,10 +116,8 @@ def _coordinates_by_dim(layout: ParallelLayout) -> dict[str, torch.Tensor]:
             for dim in dims:
                 if dim != "pp" or side == "attention":
                     by_dim[dim].append(coords[dim])
-        # the flattened dimensions context parallelism adds (row-major: the first named is the slower)
-        attention = layout.coords(rank, "attention")
-        by_dim["dp_shard_cp"].append(attention["dp_shard"] * layout.cp + attention["cp"])
-        by_dim["cp_tp"].append(attention["cp"] * layout.tp + attention["tp"])
+        for name in FLATTENED_DIMS:  # the flattened dimensions context parallelism adds
+            by_dim[name].append(layout.flattened_coord(rank, name))
     return {dim: torch.tensor(values) for dim, values in by_dim.items()}
 
 
@@ -208,29 +205,27 @@ def plan_report(
     world_size: int,
     param_dtype: torch.dtype = torch.float32,
     run: RunConfig | None = None,
+    seq_len: int | None = None,
 ) -> PlanReport:
     """Every rank's parameter and buffer shard sizes when ``parallel_config`` splits the model over ``world_size``
     ranks (module docstring), its parameters in ``param_dtype`` as training casts them (``train.params_dtype``).
     With ``run``, its recompute and offload settings are checked against the model too. Raises
     :class:`ConfigError` for layouts that do not fit."""
-    layout, model, plan = checked_meta_model(model_config, parallel_config, world_size, run)
+    layout, model, plan = checked_meta_model(model_config, parallel_config, world_size, run, seq_len)
     if param_dtype != torch.float32:
         model.to(param_dtype)  # as the trainer does on the meta device; the routers' expert bias stays fp32
     _fake_world(world_size)
-    pp_of_rank = None
     try:
         meshes = build_meshes(layout, "cpu")
-        if layout.pp == 1:
-            views = [(parallelize(model, meshes, parallel_config, plan), None)]
-        else:  # one process is rank 0: build every pipeline rank's stages in turn, each on a meta model of its own
-            pp_of_rank = torch.tensor([layout.coords(r, "attention")["pp"] for r in range(world_size)])
-            views = []
-            for pp_rank in range(layout.pp):
-                if pp_rank:
-                    _, model, plan = checked_meta_model(model_config, parallel_config, world_size)
-                    if param_dtype != torch.float32:
-                        model.to(param_dtype)
-                views.append((pipeline_parallelize(model, meshes, parallel_config, plan, pp_rank=pp_rank), pp_rank))
+        # one process is rank 0: build every pipeline rank's stages in turn, each on a meta model of its own
+        pp_of_rank = torch.tensor([layout.coords(r, "attention")["pp"] for r in range(world_size)])
+        views = []
+        for pp_rank in range(layout.pp):
+            if pp_rank:
+                _, model, plan = checked_meta_model(model_config, parallel_config, world_size, seq_len=seq_len)
+                if param_dtype != torch.float32:
+                    model.to(param_dtype)
+            views.append((parallelize_stages(model, meshes, parallel_config, plan, pp_rank=pp_rank), pp_rank))
         local_numels = _local_numels(layout)
         expert_prefixes = tuple(f"{path}." for path in plan.experts_paths())
         params: dict[tuple[str, torch.dtype], torch.Tensor] = {}
@@ -239,10 +234,10 @@ def plan_report(
         param_tensors = 0
         for split, pp_rank in views:
             replicas = split.sync.replicas  # parameter id -> ranks holding each distinct piece of it
-            mask = 1 if pp_rank is None else (pp_of_rank == pp_rank).long()  # the ranks holding these stages
+            mask = (pp_of_rank == pp_rank).long()  # the ranks holding these stages
             held = split.model
             for name, param in held.named_parameters():
-                name = name if pp_rank is None else split.global_name(name)
+                name = split.global_name(name)
                 part = ROUTED_EXPERTS if name.startswith(expert_prefixes) else NON_EXPERT
                 per_rank = local_numels(param) * mask
                 key = (part, param.dtype)

@@ -12,28 +12,28 @@ import torch
 from torch import nn
 
 from moe_experts import BACKENDS, BackendUnavailableError
-from moe_memory import MemoryPolicy, apply_memory_policy, check_memory_options
+from moe_memory import MemoryPolicy, check_memory_options
 from moe_models import ModelConfig, build_model
 from moe_models.hf import CheckpointSource
 from moe_parallel import (
     DistributedContext,
     ParallelConfig,
     ParallelLayout,
-    ParallelModel,
     ParallelPlan,
-    PipelineParallelModel,
+    StagedModel,
     build_meshes,
     check_layout,
     init_distributed,
     microbatch_rule,
-    parallelize,
+    parallelize_stages,
 )
-from moe_train.compile import compile_decoder_layers, compile_problem
+from moe_train.compile import compile_problem
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, TrainConfig, config_error
 from moe_train.data import PreparedData, prepare_data
 from moe_train.loggers import check_wandb_available
-from moe_train.precision import apply_run_precision, dispatch_wire
+from moe_train.precision import dispatch_wire
 from moe_train.resume import ResumePoint, check_output_dir, find_resume_point
+from moe_train.transforms import ModelTransforms, memory_settings
 
 
 @dataclass
@@ -43,10 +43,10 @@ class Setup:
     cfg: ExperimentConfig
     ctx: DistributedContext
     layout: ParallelLayout
-    # split over the layout in place (with pp > 1: this rank's stages, ``parallel.model``); ``parallel`` holds what
-    # the training step needs
+    # this rank's stages of the model (one without pp), split over the layout: ``parallel.model``; ``parallel``
+    # holds what the training step needs
     model: nn.Module
-    parallel: ParallelModel | PipelineParallelModel
+    parallel: StagedModel
     dtype: torch.dtype
     micro_batch: int
     grad_accum: int
@@ -67,19 +67,24 @@ def _resolve_device(cfg: ExperimentConfig) -> str:
 
 
 def checked_meta_model(
-    model_config: ModelConfig, parallel_config: ParallelConfig, world_size: int, run: RunConfig | None = None
+    model_config: ModelConfig,
+    parallel_config: ParallelConfig,
+    world_size: int,
+    run: RunConfig | None = None,
+    seq_len: int | None = None,
 ) -> tuple[ParallelLayout, nn.Module, ParallelPlan]:
     """The layout, the model built on the meta device and its plan, checked against each other (``check_plan``) and,
     with ``run``, against its recompute and offload settings, before anything is allocated; errors become
-    :class:`ConfigError`. Shared by ``train`` and ``plan``."""
+    :class:`ConfigError`. ``seq_len``: the run's sequence length, which the pipeline stages are balanced at (None:
+    the model's default). Shared by ``train`` and ``plan``."""
     try:
         with torch.device("meta"):
             model = build_model(model_config)
-        plan = model.parallel_plan()
+        plan = model.parallel_plan(seq_len)
         # suggested values of a refused size pass every rule at once, the model's and the world's
         layout = check_layout(model, plan, parallel_config, world_size)
         if run is not None:
-            check_memory_options(model, model.module_kinds(), *memory_options(run))
+            check_memory_options(model, model.module_kinds(), *memory_settings(run))
     except BackendUnavailableError as err:
         raise ConfigError(f"model.moe_expert_backend={model_config.moe_expert_backend!r}: {err}") from None
     except ValueError as err:  # ModelConfigError, LayoutError, MemoryConfigError
@@ -100,11 +105,6 @@ def _check_expert_backend_dtype(cfg: ExperimentConfig, experts_dtype: torch.dtyp
         f"{str(experts_dtype).removeprefix('torch.')} (run.dtype={cfg.run.dtype!r}); set run.dtype bf16, or use "
         "backend torch or auto"
     )
-
-
-def memory_options(run: RunConfig) -> tuple[list[str], list[str], int]:
-    """The run's recompute and offload settings, as moe_memory's policy functions take them."""
-    return run.recompute_modules, run.offload_modules, run.offload_min_tensor_bytes
 
 
 # train.micro_batch_size 0: at most this many sequences per forward, whatever the layout
@@ -213,7 +213,7 @@ def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
         )
     source = _checkpoint_source(cfg) if cfg.model_from_hf else None  # names, shapes and file headers checked
     try:
-        layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run)
+        layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run, cfg.data.seq_len)
         _check_trainer_layout(cfg, layout)
         problem = compile_problem(cfg, layout)
         if problem is not None:
@@ -272,31 +272,17 @@ def _build(cfg: ExperimentConfig, checked: RunChecks, build_on_meta: bool) -> Se
     if not build_on_meta:
         with torch.device(ctx.device):
             model = build_model(cfg.model, seed=cfg.train.seed)
+        plan = model.parallel_plan(cfg.data.seq_len)  # its stages are built from this model's modules
     if cfg.train.params_dtype == "bf16":
         # cast while the model is still on the meta device (or right after the eager build): each rank only ever
         # allocates bf16 shards, which materialize fills with the fp32 initial values rounded to nearest. The
         # routers keep their expert_bias buffers in fp32 (TopKRouter._apply) and compute in their own router dtype
         model.to(torch.bfloat16)
     meshes = build_meshes(layout, ctx.device.type) if ctx.world_size > 1 else None
-    memory = MemoryPolicy()
-    precision_modules = 0
-
-    def recompute_and_offload(modules: nn.Module) -> None:
-        nonlocal memory, precision_modules
-        # the recipe first: recompute wraps modules, and expert parallelism (before this) builds the rank's experts
-        precision_modules += apply_run_precision(modules, cfg.precision, cfg.model.num_layers, native_precision)
-        # with pp > 1, once per stage (checked on the whole model above): a stage may lack a kind, e.g. MoE layers
-        chosen = apply_memory_policy(modules, modules.module_kinds(), *memory_options(cfg.run), part=layout.pp > 1)
-        memory = MemoryPolicy(
-            saved=memory.saved or chosen.saved,
-            recomputed={**memory.recomputed, **chosen.recomputed},
-            offloaded={**memory.offloaded, **chosen.offloaded},
-        )
-        if cfg.run.compile:  # last before FSDP, as torchtitan: recompute's wrappers end up inside the compiled layers
-            compile_decoder_layers(modules)
-
-    parallel = parallelize(
-        model, meshes, cfg.parallel, plan, before_fsdp=recompute_and_offload, dispatch_wire=dispatch_wire(cfg.precision)
+    # with pp > 1 applied once per stage (checked on the whole model above): a stage may lack a kind
+    transforms = ModelTransforms(cfg, native_precision, part=layout.pp > 1)
+    parallel = parallelize_stages(
+        model, meshes, cfg.parallel, plan, before_fsdp=transforms, dispatch_wire=dispatch_wire(cfg.precision)
     )
     if build_on_meta or source is not None:
         try:
@@ -304,7 +290,6 @@ def _build(cfg: ExperimentConfig, checked: RunChecks, build_on_meta: bool) -> Se
         finally:
             if source is not None:
                 source.close()
-    model = parallel.model  # with pp > 1, this rank's stages
     checkpoint_group = None
     if cfg.run.async_checkpoint and ctx.world_size > 1:
         # background writes talk over a group of their own, never interleaved with the training step's collectives
@@ -313,15 +298,15 @@ def _build(cfg: ExperimentConfig, checked: RunChecks, build_on_meta: bool) -> Se
         cfg,
         ctx,
         layout,
-        model,
+        parallel.model,
         parallel,
         dtype,
         micro,
         grad_accum,
         data,
-        memory,
+        transforms.memory,
         resume=resume,
         checkpoint_group=checkpoint_group,
-        precision_modules=precision_modules,
+        precision_modules=transforms.precision_modules,
         precision_native=native_precision,
     )

@@ -18,15 +18,14 @@ from typing import Any, TextIO
 import torch
 
 from moe_memory import MemoryPolicy
-from moe_models import StageRouting, causal_lm_loss, next_token_loss, training_flops_per_token
-from moe_parallel import PipelineParallelModel, all_reduce_mean, full_value, local_grad
 from moe_precision import PrecisionConfig
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
-from moe_train.config import ConfigError
-from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest, agree_on_failure
+from moe_train.config import ConfigError, ExperimentConfig
+from moe_train.faults import NonFiniteError, StopRequest, agree_on_failure
 from moe_train.loggers import RunLoggers
-from moe_train.metrics import MetricsLog, peak_tflops
-from moe_train.optim import build_optimizer, lr_at, set_lr
+from moe_train.loop import TrainLoop
+from moe_train.metrics import MetricsLog
+from moe_train.optim import build_optimizer
 from moe_train.output_lock import OutputDirLock
 from moe_train.plots import heatmap_svg, line_chart_svg
 from moe_train.resume import (
@@ -70,11 +69,13 @@ class Progress:
         if self.enabled:
             print(text, file=self.stream or sys.stdout, flush=True)
 
+    def shows(self, step: int) -> bool:
+        """Whether step ``step``'s line is printed (on rank 0; evaluation steps are too)."""
+        return step % self.interval == 0 or step in (self.first, self.total)
+
     def step(self, record: dict[str, Any]) -> None:
         step = record["step"]
-        if not self.enabled or (
-            step % self.interval and step not in (self.first, self.total) and "val_loss" not in record
-        ):
+        if not self.enabled or (not self.shows(step) and "val_loss" not in record):
             return
         now = time.perf_counter()
         if step == self.first:  # the first step pays one-off costs (allocations, warm-up): the rate starts after it
@@ -152,8 +153,8 @@ def _run(setup: Setup) -> TrainSummary:
     if setup.resume is not None:
         same_world = setup.resume.meta.get("world_size") == ctx.world_size  # per-rank generators only map 1:1
         start = load_checkpoint(setup.resume.checkpoint.path, model, optimizer, setup.parallel, restore_rng=same_world)
-    loop = _Loop(setup, optimizer, start)
-    failure = None
+    loop = TrainLoop(setup, optimizer, start)
+    logs, failure = None, None
     if ctx.is_main:
         try:
             with writing(checkpoint_dir(cfg), "the run did not start"):
@@ -162,39 +163,48 @@ def _run(setup: Setup) -> TrainSummary:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 write_whole(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
             with writing(out_dir / "metrics.jsonl", "the run did not start"):
-                loop.open_logs(out_dir)
+                logs = _RunLogs(cfg, out_dir, start)
         except OutputWriteError as err:
             failure = err
     # also the barrier: the output directory is cleared before any rank writes a checkpoint into it
     agree_on_failure(failure, ctx.device)
     progress = Progress(cfg.train.steps, cfg.run.log_interval, ctx.is_main, first_step=start)
-    progress.message(loop.start_message())
+    progress.message(_start_message(setup, loop))
     if setup.resume is not None:
         progress.message(f"resumed from {setup.resume.checkpoint.path} at step {start}")
     status, stop_reason = "completed", ""
     try:
         with StopRequest() as stop:
             for step in range(start, cfg.train.steps):
-                record = loop.step(step, last_saved=writer.last)
                 done = step + 1
-                progress.step(record)
-                if done == cfg.train.steps:
+                saves = bool(cfg.run.checkpoint_interval and done % cfg.run.checkpoint_interval == 0)
+                exits = bool(cfg.run.exit_interval and done % cfg.run.exit_interval == 0)
+                last = done == cfg.train.steps
+                shown = progress.shows(done) or loop.evaluates(done)
+                result = loop.step(step, writer.last, stop, write_metrics=shown or saves or exits or last)
+                if logs is not None:
+                    logs.write(result.records, writer.last)
+                for record in result.records:
+                    progress.step(record)
+                if result.error is not None:
+                    raise result.error
+                if last:
                     break
-                if stop.agreed(ctx.device):
+                if result.stop_asked:
                     status, stop_reason = "stopped", f"{stop.signal_name}"
-                elif cfg.run.exit_interval and done % cfg.run.exit_interval == 0:
+                elif exits:
                     status, stop_reason = "stopped", f"run.exit_interval={cfg.run.exit_interval}"
-                if status == "stopped" or (cfg.run.checkpoint_interval and done % cfg.run.checkpoint_interval == 0):
-                    writer.save(done, model, optimizer, loop.checkpoint_meta(done))
+                if status == "stopped" or saves:
+                    writer.save(done, model, optimizer, _checkpoint_meta(setup, done))
                 if status == "stopped":
                     break
             if cfg.run.save_checkpoint and status == "completed":
-                writer.save(loop.steps_done, model, optimizer, loop.checkpoint_meta(loop.steps_done))
+                writer.save(loop.steps_done, model, optimizer, _checkpoint_meta(setup, loop.steps_done))
             checkpoint = writer.wait()
     except NonFiniteError:
-        loop.finish(out_dir, "diverged", None, time.perf_counter() - started)
+        _finish(setup, loop, logs, out_dir, "diverged", None, time.perf_counter() - started)
         raise
-    summary = loop.finish(out_dir, status, checkpoint, time.perf_counter() - started)
+    summary = _finish(setup, loop, logs, out_dir, status, checkpoint, time.perf_counter() - started)
     if not ctx.is_main:  # only the main rank keeps the metrics the messages quote
         return summary
     if status == "stopped":
@@ -211,296 +221,82 @@ def _run(setup: Setup) -> TrainSummary:
     return summary
 
 
-class _Loop:
-    """The training step and what it accumulates: the step's batches, update, metrics, logs and evaluation."""
+class _RunLogs:
+    """The main rank's metrics file, TensorBoard and W&B loggers."""
 
-    def __init__(self, setup: Setup, optimizer: torch.optim.Optimizer, start: int) -> None:
-        cfg, ctx = setup.cfg, setup.ctx
-        self.setup, self.cfg, self.ctx, self.optimizer = setup, cfg, ctx, optimizer
-        self.steps_done = start
-        self.stream = setup.data.train
-        self.peak, self.peak_source = peak_tflops(ctx.device, setup.dtype, cfg.run.peak_tflops)
-        self.flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-        self.per_rank = setup.micro_batch * setup.grad_accum
-        self.params = [p for p in setup.model.parameters() if p.requires_grad]
-        # under context parallelism the positions of every sequence this rank computes (None: all of them)
-        self.positions = setup.parallel.positions(cfg.data.seq_len, ctx.device)
-        self.autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
-        self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
-        self.log: MetricsLog | None = None
-        self.loggers: RunLoggers | None = None
-        self.load_LE: torch.Tensor | None = None
-        parallel = setup.parallel
-        self.pipeline = parallel if isinstance(parallel, PipelineParallelModel) else None
-        # the metrics each rank holds a part of (a pipeline stage's) are means over the world times this: sums over
-        # the stages, means over the data-parallel replicas
-        self.stage_factor = setup.layout.pp
-        self.routers = parallel.routers() if self.pipeline is not None else setup.model.routers()
-        if self.pipeline is not None:
-            self.routing = StageRouting()
-            self.pipeline_loss = _PipelineLoss(cfg.model.mtp_loss_scaling_factor, self.positions)
-            # each router's row among the whole model's, for the expert-load metrics
-            self.load_rows = [row for stage in self.pipeline.stages for row in stage.router_rows()]
-            self.num_moe_layers = sum(cfg.model.moe_layer_pattern()) + (cfg.model.mtp_num_layers or 0)
-
-    def open_logs(self, out_dir: Path) -> None:
-        cfg = self.cfg
-        self.log = MetricsLog(out_dir / "metrics.jsonl", resume_step=self.steps_done)
+    def __init__(self, cfg: ExperimentConfig, out_dir: Path, start: int) -> None:
+        self.out_dir = out_dir
+        self.metrics = MetricsLog(out_dir / "metrics.jsonl", resume_step=start)
         self.loggers = RunLoggers(
-            out_dir,
-            cfg.to_dict(),
-            wandb_project=cfg.run.wandb_project,
-            run_name=out_dir.name,
-            resume_step=self.steps_done,
+            out_dir, cfg.to_dict(), wandb_project=cfg.run.wandb_project, run_name=out_dir.name, resume_step=start
         )
 
-    def start_message(self) -> str:
-        cfg, setup = self.cfg, self.setup
-        n_params = sum(p.numel() for p in self.params)  # DTensors count globally; etp > 1 experts count their slice
-        return (
-            f"moe-train: {cfg.model.family} {n_params / 1e6:.2f}M params, {self.ctx.world_size} rank(s) on "
-            f"{self.ctx.device.type}, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens "
-            f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {self.peak:.3f} TFLOPS "
-            f"({self.peak_source}), {cfg.train.params_dtype} params, AdamW states {cfg.train.optimizer_states_dtype}"
-            + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
-            + _memory_message(setup.memory)
-            + _precision_message(cfg.precision, setup.precision_modules, setup.precision_native)
-        )
-
-    def _forward_backward(self, step: int) -> tuple[torch.Tensor, ...]:
-        """The step's micro-batches forward and backward; sums of the LM, balancing and MTP losses, expert load."""
-        setup, cfg, device = self.setup, self.cfg, self.ctx.device
-        lm_sum, aux_sum, mtp_sum = (torch.zeros((), device=device) for _ in range(3))
-        load_LE = None
-        for micro in range(setup.grad_accum):
-            # the ranks of one data-parallel replica (tp) read the same sequences
-            first = setup.parallel.dp_index * self.per_rank + micro * setup.micro_batch
-            batch = self.stream.batch(step, cfg.train.global_batch_size, first, setup.micro_batch)
-            inputs, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
-            with self.autocast:
-                out = setup.model(inputs, self.positions)
-            with setup.parallel.loss_context():  # vocabulary-parallel logits under tp
-                loss = causal_lm_loss(out, labels, cfg.model.mtp_loss_scaling_factor, self.positions)
-                loss.total.backward()  # the routers' balancing losses ride along on their probabilities
-                lm_sum += full_value(loss.lm)
-                if loss.mtp:
-                    mtp_sum += full_value(torch.stack(loss.mtp).mean())
-            aux_sum += out.aux_loss.detach()
-            load_LE = out.tokens_per_expert_LE if load_LE is None else load_LE + out.tokens_per_expert_LE
-        return lm_sum, aux_sum, mtp_sum, load_LE
-
-    def _pipeline_forward_backward(self, step: int) -> tuple[torch.Tensor, ...]:
-        """The same micro-batches as :meth:`_forward_backward`, through the pipeline schedule: the rank's share of
-        the step in one batch, which the schedule cuts back into them."""
-        setup, cfg, device = self.setup, self.cfg, self.ctx.device
-        first = setup.parallel.dp_index * self.per_rank
-        batches = [
-            self.stream.batch(step, cfg.train.global_batch_size, first + m * setup.micro_batch, setup.micro_batch)
-            for m in range(setup.grad_accum)
-        ]
-        inputs = torch.cat([b.input_ids_BS for b in batches]).to(device)
-        labels = torch.cat([b.labels_BS for b in batches]).to(device)
-        self.routing.clear()
-        self.pipeline_loss.reset(device)
-        with self.autocast, self.pipeline.loss_context():
-            self.pipeline.step(
-                inputs,
-                labels,
-                setup.grad_accum,
-                self.pipeline_loss,
-                self.hidden_dtype,
-                positions_S=self.positions,
-                routing=self.routing,
-            )
-        held = self.pipeline.stage_indices
-        aux_sum = sum((self.routing.aux_loss[i] for i in held), torch.zeros((), device=device))
-        load_LE = torch.cat([self.routing.tokens_per_expert_LE[i] for i in held])
-        return self.pipeline_loss.lm_sum, aux_sum, self.pipeline_loss.mtp_sum, load_LE
-
-    @property
-    def hidden_dtype(self) -> torch.dtype:
-        """What stages send each other: the residual stream keeps the parameters' dtype (autocast computes in its
-        own, the residual additions promote back), or FSDP's gather dtype."""
-        if self.cfg.parallel.mixed_precision_param == "bfloat16":
-            return torch.bfloat16
-        return torch.bfloat16 if self.cfg.train.params_dtype == "bf16" else torch.float32
-
-    def _global_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean over data-parallel replicas of a sum over pipeline stages (each rank holds its stages' part)."""
-        return all_reduce_mean(value) * self.stage_factor
-
-    def _global_load(self, load_LE: torch.Tensor) -> torch.Tensor:
-        """``[all MoE layers, E]`` expert loads averaged over data-parallel replicas."""
-        if self.pipeline is None:
-            return all_reduce_mean(load_LE.float())
-        full = torch.zeros(self.num_moe_layers, load_LE.shape[1], device=load_LE.device)
-        full[self.load_rows] = load_LE.float()
-        return self._global_mean(full)
-
-    def step(self, step: int, last_saved: Path | None) -> dict[str, Any]:
-        setup, cfg, ctx = self.setup, self.cfg, self.ctx
-        parallel, optimizer = setup.parallel, self.optimizer
-        step_start = time.perf_counter()
-        lr = lr_at(step, cfg.train)
-        set_lr(optimizer, lr)
-        optimizer.zero_grad(set_to_none=True)
-        forward_backward = self._forward_backward if self.pipeline is None else self._pipeline_forward_backward
-        lm_sum, aux_sum, mtp_sum, load_LE = forward_backward(step)
-        clip = cfg.train.clip_grad if cfg.train.clip_grad > 0 else math.inf
-        # the accumulated gradient is a sum over micro-batches; dividing it (not each loss) also scales
-        # the load-balancing gradients the routers attach inside the backward
-        grads = [g for g in map(local_grad, self.params) if g is not None]
-        if setup.grad_accum > 1:
-            torch._foreach_div_(grads, float(setup.grad_accum))
-        parallel.finalize_grads()
-        grad_norm = parallel.clip_grad_norm_(clip, self.params).item()
-        loss = self._global_mean(lm_sum / setup.grad_accum).item()  # before the update: a NaN step must not apply
-        diverged = self.guard.check(step + 1, loss, grad_norm, str(last_saved) if last_saved else None)
-        update = not self.guard.skipping
-        if update:
-            optimizer.step()
-            if cfg.model.moe_router_enable_expert_bias:
-                # counts the forwards returned, so a recomputed layer is not counted twice; summed over every rank's
-                # tokens (the routers' stats_group) so all ranks apply the same update
-                for router, counts_E in zip(self.routers, load_LE, strict=True):
-                    router.update_expert_bias(counts_E)
-        else:
-            optimizer.zero_grad(set_to_none=True)
-        aux = self._global_mean(aux_sum / setup.grad_accum).item()
-        mtp = self._global_mean(mtp_sum / setup.grad_accum).item()
-        load = self._global_load(load_LE)
-        self.load_LE = load
-        step_time = time.perf_counter() - step_start
-        tokens_per_s = self.tokens_per_step / step_time
-        tflops = self.flops_per_token * tokens_per_s / ctx.world_size / 1e12
-        record: dict[str, Any] = {
-            "step": step + 1,
-            "loss": loss,
-            "aux_loss": aux,
-            "mtp_loss": mtp,  # mean over MTP depths, unscaled; 0 without MTP
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "tflops_per_gpu": tflops,
-            "mfu": tflops / self.peak,
-            "step_time_s": step_time,
-            "expert_load_max_over_mean": (load.max(dim=1).values / load.mean(dim=1)).mean().item(),
-            # (token, expert) pairs dropped by a capacity factor, over all layers
-            "dropped_fraction": 1.0
-            - load.sum().item()
-            / (self.tokens_per_step / ctx.world_size * self.stage_factor * cfg.model.moe_router_topk * len(load)),
-        }
-        if not update:
-            record["skipped"] = True
-        if update and self._evaluates(step + 1):
-            record["val_loss"] = self.evaluate()
-        self.steps_done = step + 1
-        if self.log is not None:
+    def write(self, records: list[dict[str, Any]], last_saved: Path | None) -> None:
+        for record in records:
             kept = f"the last complete checkpoint is {last_saved}" if last_saved else "no checkpoint was written"
-            stopped = f"the run stopped at step {step + 1} and {kept}; continue with --run.resume auto"
-            with writing(self.log.path, stopped):
-                self.log.write(record)
-        if self.loggers is not None:
-            self.loggers.log(step + 1, record)
-        if diverged is not None:
-            raise diverged
-        return record
-
-    def _evaluates(self, step: int) -> bool:
-        every = self.cfg.train.eval_interval
-        return self.setup.data.valid is not None and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean next-token loss over ``train.eval_iters`` fixed validation batches (the same at every evaluation),
-        each data-parallel replica computing its slice of each."""
-        setup, cfg, device = self.setup, self.cfg, self.ctx.device
-        model, valid = setup.model, setup.data.valid
-        model.eval()
-        total = torch.zeros((), device=device)
-        batches = 0
-        try:
-            for micro in range(setup.grad_accum):
-                first = setup.parallel.dp_index * self.per_rank + micro * setup.micro_batch
-                for batch in valid.eval_batches(
-                    cfg.train.eval_iters, cfg.train.global_batch_size, first, setup.micro_batch
-                ):
-                    ids, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
-                    with self.autocast:
-                        if self.pipeline is None:
-                            out = model(ids, self.positions)
-                            with setup.parallel.loss_context():
-                                total += full_value(causal_lm_loss(out, labels, 0.0, self.positions).lm.float())
-                        else:  # the last stage's rank alone has logits
-                            out = self.pipeline.forward(ids, self.hidden_dtype, positions_S=self.positions)
-                            if out is not None:
-                                logits = out[0] if isinstance(out, tuple) else out
-                                with setup.parallel.loss_context():
-                                    loss = next_token_loss(logits, (), labels, 0.0, self.positions)
-                                    total += full_value(loss.lm.float())
-                    batches += 1
-        finally:
-            model.train()
-        return self._global_mean(total / batches).item()
-
-    def checkpoint_meta(self, step: int) -> dict[str, Any]:
-        cfg, data = self.cfg, self.setup.data
-        return {
-            "config": cfg.to_dict(),
-            "versions": package_versions(),
-            "world_size": self.ctx.world_size,
-            "layout": dataclasses.asdict(self.setup.layout),
-            # batches are a function of (seed, step): the step is the data position
-            "data": {"fingerprint": data.fingerprint, "samples_consumed": step * cfg.train.global_batch_size},
-        }
-
-    def finish(self, out_dir: Path, status: str, checkpoint: Path | None, wall_time_s: float) -> TrainSummary:
-        records = [r for r in self.log.records if "loss" in r] if self.log is not None else []
-        losses = [r["loss"] for r in records]
-        summary = TrainSummary(
-            steps=self.steps_done,
-            first_loss=_finite_or_none(losses[0]) if losses else None,
-            last_loss=_finite_or_none(losses[-1]) if losses else None,
-            median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in records[1:] or records)
-            if records
-            else 0.0,
-            wall_time_s=wall_time_s,
-            output_dir=str(out_dir),
-            checkpoint=str(checkpoint) if checkpoint else None,
-            status=status,
-            resumed_from=str(self.setup.resume.checkpoint.path) if self.setup.resume else None,
-        )
-        if self.log is not None:
-            saved = f"its checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
-            with writing(out_dir / "summary.json", f"the run ended ({status}) and {saved}, but its summary did not"):
-                self.log.close()
-                self.loggers.close()
-                if records:
-                    _write_pictures(out_dir, self.log.records, self.load_LE)
-                write_whole(out_dir / "summary.json", json.dumps(summary.__dict__, indent=2, allow_nan=False))
-        return summary
+            stopped = f"the run stopped at step {record['step']} and {kept}; continue with --run.resume auto"
+            with writing(self.metrics.path, stopped):
+                self.metrics.write(record)
+            self.loggers.log(record["step"], record)
 
 
-class _PipelineLoss:
-    """The loss the pipeline's last stage computes per micro-batch (the schedule calls it with the stage's output
-    and the micro-batch's labels: the whole sequences'; ``positions_S``, those the rank computes under context
-    parallelism); keeps the step's LM and MTP loss sums for the metrics."""
+def _start_message(setup: Setup, loop: TrainLoop) -> str:
+    cfg = setup.cfg
+    n_params = sum(p.numel() for p in loop.params)  # DTensors count globally; etp > 1 experts count their slice
+    return (
+        f"moe-train: {cfg.model.family} {n_params / 1e6:.2f}M params, {setup.ctx.world_size} rank(s) on "
+        f"{setup.ctx.device.type}, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens "
+        f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {loop.peak:.3f} TFLOPS "
+        f"({loop.peak_source}), {cfg.train.params_dtype} params, AdamW states {cfg.train.optimizer_states_dtype}"
+        + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
+        + _memory_message(setup.memory)
+        + _precision_message(cfg.precision, setup.precision_modules, setup.precision_native)
+    )
 
-    def __init__(self, mtp_loss_scaling_factor: float, positions_S: torch.Tensor | None = None) -> None:
-        self.factor, self.positions = mtp_loss_scaling_factor, positions_S
-        self.lm_sum = self.mtp_sum = torch.zeros(())
 
-    def reset(self, device: torch.device) -> None:
-        self.lm_sum, self.mtp_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+def _checkpoint_meta(setup: Setup, step: int) -> dict[str, Any]:
+    cfg, data = setup.cfg, setup.data
+    return {
+        "config": cfg.to_dict(),
+        "versions": package_versions(),
+        "world_size": setup.ctx.world_size,
+        "layout": dataclasses.asdict(setup.layout),
+        # batches are a function of (seed, step): the step is the data position
+        "data": {"fingerprint": data.fingerprint, "samples_consumed": step * cfg.train.global_batch_size},
+    }
 
-    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels_BS: torch.Tensor) -> torch.Tensor:
-        logits, *mtp = output if isinstance(output, tuple) else (output,)
-        loss = next_token_loss(logits, mtp, labels_BS, self.factor, self.positions)
-        self.lm_sum = self.lm_sum + full_value(loss.lm)
-        if loss.mtp:
-            self.mtp_sum = self.mtp_sum + full_value(torch.stack(loss.mtp).mean())
-        return loss.total
+
+def _finish(
+    setup: Setup,
+    loop: TrainLoop,
+    logs: _RunLogs | None,
+    out_dir: Path,
+    status: str,
+    checkpoint: Path | None,
+    wall_time_s: float,
+) -> TrainSummary:
+    records = [r for r in logs.metrics.records if "loss" in r] if logs is not None else []
+    losses = [r["loss"] for r in records]
+    summary = TrainSummary(
+        steps=loop.steps_done,
+        first_loss=_finite_or_none(losses[0]) if losses else None,
+        last_loss=_finite_or_none(losses[-1]) if losses else None,
+        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in records[1:] or records) if records else 0.0,
+        wall_time_s=wall_time_s,
+        output_dir=str(out_dir),
+        checkpoint=str(checkpoint) if checkpoint else None,
+        status=status,
+        resumed_from=str(setup.resume.checkpoint.path) if setup.resume else None,
+    )
+    if logs is not None:
+        saved = f"its checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+        with writing(out_dir / "summary.json", f"the run ended ({status}) and {saved}, but its summary did not"):
+            logs.metrics.close()
+            logs.loggers.close()
+            if records:
+                _write_pictures(out_dir, logs.metrics.records, loop.metrics.last_load_LE)
+            write_whole(out_dir / "summary.json", json.dumps(summary.__dict__, indent=2, allow_nan=False))
+    return summary
 
 
 def _loss_text(value: float | None) -> str:

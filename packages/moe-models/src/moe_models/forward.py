@@ -1,0 +1,79 @@
+"""The forward pieces the whole model (:class:`~moe_models.model.MoETransformer`) and its pipeline stages
+(:class:`~moe_models.pipeline.ModelStage`) share: the decoder layers in order, the head with the MTP depths, and the
+routing side results summed. A leaf module: it imports neither the model nor the stages, so both import it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from moe_dispatch import RoutingResult
+    from moe_models.config import ModelConfig
+
+
+def at_positions(ids_BS: torch.Tensor, positions_S: torch.Tensor | None) -> torch.Tensor:
+    """The tokens of ``ids_BS`` at ``positions_S`` (all of them for None)."""
+    return ids_BS if positions_S is None else ids_BS[:, positions_S]
+
+
+def positions_or_length(ids_BS: torch.Tensor, positions_S: torch.Tensor | None) -> int | torch.Tensor:
+    """What the rotary tables are computed at: the positions given, or every position of ``ids_BS``."""
+    return ids_BS.shape[1] if positions_S is None else positions_S
+
+
+def run_layers(
+    layers: Iterable[nn.Module],
+    x_BSH: torch.Tensor,
+    cos_SF: torch.Tensor,
+    sin_SF: torch.Tensor,
+    routings: list,
+    positions_S: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x_BSH`` through decoder ``layers`` in order; each layer's routing (None for a dense one) goes to
+    ``routings``."""
+    for layer in layers:
+        x_BSH, routing = layer(x_BSH, cos_SF, sin_SF, positions_S)
+        routings.append(routing)
+    return x_BSH
+
+
+def run_head(
+    parts: nn.Module,
+    x_BSH: torch.Tensor,
+    input_ids_BS: torch.Tensor,
+    cos_SF: torch.Tensor,
+    sin_SF: torch.Tensor,
+    routings: list,
+    positions_S: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The logits and the MTP depths' logits from the last layer's output; ``parts`` holds ``norm``, ``lm_head``,
+    ``mtp`` and (for MTP) ``embed_tokens``: the whole model, or the last pipeline stage. ``input_ids_BS`` is the
+    whole sequences, ``positions_S`` the positions computed."""
+    logits_BSV = parts.lm_head(parts.norm(x_BSH))
+    mtp_logits = []
+    hidden_BSH, ids_BS = x_BSH, input_ids_BS
+    for mtp in parts.mtp:
+        # one token further on (in the whole sequence); the wrapped-around last position has no label and is left
+        # out of the loss
+        ids_BS = torch.roll(ids_BS, -1, dims=1)
+        next_embed_BSH = parts.embed_tokens(at_positions(ids_BS, positions_S))
+        hidden_BSH, routing = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S)
+        routings.append(routing)
+        mtp_logits.append(parts.lm_head(mtp.final_norm(hidden_BSH)))
+    return logits_BSV, tuple(mtp_logits)
+
+
+def aux_loss_sum(routings: list[RoutingResult], like: torch.Tensor) -> torch.Tensor:
+    """The routers' balancing losses summed (fp32 scalar, zero without MoE layers)."""
+    return sum((r.aux_loss.float() for r in routings), like.new_zeros((), dtype=torch.float32))
+
+
+def tokens_per_expert(routings: list[RoutingResult], config: ModelConfig, like: torch.Tensor) -> torch.Tensor:
+    """``[L, E]`` kept (token, expert) pairs, one row per router (``[0, E]`` without MoE layers)."""
+    if routings:
+        return torch.stack([r.tokens_per_expert_E for r in routings])
+    return torch.zeros(0, config.num_moe_experts, dtype=torch.int64, device=like.device)

@@ -1,0 +1,386 @@
+"""What :class:`~moe_models.model.MoETransformer`'s modules save for backward, in bytes, and how a decoder layer and
+the model around the layers compose them with the router's and dispatcher's (``moe_dispatch.saved_bytes``) and the
+experts' (``moe_experts.saved_bytes``) declarations. :data:`MOE_TRANSFORMER_SAVED_BYTES` is what
+:func:`moe_models.memory.model_shape` hands the memory estimate (``ModelShape.saved_bytes``), which records them
+(:class:`moe_memory.estimate.ForwardSaves`) and applies recompute and offload to them.
+
+What this package's modules save, as :class:`moe_memory.measure.SavedTensorBytes` measures it:
+
+- RMSNorm computes in fp32: with fp32 activations it saves its input, the fp32 ``rsqrt`` per row and the normalised
+  rows; with 2-byte activations an fp32 copy of the input instead of the input, and the normalised rows in the
+  activation dtype. Its output is saved by its consumers (the projections, the router, the shared expert).
+- Linear layers save their input; the dense SwiGLU MLP its gate, ``silu(gate)``, up and the product; rotary
+  embeddings the cos/sin tables (fp32 and shared by every layer with fp32 activations, one activation-dtype copy per
+  call otherwise).
+- Attention saves q, k, v (k/v with their own heads under GQA), the output and an fp32 logsumexp per row: SDPA's
+  fused kernels for causal attention over whole sequences (on CPU its flash kernel when q/k and v head dims are
+  equal), the blockwise kernel (:mod:`moe_models.blockwise`) for sinks, sliding windows shorter than the sequence and
+  MLA on CPU (``RunShape.device``), where v is a contiguous copy. Under context parallelism k and v are those of the
+  whole sequence (all-gathered, copied in position order), q, the output and the logsumexp the rank's own. The output
+  projection saves a copy of the output with heads merged.
+- Cross-entropy saves fp32 log-probabilities (of the rank's vocabulary slice under tp) and the int64 labels.
+
+Layouts: context parallelism (cp) gives each rank ``seq_len / cp`` positions of every sequence (attention sees the
+keys and values of all of them); sequence parallelism (tp) splits the rank's tokens by tp outside attention and the
+dense MLP (norms, router, shared expert, MoE routing) and gathers them inside, where heads and the dense FFN width
+are split by tp; the embedding and the loss see the rank's whole share of the sequence, the logits split over the
+vocabulary by tp. A rank's experts handle the rows ``moe_dispatch.saved_bytes.routed_rows`` gives, each expert's
+FFN width split by etp.
+"""
+
+from __future__ import annotations
+
+from moe_dispatch.saved_bytes import dispatcher_saved_bytes, exchange_buffer_bytes, routed_rows, router_saved_bytes
+from moe_experts.saved_bytes import (
+    ACTIVATION_INPUTS,
+    ACTIVATION_OUTPUT,
+    grouped_experts_saved_bytes,
+    shared_experts_saved_bytes,
+)
+from moe_memory.estimate import (
+    ExpertsShape,
+    ForwardSaves,
+    GQAShape,
+    LayerShape,
+    MLAShape,
+    ModelShape,
+    PipelineShare,
+    RankSizes,
+    RunShape,
+)
+
+FP32_BYTES = 4
+INDEX_BYTES = 8  # int64 ids and labels
+
+
+def _norm(
+    saves: ForwardSaves,
+    module: str,
+    prefix: str,
+    input_key: str,
+    rows: int,
+    dim: int,
+    activation_bytes: int,
+    path: tuple[str, ...] = (),
+) -> str:
+    """RMSNorm (computed in fp32) of ``input_key`` (``[rows, dim]``): saves the input (fp32) or an fp32 copy of it,
+    the per-row rsqrt and the normalised rows; returns its output's key."""
+    if activation_bytes == FP32_BYTES:
+        saves.save(module, input_key, path=path)
+    else:
+        fp32_input = saves.tensor(f"{prefix}.x32", rows * dim * FP32_BYTES, f"{prefix} fp32 input")
+        saves.save(module, fp32_input, path=path)
+    rstd = saves.tensor(f"{prefix}.rstd", rows * FP32_BYTES, f"{prefix} rsqrt")
+    normed = saves.tensor(f"{prefix}.normed", rows * dim * activation_bytes, f"{prefix} normalised")
+    saves.save(module, rstd, normed, path=path)
+    return saves.tensor(f"{prefix}.out", rows * dim * activation_bytes, f"{prefix} output")
+
+
+def _rope_table_copies(
+    saves: ForwardSaves, module: str, positions: int, rotary_dim: int, activation_bytes: int
+) -> None:
+    """cos/sin saved by ``apply_rotary`` for q and for k: with fp32 activations the model-level fp32 tables (recorded
+    once, :func:`_model_level`), else one activation-dtype copy of each per call (``[positions, rotary_dim / 2]``)."""
+    if activation_bytes == FP32_BYTES:
+        return
+    table_bytes = positions * rotary_dim // 2 * activation_bytes
+    for call in range(2):
+        for table in ("cos", "sin"):
+            saves.save(module, saves.tensor(f"rope.{table}{call}", table_bytes, f"rotary {table} copy"))
+
+
+def _core_attention(
+    saves: ForwardSaves,
+    sizes: RankSizes,
+    q: str,
+    k: str,
+    v: str,
+    *,
+    heads: int,
+    kv_heads: int,
+    qk_dim: int,
+    v_dim: int,
+    blockwise: bool,
+) -> str:
+    """SDPA or the blockwise kernel on ``q``, ``k``, ``v`` (``[tokens, heads, dim]``; ``v`` a strided view that the
+    blockwise kernel makes contiguous); the output projection's merged copy. Returns the output's key."""
+    activation_bytes, tokens = sizes.activation_bytes, sizes.tokens
+    out = saves.tensor("attn.out", tokens * heads * v_dim * activation_bytes, "attention output")
+    lse = saves.tensor("attn.lse", sizes.batch * heads * sizes.positions * FP32_BYTES, "logsumexp")
+    if sizes.cp > 1:  # blockwise attention on the keys and values of every cp rank (all-gathered, sorted, contiguous)
+        whole = sizes.cp * tokens * kv_heads * activation_bytes
+        k_all = saves.tensor("attn.k_all", whole * qk_dim, "k of the whole sequence")
+        v_all = saves.tensor("attn.v_all", whole * v_dim, "v of the whole sequence")
+        saves.save("core_attn", q, k_all, v_all, out, lse)
+    elif blockwise:
+        v_copy = saves.tensor("attn.v", tokens * kv_heads * v_dim * activation_bytes, "v (contiguous)")
+        saves.save("core_attn", q, k, v_copy, out, lse)
+    else:
+        saves.save("core_attn", q, k, v, lse, out)
+    saves.scope("core_attn", "core_attn", (), (q, k, v), (out,))
+    merged = out
+    if heads != 1:  # one head: the output is already merged
+        merged = saves.tensor(
+            "attn.merged", tokens * heads * v_dim * activation_bytes, "attention output, heads merged"
+        )
+    saves.save("attn_proj", merged)
+    return out
+
+
+def _gqa(saves: ForwardSaves, attention: GQAShape, sizes: RankSizes, run: RunShape, attn_input: str) -> None:
+    activation_bytes, tokens = sizes.activation_bytes, sizes.tokens
+    heads, kv_heads, head_dim = attention.heads // run.tp, max(attention.kv_heads // run.tp, 1), attention.head_dim
+    q_bytes, kv_bytes = tokens * heads * head_dim * activation_bytes, tokens * kv_heads * head_dim * activation_bytes
+    saves.save("qkv_linear", attn_input)
+    q = saves.tensor("q_proj.out", q_bytes, "q projection")
+    k = saves.tensor("k_proj.out", kv_bytes, "k projection")
+    v = saves.tensor("v_proj.out", kv_bytes, "v projection")
+    if attention.qk_norm:
+        q = _norm(saves, "qk_norm", "q_norm", q, tokens * heads, head_dim, activation_bytes)
+        k = _norm(saves, "qk_norm", "k_norm", k, tokens * kv_heads, head_dim, activation_bytes)
+    _rope_table_copies(saves, "rope", sizes.positions, head_dim, activation_bytes)
+    q = saves.tensor("q.rot", q_bytes, "q with rotary")
+    k = saves.tensor("k.rot", kv_bytes, "k with rotary")
+    window = attention.window is not None and attention.window < sizes.positions
+    blockwise = attention.sinks or window  # v is a strided view of its projection
+    _core_attention(
+        saves, sizes, q, k, v, heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, blockwise=blockwise
+    )
+
+
+def _mla(saves: ForwardSaves, attention: MLAShape, sizes: RankSizes, run: RunShape, attn_input: str) -> None:
+    activation_bytes, tokens = sizes.activation_bytes, sizes.tokens
+    heads = attention.heads // run.tp
+    qk_dim, v_dim = attention.qk_nope_dim + attention.qk_rope_dim, attention.v_dim
+    rope_dim, kv_rank = attention.qk_rope_dim, attention.kv_lora_rank
+    saves.save("qkv_linear", attn_input)
+    if attention.q_lora_rank is not None:
+        q_latent = saves.tensor("q_a_proj.out", tokens * attention.q_lora_rank * activation_bytes, "q latent")
+        q_input = _norm(saves, "latent_norm", "q_a_norm", q_latent, tokens, attention.q_lora_rank, activation_bytes)
+    else:
+        q_input = attn_input
+    kv_latent_and_rope = saves.tensor(
+        "kv_a_proj.out", tokens * (kv_rank + rope_dim) * activation_bytes, "kv latent and rotary key"
+    )
+    # the norm's input is a view of kv_a_proj's output: with fp32 activations the whole storage is what it saves
+    if activation_bytes == FP32_BYTES:
+        saves.save("latent_norm", kv_latent_and_rope)
+        saves.save("latent_norm", saves.tensor("kv_a_norm.rstd", tokens * FP32_BYTES, "kv_a_norm rsqrt"))
+        normed_bytes = tokens * kv_rank * activation_bytes
+        saves.save("latent_norm", saves.tensor("kv_a_norm.normed", normed_bytes, "kv_a_norm normalised"))
+        kv_latent = saves.tensor("kv_a_norm.out", normed_bytes, "kv_a_norm output")
+    else:
+        kv_latent = _norm(saves, "latent_norm", "kv_a_norm", kv_latent_and_rope, tokens, kv_rank, activation_bytes)
+    up = ("mla_up_proj",)
+    saves.save("qkv_linear", q_input, path=up)
+    saves.save("qkv_linear", kv_latent, path=up)
+    k_nope_and_v_bytes = tokens * heads * (attention.qk_nope_dim + v_dim) * activation_bytes
+    k_nope_and_v = saves.tensor("kv_b_proj.out", k_nope_and_v_bytes, "k_nope and v up projection")
+    _rope_table_copies(saves, "mla_up_proj", sizes.positions, rope_dim, activation_bytes)
+    q = saves.tensor("q", tokens * heads * qk_dim * activation_bytes, "q (nope | rope)")
+    k = saves.tensor("k", tokens * heads * qk_dim * activation_bytes, "k (nope | shared rope)")
+    saves.scope("mla_up_proj", "mla_up_proj", (), (q_input, kv_latent, kv_latent_and_rope), (q, k, k_nope_and_v))
+    # SDPA's CPU flash kernel needs equal head sizes; else the blockwise kernel, v a strided view of k_nope | v
+    blockwise = run.device == "cpu" and qk_dim != v_dim
+    _core_attention(
+        saves, sizes, q, k, k_nope_and_v, heads=heads, kv_heads=heads, qk_dim=qk_dim, v_dim=v_dim, blockwise=blockwise
+    )
+
+
+def _moe(
+    saves: ForwardSaves, experts: ExpertsShape, model: ModelShape, sizes: RankSizes, run: RunShape, mlp_input: str
+):
+    """The MoE block (moe_models.layers.MoEBlock): the shared expert, the router, dispatch, the grouped experts and
+    combine, all inside the ``moe`` recompute scope."""
+    activation_bytes, tokens, hidden = sizes.activation_bytes, sizes.local_tokens, model.hidden
+    path = ("moe",)
+    if model.shared_expert_ffn:
+        shared = shared_experts_saved_bytes(
+            input_tensor=mlp_input,
+            tokens=tokens,
+            hidden=hidden,
+            ffn_hidden=model.shared_expert_ffn,
+            activation_bytes=activation_bytes,
+        )
+        saves.add(shared, path=path)
+        saves.scope("shared_experts", "shared_experts", path, (mlp_input,), ())
+    router = router_saved_bytes(
+        input_tensor=mlp_input,
+        tokens=tokens,
+        sequences=sizes.batch,
+        hidden=hidden,
+        num_experts=experts.num_experts,
+        topk=experts.topk,
+        router_bytes=experts.router_bytes,
+        activation_bytes=activation_bytes,
+        param_bytes=run.param_bytes,
+        score_function=experts.score_function,
+        pre_softmax=experts.pre_softmax,
+        sigmoid_norm_topk=experts.sigmoid_norm_topk,
+        aux_losses=experts.aux_losses,
+        z_loss=experts.z_loss,
+        capacity=run.capacity_factor is not None,
+    )
+    saves.add(router, path=path)
+    rows = routed_rows(
+        tokens=tokens,
+        num_experts=experts.num_experts,
+        topk=experts.topk,
+        ep=run.ep,
+        etp=run.etp,
+        capacity_factor=run.capacity_factor,
+        pad_to_capacity=run.pad_to_capacity,
+        dispatcher=run.dispatcher,
+    )
+    distributed = run.ep * run.etp > 1
+    dispatch = dispatcher_saved_bytes(
+        rows,
+        tokens=tokens,
+        topk=experts.topk,
+        router_bytes=experts.router_bytes,
+        activation_bytes=activation_bytes,
+        distributed=distributed,
+        dispatcher=run.dispatcher,
+        device=run.device,
+    )
+    combine = [save for save in dispatch if save.module == "combine"]
+    saves.add([save for save in dispatch if save.module != "combine"], path=path)
+    # the gathered first projection's source: the block's input without ep, the received rows with it
+    source = ("dispatch.received" if distributed else mlp_input) if rows.gathered_by_experts else None
+    grouped = grouped_experts_saved_bytes(
+        rows=rows.pairs,
+        local_experts=experts.num_experts // run.ep,
+        hidden=hidden,
+        ffn_hidden=experts.ffn_hidden // run.etp,
+        gated=experts.gated,
+        bias=experts.bias,
+        activation_bytes=activation_bytes,
+        prob_bytes=experts.router_bytes,
+        source_tensor=source,
+        source_rows=rows.received,
+        source_description="received rows",
+    )
+    saves.add(grouped, path=path)
+    saves.scope("moe_act", "moe_act", path, ACTIVATION_INPUTS, (ACTIVATION_OUTPUT,))
+    saves.add(combine, path=path)
+    saves.scope("moe", "moe", (), (mlp_input,), (), module="moe")
+    if distributed:
+        saves.dispatcher_buffer_bytes = exchange_buffer_bytes(
+            rows, hidden=hidden, activation_bytes=activation_bytes, dispatcher=run.dispatcher
+        )
+
+
+def _layer(saves: ForwardSaves, model: ModelShape, layer: LayerShape, sizes: RankSizes, run: RunShape) -> None:
+    """One decoder layer (moe_models.model's DecoderLayer): norm, attention, norm, then the MoE block or dense MLP."""
+    activation_bytes, hidden, tokens = sizes.activation_bytes, model.hidden, sizes.tokens
+    local_bytes = sizes.local_tokens * hidden * activation_bytes  # [local tokens, hidden]
+    layer_input = saves.tensor("x_in", local_bytes, "layer input")
+    normed = _norm(saves, "attn_norm", "attn_norm", layer_input, sizes.local_tokens, hidden, activation_bytes)
+    saves.scope("layernorm", "attn_norm", (), (layer_input,), (normed,))
+    attn_input = normed
+    if run.tp > 1:
+        attn_input = saves.tensor("attn_in", tokens * hidden * activation_bytes, "attention input, gathered over tp")
+    if isinstance(layer.attention, MLAShape):
+        _mla(saves, layer.attention, sizes, run, attn_input)
+    else:
+        _gqa(saves, layer.attention, sizes, run, attn_input)
+    residual = saves.tensor("x_mid", local_bytes, "residual after attention")
+    mlp_input = _norm(saves, "mlp_norm", "mlp_norm", residual, sizes.local_tokens, hidden, activation_bytes)
+    saves.scope("layernorm", "mlp_norm", (), (residual,), (mlp_input,))
+    if layer.moe:
+        assert model.experts is not None, "a MoE layer needs ModelShape.experts"
+        _moe(saves, model.experts, model, sizes, run, mlp_input)
+        return
+    ffn = model.dense_ffn // run.tp
+    dense_input = mlp_input
+    if run.tp > 1:
+        dense_input = saves.tensor("mlp_in", tokens * hidden * activation_bytes, "MLP input, gathered over tp")
+    path = ("mlp",)
+    saves.save("dense_mlp", dense_input, path=path)
+    for what in ("gate", "silu", "up", "product"):  # [tokens, ffn] each
+        saves.save(
+            "dense_mlp", saves.tensor(f"mlp.{what}", tokens * ffn * activation_bytes, f"dense MLP {what}"), path=path
+        )
+    saves.scope("mlp", "mlp", (), (dense_input,), (), module="dense_mlp")
+
+
+def _model_level(
+    saves: ForwardSaves, model: ModelShape, sizes: RankSizes, run: RunShape, share: PipelineShare | None
+) -> None:
+    """Embedding, rotary tables (fp32), final norm, head, loss and the MTP depths' parts outside their layer (of a
+    pipeline rank: the parts its stages hold)."""
+    activation_bytes, hidden, tokens, local_tokens = (
+        sizes.activation_bytes,
+        model.hidden,
+        sizes.tokens,
+        sizes.local_tokens,
+    )
+    vocab = model.vocab // run.tp  # vocabulary-parallel logits: each tp rank its slice
+    local_bytes = local_tokens * hidden * activation_bytes  # [local tokens, hidden]
+    if share is None or share.first:
+        saves.save("embedding", saves.tensor("ids", tokens * INDEX_BYTES, "input ids"))
+    if activation_bytes == FP32_BYTES and model.layers:  # one fp32 cos / sin table [positions, rotary_dim / 2]
+        attention = model.layers[0].attention
+        rotary_dim = attention.qk_rope_dim if isinstance(attention, MLAShape) else attention.head_dim
+        module = "mla_up_proj" if isinstance(attention, MLAShape) else "rope"
+        table_bytes = sizes.positions * rotary_dim // 2 * FP32_BYTES
+        saves.save(module, saves.tensor("cos", table_bytes, "rotary cos"), saves.tensor("sin", table_bytes))
+    if share is not None and not share.last:
+        return
+    hidden_states = saves.tensor("hidden.0", local_bytes, "last layer output")
+    final = _norm(saves, "final_norm", "final_norm", hidden_states, local_tokens, hidden, activation_bytes)
+    head_input = final
+    if run.tp > 1:
+        head_input = saves.tensor("head_in", tokens * hidden * activation_bytes, "head input, gathered over tp")
+    saves.save("lm_head", head_input)
+    saves.save("loss", saves.tensor("logprobs", tokens * vocab * FP32_BYTES, "fp32 log-probabilities"))
+    saves.save(
+        "loss",
+        saves.tensor("labels", tokens * INDEX_BYTES, "labels"),
+        saves.tensor("loss.weight", FP32_BYTES, "total weight"),
+    )
+    for depth in range(1, model.mtp_depth + 1):
+        prefix = f"mtp{depth}"
+        saves.save("embedding", saves.tensor(f"{prefix}.ids", tokens * INDEX_BYTES, "shifted input ids"))
+        embedded = saves.tensor(f"{prefix}.embed", local_bytes, "shifted embeddings")
+        _norm(saves, "mtp_input", f"{prefix}.enorm", embedded, local_tokens, hidden, activation_bytes)
+        _norm(saves, "mtp_input", f"{prefix}.hnorm", hidden_states, local_tokens, hidden, activation_bytes)
+        saves.save("mtp_input", saves.tensor(f"{prefix}.cat", 2 * local_bytes, "[enorm | hnorm]"))
+        hidden_states = saves.tensor(f"hidden.{depth}", local_bytes, f"MTP depth {depth} output")
+        final = _norm(
+            saves, "mtp_final_norm", f"{prefix}.final_norm", hidden_states, local_tokens, hidden, activation_bytes
+        )
+        head_input = final
+        if run.tp > 1:
+            head_input = saves.tensor(
+                f"{prefix}.head_in", tokens * hidden * activation_bytes, "head input, gathered over tp"
+            )
+        saves.save("lm_head", head_input)
+        if sizes.cp > 1:  # every local position, those past the end ignored: a label tensor of its own
+            saves.save(
+                "loss", saves.tensor(f"{prefix}.logprobs", tokens * vocab * FP32_BYTES, "fp32 log-probabilities")
+            )
+            saves.save(
+                "loss", saves.tensor(f"{prefix}.labels", tokens * INDEX_BYTES, "shifted labels, the last ignored")
+            )
+        else:
+            rows = sizes.batch * (sizes.positions - depth)
+            saves.save("loss", saves.tensor(f"{prefix}.logprobs", rows * vocab * FP32_BYTES, "fp32 log-probabilities"))
+            if sizes.batch > 1:  # one sequence: the shifted labels are a view of the labels
+                saves.save("loss", saves.tensor(f"{prefix}.labels", rows * INDEX_BYTES, "shifted labels"))
+        saves.save("loss", saves.tensor(f"{prefix}.weight", FP32_BYTES, "total weight"))
+
+
+class MoETransformerSavedBytes:
+    """:class:`moe_memory.estimate.SavedBytesDeclarations` of :class:`~moe_models.model.MoETransformer`."""
+
+    def layer(self, saves: ForwardSaves, model: ModelShape, layer: LayerShape, sizes: RankSizes, run: RunShape) -> None:
+        _layer(saves, model, layer, sizes, run)
+
+    def model_level(
+        self, saves: ForwardSaves, model: ModelShape, sizes: RankSizes, run: RunShape, share: PipelineShare | None
+    ) -> None:
+        _model_level(saves, model, sizes, run, share)
+
+
+MOE_TRANSFORMER_SAVED_BYTES = MoETransformerSavedBytes()

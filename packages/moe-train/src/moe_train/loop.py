@@ -1,0 +1,187 @@
+"""The training step and evaluation over a :class:`~moe_parallel.StagedModel`, the same code for every layout (one
+stage without a pipeline). A step that writes no metrics makes one host synchronisation outside the model's
+layers: the flag saying whether the loss or the gradient norm stopped being finite on any rank, or any rank was
+asked to stop (:meth:`TrainLoop.step`); the metrics wait on the device (:mod:`moe_train.step_metrics`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_models import StageRouting, next_token_loss, training_flops_per_token
+from moe_parallel import all_reduce_mean, full_value, local_grad
+from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
+from moe_train.metrics import peak_tflops
+from moe_train.optim import lr_at, set_lr
+from moe_train.setup import Setup
+from moe_train.step_metrics import PendingMetrics
+
+
+class NextTokenLoss:
+    """The one loss of a training step, called by the model's last stage with its output (the logits, with the MTP
+    depths' after them) and the micro-batch's labels; keeps the step's LM and MTP loss sums on the device.
+    ``positions_S``: the positions this rank computes under context parallelism."""
+
+    def __init__(self, mtp_loss_scaling_factor: float, positions_S: torch.Tensor | None = None) -> None:
+        self.factor, self.positions = mtp_loss_scaling_factor, positions_S
+        self.lm_sum = self.mtp_sum = torch.zeros(())
+
+    def reset(self, device: torch.device) -> None:
+        self.lm_sum, self.mtp_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels_BS: torch.Tensor) -> torch.Tensor:
+        logits, *mtp = output if isinstance(output, tuple) else (output,)
+        loss = next_token_loss(logits, mtp, labels_BS, self.factor, self.positions)
+        self.lm_sum = self.lm_sum + full_value(loss.lm)
+        if loss.mtp:
+            self.mtp_sum = self.mtp_sum + full_value(torch.stack(loss.mtp).mean())
+        return loss.total
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # 1-based: the steps done
+    records: list[dict[str, Any]]  # metrics written at this step (none on a step that logs nothing)
+    stop_asked: bool  # some rank was asked to stop (a signal)
+    error: NonFiniteError | None  # raise once the records are written
+
+
+class TrainLoop:
+    """One optimizer step over the rank's share of the global batch, its pending metrics and evaluation."""
+
+    def __init__(self, setup: Setup, optimizer: torch.optim.Optimizer, start: int) -> None:
+        cfg, ctx, parallel = setup.cfg, setup.ctx, setup.parallel
+        self.setup, self.cfg, self.ctx, self.parallel, self.optimizer = setup, cfg, ctx, parallel, optimizer
+        self.steps_done = start
+        self.params = [p for p in setup.model.parameters() if p.requires_grad]
+        self.routers = parallel.routers()
+        # under context parallelism the positions of every sequence this rank computes (None: all of them)
+        self.positions = parallel.positions(cfg.data.seq_len, ctx.device)
+        self.autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
+        self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
+        self.routing = StageRouting()
+        self.loss = NextTokenLoss(cfg.model.mtp_loss_scaling_factor, self.positions)
+        # the ranks of one data-parallel replica (tp, pp, cp) read the same sequences: this rank's first row
+        self.first_row = parallel.dp_index * setup.micro_batch * setup.grad_accum
+        self.peak, self.peak_source = peak_tflops(ctx.device, setup.dtype, cfg.run.peak_tflops)
+        tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.metrics = PendingMetrics(
+            stage_factor=setup.layout.pp,
+            router_rows=parallel.router_rows(),
+            num_routers=len(cfg.model.router_layers()),
+            pairs_per_router=tokens_per_step / ctx.world_size * cfg.model.moe_router_topk,
+            tokens_per_step=tokens_per_step,
+            flops_per_token=training_flops_per_token(cfg.model, cfg.data.seq_len),
+            world_size=ctx.world_size,
+            peak_tflops=self.peak,
+        )
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """What stages send each other: the residual stream keeps the parameters' dtype (autocast computes in its
+        own, the residual additions promote back), or FSDP's gather dtype."""
+        if self.cfg.parallel.mixed_precision_param == "bfloat16":
+            return torch.bfloat16
+        return torch.bfloat16 if self.cfg.train.params_dtype == "bf16" else torch.float32
+
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of step ``step``'s global batch (its micro-batches one after another), on the device."""
+        micro, device = self.setup.micro_batch, self.ctx.device
+        parts = [
+            self.setup.data.train.batch(step, self.cfg.train.global_batch_size, self.first_row + m * micro, micro)
+            for m in range(self.setup.grad_accum)
+        ]
+        return torch.cat([p.input_ids_BS for p in parts]).to(device), torch.cat([p.labels_BS for p in parts]).to(device)
+
+    def step(self, step: int, last_saved: Path | None, stop: StopRequest, write_metrics: bool) -> StepResult:
+        """Optimizer step ``step`` (0-based). ``write_metrics``: reduce and return the pending records (a log step,
+        a checkpoint or the end follows); they are also returned when the step is not finite or a stop was asked."""
+        parallel, optimizer, accum = self.parallel, self.optimizer, self.setup.grad_accum
+        started = time.perf_counter()
+        lr = lr_at(step, self.cfg.train)
+        set_lr(optimizer, lr)
+        optimizer.zero_grad(set_to_none=True)
+        inputs, labels = self._batch(step)
+        self.routing.clear()
+        self.loss.reset(self.ctx.device)
+        with self.autocast, parallel.loss_context():
+            parallel.forward_backward(
+                inputs, labels, accum, self.loss, self.hidden_dtype, positions_S=self.positions, routing=self.routing
+            )
+        held = parallel.stage_indices
+        aux_sum = sum((self.routing.aux_loss[i] for i in held), torch.zeros((), device=self.ctx.device))
+        load_LE = torch.cat([self.routing.tokens_per_expert_LE[i] for i in held])
+        # the accumulated gradient is a sum over micro-batches; dividing it (not each loss) also scales the
+        # load-balancing gradients the routers attach inside the backward
+        grads = [g for g in map(local_grad, self.params) if g is not None]
+        if accum > 1:
+            torch._foreach_div_(grads, float(accum))
+        parallel.finalize_grads()
+        clip = self.cfg.train.clip_grad if self.cfg.train.clip_grad > 0 else math.inf
+        grad_norm = parallel.clip_grad_norm_(clip, self.params)
+        losses = (self.loss.lm_sum / accum, aux_sum / accum, self.loss.mtp_sum / accum)
+        # before the update: a step that is not finite must not apply
+        not_finite_here = ~(torch.isfinite(losses[0]) & torch.isfinite(grad_norm.to(losses[0].device)))
+        not_finite, stop_asked = stop.asked_on_any_rank(not_finite_here)
+        error = self.guard.check(
+            step + 1,
+            not_finite,
+            lambda: (self.global_mean(losses[0]), float(grad_norm)),
+            str(last_saved) if last_saved else None,
+        )
+        if not self.guard.skipping:
+            optimizer.step()
+            if self.cfg.model.moe_router_enable_expert_bias:
+                # counts the forwards returned, so a recomputed layer is not counted twice; summed over every rank's
+                # tokens (the routers' stats_group) so all ranks apply the same update
+                for router, counts_E in zip(self.routers, load_LE, strict=True):
+                    router.update_expert_bias(counts_E)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        self.steps_done = step + 1
+        elapsed = time.perf_counter() - started
+        self.metrics.add(step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE)
+        records = self.metrics.records() if write_metrics or not_finite or stop_asked else []
+        if records and not self.guard.skipping and self.evaluates(step + 1):
+            records[-1]["val_loss"] = self.evaluate()
+        return StepResult(step + 1, records, stop_asked, error)
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        """The mean over data-parallel replicas of a sum over pipeline stages (each rank holds its stages' part)."""
+        return float(all_reduce_mean(value) * self.setup.layout.pp)
+
+    def evaluates(self, step: int) -> bool:
+        every = self.cfg.train.eval_interval
+        return self.setup.data.valid is not None and every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss over ``train.eval_iters`` fixed validation batches (the same at every evaluation),
+        each data-parallel replica computing its slice of each."""
+        setup, cfg, device, parallel = self.setup, self.cfg, self.ctx.device, self.parallel
+        total = torch.zeros((), device=device)
+        batches = 0
+        setup.model.eval()
+        try:
+            for micro in range(setup.grad_accum):
+                first = self.first_row + micro * setup.micro_batch
+                for batch in setup.data.valid.eval_batches(
+                    cfg.train.eval_iters, cfg.train.global_batch_size, first, setup.micro_batch
+                ):
+                    ids, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
+                    with self.autocast:
+                        out = parallel.forward(ids, self.hidden_dtype, positions_S=self.positions)
+                        if out is not None:  # the last stage's ranks alone have logits
+                            logits = out[0] if isinstance(out, tuple) else out
+                            with parallel.loss_context():
+                                loss = next_token_loss(logits, (), labels, 0.0, self.positions)
+                                total += full_value(loss.lm.float())
+                    batches += 1
+        finally:
+            setup.model.train()
+        return self.global_mean(total / batches)

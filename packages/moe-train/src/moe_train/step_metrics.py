@@ -1,0 +1,103 @@
+"""The per-step metrics, kept on the device until they are written: a step adds its values as tensors (no
+``.item()``, no collective), and :meth:`PendingMetrics.records` reduces every pending step's values across ranks in
+two all-reduces and reads them back once. The trainer asks for the records on log steps, before a checkpoint and
+when the run ends, so ``metrics.jsonl`` still holds one record per step while a step that logs nothing never waits
+for the device (torchtitan reduces its metrics on log steps only, for the same reason)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_parallel import all_reduce_mean
+
+
+@dataclass(frozen=True)
+class _Pending:
+    step: int
+    lr: float
+    step_time_s: float
+    skipped: bool
+    values: torch.Tensor  # [loss, aux_loss, mtp_loss, grad_norm]: this rank's part
+    load_LE: torch.Tensor  # this rank's routers' kept (token, expert) pairs, rows of the whole model's routers
+
+
+class PendingMetrics:
+    """Steps added but not yet written (module docstring).
+
+    ``stage_factor``: each rank holds its pipeline stages' part of a loss, so the mean over ranks times ``pp`` is the
+    mean over data-parallel replicas of the sum over stages. ``router_rows``: where this rank's routers stand among
+    the whole model's ``num_routers``. ``pairs_per_router``: (token, expert) pairs a router routes per step on one
+    rank without drops."""
+
+    def __init__(
+        self,
+        stage_factor: int,
+        router_rows: list[int],
+        num_routers: int,
+        pairs_per_router: float,
+        tokens_per_step: int,
+        flops_per_token: float,
+        world_size: int,
+        peak_tflops: float,
+    ) -> None:
+        self.stage_factor, self.router_rows, self.num_routers = stage_factor, router_rows, num_routers
+        self.pairs_per_router, self.tokens_per_step = pairs_per_router, tokens_per_step
+        self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, peak_tflops
+        self.pending: list[_Pending] = []
+        self.last_load_LE: torch.Tensor | None = None  # the last written step's loads, for the picture
+
+    def add(
+        self,
+        step: int,
+        lr: float,
+        step_time_s: float,
+        skipped: bool,
+        losses: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        grad_norm: torch.Tensor,
+        load_LE: torch.Tensor,
+    ) -> None:
+        """Step ``step``'s values (the LM, balancing and MTP losses as this rank's micro-batch means)."""
+        values = torch.stack([*(v.float().reshape(()) for v in losses), grad_norm.float().reshape(())])
+        self.pending.append(_Pending(step, lr, step_time_s, skipped, values, load_LE.detach().float()))
+
+    def records(self) -> list[dict[str, Any]]:
+        """The pending steps' records, in order; none pending afterwards. A collective: every rank calls it."""
+        if not self.pending:
+            return []
+        values_NK = torch.stack([p.values for p in self.pending])
+        # the gradient norm is already global: it is not averaged
+        losses_NK = all_reduce_mean(values_NK[:, :3]) * self.stage_factor
+        grad_norm_N = values_NK[:, 3]
+        load_NLE = values_NK.new_zeros(len(self.pending), self.num_routers, self.pending[0].load_LE.shape[1])
+        load_NLE[:, self.router_rows] = torch.stack([p.load_LE for p in self.pending])
+        load_NLE = all_reduce_mean(load_NLE) * self.stage_factor
+        imbalance_N = (load_NLE.max(dim=2).values / load_NLE.mean(dim=2)).mean(dim=1)
+        kept_N = load_NLE.sum(dim=(1, 2)) / (self.pairs_per_router * self.stage_factor * self.num_routers)
+        table = torch.cat([losses_NK, grad_norm_N[:, None], imbalance_N[:, None], kept_N[:, None]], dim=1).tolist()
+        out = []
+        for pending, (loss, aux, mtp, grad_norm, imbalance, kept) in zip(self.pending, table, strict=True):
+            tokens_per_s = self.tokens_per_step / pending.step_time_s
+            tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+            record: dict[str, Any] = {
+                "step": pending.step,
+                "loss": loss,
+                "aux_loss": aux,
+                "mtp_loss": mtp,  # mean over MTP depths, unscaled; 0 without MTP
+                "lr": pending.lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_s,
+                "tflops_per_gpu": tflops,
+                "mfu": tflops / self.peak,
+                "step_time_s": pending.step_time_s,
+                "expert_load_max_over_mean": imbalance,
+                "dropped_fraction": 1.0 - kept,  # (token, expert) pairs dropped by a capacity factor, all layers
+            }
+            if pending.skipped:
+                record["skipped"] = True
+            out.append(record)
+        self.last_load_LE = load_NLE[-1]
+        self.pending.clear()
+        return out
