@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from moe_memory.estimate import MemoryEstimate, estimate_memory
 from moe_memory.measure import SavedTensorBytes
-from moe_models import MoETransformer, causal_lm_loss, next_token_loss
+from moe_models import MoETransformer, next_token_loss
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
 from moe_train.config import load_config
 from moe_train.optim import build_optimizer
@@ -36,6 +36,21 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def forward_logits(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The logits and the MTP depths' logits of ``ids`` through ``model``: a whole model (``model(ids, positions)``
+    gives a ``ModelOutput``) or the one stage a run without pipeline parallelism trains (``setup.model[0]``)."""
+    if isinstance(model, MoETransformer):
+        out = model(ids, positions)
+        return out.logits, list(out.mtp_logits)
+    local = ids if positions is None else ids[:, positions]
+    kwargs = {} if positions is None else {"positions_BS": positions.expand(ids.shape[0], -1)}
+    out = model(local, input_ids_BS=ids, **kwargs)
+    logits, *mtp = out if isinstance(out, tuple) else (out,)
+    return logits, mtp
+
+
 def measured_step(
     model: torch.nn.Module,
     ids: torch.Tensor,
@@ -44,19 +59,11 @@ def measured_step(
     loss_context: contextlib.AbstractContextManager | None = None,
 ) -> SavedTensorBytes:
     """Forward + LM loss of ``ids`` (next tokens: ``ids`` rolled) under ``SavedTensorBytes``, then the backward, both
-    inside ``loss_context`` (vocabulary-parallel logits under tp). ``model``: a whole model (``model(ids, positions)``
-    gives a ``ModelOutput``) or the one stage a run without pipeline parallelism trains (its logits, with MTP's)."""
-    labels = ids.roll(-1, dims=1)
+    inside ``loss_context`` (vocabulary-parallel logits under tp). ``model``: as :func:`forward_logits` takes it."""
     with loss_context or contextlib.nullcontext():
         with SavedTensorBytes(model=model) as saved:
-            if isinstance(model, MoETransformer):
-                loss = causal_lm_loss(model(ids, positions), labels, mtp_loss_scaling_factor, positions)
-            else:
-                local = ids if positions is None else ids[:, positions]
-                kwargs = {} if positions is None else {"positions_BS": positions.expand(ids.shape[0], -1)}
-                out = model(local, input_ids_BS=ids, **kwargs)
-                logits, *mtp = out if isinstance(out, tuple) else (out,)
-                loss = next_token_loss(logits, mtp, labels, mtp_loss_scaling_factor, positions)
+            logits, mtp = forward_logits(model, ids, positions)
+            loss = next_token_loss(logits, mtp, ids.roll(-1, dims=1), mtp_loss_scaling_factor, positions)
         loss.total.backward()
     return saved
 

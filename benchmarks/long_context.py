@@ -216,7 +216,8 @@ def _activations(out: Path, seq: int, cp: int) -> dict:
     cfg = load_config("tiny-qwen3-moe", overrides)
     setup = prepare(cfg, cp)
     ids = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    saved = measured_step(setup.model, ids, 0.0, setup.parallel.positions(seq))
+    (stage,) = setup.model  # no pipeline: the one stage holds the whole model
+    saved = measured_step(stage, ids, 0.0, setup.parallel.positions(seq))
     run = run_shape(
         cfg.model, local_parameters(setup.model), micro_batch=1, seq_len=seq, activation_bytes=4, layout=setup.layout
     )

@@ -24,7 +24,7 @@ DeepSeek-V3 ``mla_up_proj`` and ``shared_experts``; ``mlp`` is the dense-layer k
 ``offload_min_tensor_bytes=0`` (every tensor of those modules) and once with moe_train's default 1 MiB.
 
 Part 2, step time: the ``tiny`` moe_train preset (``load_config("tiny", overrides)`` + ``prepare(cfg, 1)``, fp32 on
-CPU, a 16 x 128-token micro-batch), one training micro-step (forward, ``causal_lm_loss``, backward) per call. Each
+CPU, a 16 x 128-token micro-batch), one training micro-step (forward, the LM loss, backward) per call. Each
 variant is timed head to head against ``none``: two models prepared from the same seed, (none, variant) pairs
 interleaved (alternating which runs first) after warm-up; reported are the median of the per-pair ratios
 variant/none with their min/max and quartiles, and the ratio of the medians.
@@ -37,6 +37,7 @@ repetitions, and writes only where ``--out`` says (nothing by default), never ov
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -53,7 +54,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from moe_memory import RECOMPUTE_KINDS, apply_memory_policy
-from moe_models import build_model, causal_lm_loss
+from moe_models import build_model, next_token_loss
 from moe_models.layers import MoEBlock
 from moe_models.presets import preset
 from moe_models.rope import rotary_cos_sin
@@ -362,12 +363,12 @@ def micro_step(setup, inputs: torch.Tensor, labels: torch.Tensor, meter: DeviceS
     """One training micro-step as trainer.train runs it (fp32: no autocast): forward, loss, backward."""
     for p in setup.model.parameters():
         p.grad = None
-    if meter is not None:
-        with meter.hooks():
-            out = setup.model(inputs)
-    else:
-        out = setup.model(inputs)
-    loss = causal_lm_loss(out, labels, setup.cfg.model.mtp_loss_scaling_factor)
+    from _estimate import forward_logits  # benchmarks/_estimate.py (imports moe-train)
+
+    (stage,) = setup.model  # no pipeline: the one stage holds the whole model
+    with meter.hooks() if meter is not None else contextlib.nullcontext():
+        logits, mtp = forward_logits(stage, inputs)
+    loss = next_token_loss(logits, mtp, labels, setup.cfg.model.mtp_loss_scaling_factor)
     loss.total.backward()
     return loss.total.item()
 
@@ -376,7 +377,7 @@ def measure_step_time(quick: bool, reps: int, warmup: int, cache_dir: str) -> di
     """Part 2: each variant against none on the tiny preset, head to head (module docstring)."""
     started = time.perf_counter()
     cfg, probe = _setup(Variant("none"), quick, cache_dir)
-    kinds = probe.model.module_kinds()
+    kinds = probe.model[0].module_kinds()
     del probe
     rows = {}
     inputs = labels = None

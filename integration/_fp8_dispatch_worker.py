@@ -7,17 +7,21 @@ through), the bytes the dispatcher reports against what the encoded parts hold, 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from _rank_scenarios import Scenarios
 from moe_dispatch import RoutingResult, build_dispatcher
 from moe_precision import BlockwiseFP8Wire
 
 HIDDEN, EXPERTS, TOPK = 256, 4, 2
+# scenario name -> (dispatcher, token dtype): one scenario each (_rank_scenarios.py)
+SCENARIOS = {
+    f"{name} {dtype}": (name, dtype) for dtype in (torch.bfloat16, torch.float32) for name in ("alltoall", "allgather")
+}
 
 
 def routing(num_tokens: int, gen: torch.Generator) -> RoutingResult:
@@ -38,39 +42,40 @@ def run(name: str, wire: BlockwiseFP8Wire | None, x: torch.Tensor, route: Routin
     return res.tokens_NH.detach(), out.detach(), x.grad, bytes_sent, disp
 
 
+def compare(name: str, dtype: torch.dtype, wire: BlockwiseFP8Wire, rank: int) -> dict:
+    gen = torch.Generator().manual_seed(10 + rank)
+    num_tokens = 24 + 8 * rank
+    x = (torch.randn(num_tokens, HIDDEN, generator=gen) * torch.logspace(-2, 2, HIDDEN)).to(dtype)
+    route = routing(num_tokens, gen)
+    cot = torch.randn(num_tokens, HIDDEN, generator=gen)
+    round_trip = wire.decode(wire.encode(x), dtype)
+    tokens, out, grad, wire_bytes, disp = run(name, wire, x, route, cot)
+    ref_tokens, ref_out, ref_grad, plain_bytes, _ = run(name, None, round_trip, route, cot)
+    bf16_tokens, *_ = run(name, None, x, route, cot)
+    parts = wire.encode(x[:1])
+    return {
+        "tokens": tokens,
+        "ref_tokens": ref_tokens,
+        "out": out,
+        "ref_out": ref_out,
+        "grad": grad,
+        "ref_grad": ref_grad,
+        "wire_bytes": wire_bytes,
+        "plain_bytes": plain_bytes,
+        "part_bytes_per_row": sum(p.nbytes for p in parts),
+        "rows": disp.rows_sent(disp.dispatch(x, route).handle) if name == "alltoall" else None,
+        "rel_error": ((tokens.float() - bf16_tokens.float()).norm() / bf16_tokens.float().norm()).item(),
+    }
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     wire = BlockwiseFP8Wire()
-    results = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        gen = torch.Generator().manual_seed(10 + rank)
-        num_tokens = 24 + 8 * rank
-        x = (torch.randn(num_tokens, HIDDEN, generator=gen) * torch.logspace(-2, 2, HIDDEN)).to(dtype)
-        route = routing(num_tokens, gen)
-        cot = torch.randn(num_tokens, HIDDEN, generator=gen)
-        round_trip = wire.decode(wire.encode(x), dtype)
-        for name in ("alltoall", "allgather"):
-            tokens, out, grad, wire_bytes, disp = run(name, wire, x, route, cot)
-            ref_tokens, ref_out, ref_grad, plain_bytes, _ = run(name, None, round_trip, route, cot)
-            bf16_tokens, *_ = run(name, None, x, route, cot)
-            parts = wire.encode(x[:1])
-            results[(name, str(dtype))] = {
-                "tokens": tokens,
-                "ref_tokens": ref_tokens,
-                "out": out,
-                "ref_out": ref_out,
-                "grad": grad,
-                "ref_grad": ref_grad,
-                "wire_bytes": wire_bytes,
-                "plain_bytes": plain_bytes,
-                "part_bytes_per_row": sum(p.nbytes for p in parts),
-                "rows": disp.rows_sent(disp.dispatch(x, route).handle) if name == "alltoall" else None,
-                "rel_error": ((tokens.float() - bf16_tokens.float()).norm() / bf16_tokens.float().norm()).item(),
-            }
-    dist.barrier()
-    dist.destroy_process_group()
-    torch.save(results, out_dir / f"rank{os.environ['RANK']}.pt")
+    scenarios = Scenarios(out_dir)
+    for scenario, (name, dtype) in SCENARIOS.items():
+        scenarios.run(scenario, compare, name, dtype, wire, rank)
+    scenarios.finish()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# the workers beside this file (_*.py) import as top-level modules under importlib import mode
+sys.path.insert(0, str(Path(__file__).parent))
+
 
 def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run a console script of this environment (moe-train, torchrun) and capture its output."""

@@ -12,7 +12,8 @@ Every other run uses micro-batches of 2 sequences, so the single process accumul
 layout as many as its data-parallel size leaves (a pipeline schedule runs those same micro-batches): the
 micro-batches, and so the per-micro-batch balancing statistics, are the same in every run.
 
-One process group per world size (2 and 4 ranks) trains all its layouts in turn.
+One process group per world size (2 and 4 ranks) trains all its layouts in turn, each a scenario of its own
+(``_rank_scenarios.py``): a layout that fails fails its own tests, with its ranks' tracebacks.
 
 By default each layout runs on the presets whose features it exercises (``FULL_ONLY`` lists the pairs left out: a
 second preset adds little where the first already crosses the same code, and the whole matrix took 12 minutes of
@@ -138,9 +139,6 @@ PIPELINE_MODELS = {
 PIPELINE_SEED = "3"
 # gradient completion off: experts are then scaled by edp/dp = 1/2 too little, so the run must diverge
 CONTROL = ("control: ep=2 without gradient sync", 2, {"parallel.ep": "2"})
-# layouts also run with the whole model built with values first (the old build path): equal to the meta build
-EAGER = ("tp=2 x ep=2 (etp=1)", "ep=2 x dp_shard=2 x tp=2")
-EAGER_TOLERANCE = 1e-6
 
 
 # (preset or context model, layout) pairs run only with MOE_TEST_FULL_MATRIX=1: the 4-rank tensor-parallel runs cost
@@ -162,21 +160,12 @@ FULL_ONLY: set[tuple[str, str]] = {
     ("tiny-deepseek-v3", "cp=2 x tp=2"),
     ("tiny-deepseek-v3", "cp=4"),
 }
-# the whole-model-first builds run on Qwen3's world-2 layout by default (the 4-rank ones cost 30 s each)
-FULL_ONLY_EAGER: set[tuple[str, str]] = {
-    ("tiny-deepseek-v3", "tp=2 x ep=2 (etp=1)"),
-    ("tiny-qwen3-moe", "ep=2 x dp_shard=2 x tp=2"),
-    ("tiny-deepseek-v3", "ep=2 x dp_shard=2 x tp=2"),
-}
 FULL_MATRIX = os.environ.get("MOE_TEST_FULL_MATRIX", "") == "1"
 
 
-def _runs(preset: str, layout: str, eager: bool = False) -> bool:
+def _runs(preset: str, layout: str) -> bool:
     """Whether this (preset, layout) pair is in this session's matrix."""
-    return FULL_MATRIX or (preset, layout) not in (FULL_ONLY_EAGER if eager else FULL_ONLY)
-
-
-EAGER_CASES = [(preset, layout) for layout in EAGER for preset in PRESETS if _runs(preset, layout, eager=True)]
+    return FULL_MATRIX or (preset, layout) not in FULL_ONLY
 
 
 def _overrides(data_cache: Path) -> dict[str, str]:
@@ -208,7 +197,7 @@ def _case_dir(preset: str, layout: str) -> str:
 
 @pytest.fixture(scope="module")
 def single_process(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """The reference runs, and (key ``"<preset> eager"``) the same runs with the whole model built with values."""
+    """The reference runs (the context-parallel models', each preset's, and its 4-layer pipeline model's)."""
     out = tmp_path_factory.mktemp("single")
     runs = {}
     for name, (preset, model) in CONTEXT_MODELS.items():
@@ -216,11 +205,11 @@ def single_process(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
         train(prepare(load_config(preset, overrides), 1))
         runs[f"{name} context"] = _records(out / f"{name} context")
     for preset in PRESETS:
-        for variant in ("", " eager", " 4 layers"):
+        for variant in ("", " 4 layers"):
             name = preset + variant
             model = _pipeline_overrides(preset) if variant == " 4 layers" else {}
             overrides = {**_overrides(data_cache), **model, "run.output_dir": str(out / name)}
-            train(prepare(load_config(preset, overrides), 1, build_on_meta=variant != " eager"))
+            train(prepare(load_config(preset, overrides), 1))
             runs[name] = _records(out / name)
     return runs
 
@@ -232,8 +221,11 @@ def _pipeline_overrides(preset: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, launch_gloo_workers) -> Path:
+def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, launch_gloo_scenarios) -> dict:
+    """world size -> what its ranks recorded for each case (``_rank_scenarios.Outcomes``), and under ``"out"`` the
+    folder of the cases' metrics."""
     out = tmp_path_factory.mktemp("parallel")
+    outcomes: dict = {"out": out}
     for world in (2, 4):
         cases = [
             {"name": _case_dir(preset, name), "preset": preset, "overrides": {**_overrides(data_cache), **extra}}
@@ -264,11 +256,6 @@ def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, la
             for model in models
             if _runs(model, name)
         ]
-        cases += [
-            {**case, "name": case["name"] + "--eager", "eager": True}
-            for case in list(cases)
-            if any(case["name"] == _case_dir(preset, layout) for preset, layout in EAGER_CASES)
-        ]
         if world == CONTROL[1]:
             cases.append(
                 {
@@ -280,8 +267,14 @@ def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, la
             )
         (out / f"world{world}").mkdir()
         (out / f"world{world}" / "cases.json").write_text(json.dumps(cases))
-        launch_gloo_workers(WORKER, world, out / f"world{world}", timeout=600)
-    return out
+        outcomes[world] = launch_gloo_scenarios(WORKER, world, out / f"world{world}", timeout=600)
+    return outcomes
+
+
+def _case(parallel_runs: dict, world: int, name: str) -> Path:
+    """The folder of a case's metrics, once every rank trained it (else the test fails with the ranks' tracebacks)."""
+    parallel_runs[world][name]
+    return parallel_runs["out"] / f"world{world}" / name
 
 
 def _max_rel_diff(ours: list[dict], reference: list[dict], key: str) -> float:
@@ -298,10 +291,10 @@ def _max_rel_diff(ours: list[dict], reference: list[dict], key: str) -> float:
         if _runs(preset, layout)
     ],
 )
-def test_layout_equals_single_process(preset: str, layout: str, single_process, parallel_runs: Path) -> None:
+def test_layout_equals_single_process(preset: str, layout: str, single_process, parallel_runs: dict) -> None:
     pipelined = layout in PIPELINE_LAYOUTS
     world = (PIPELINE_LAYOUTS if pipelined else LAYOUTS)[layout][0]
-    ours = _records(parallel_runs / f"world{world}" / _case_dir(preset, layout))
+    ours = _records(_case(parallel_runs, world, _case_dir(preset, layout)))
     reference = single_process[preset + (" 4 layers" if pipelined else "")]
     diffs = {key: _max_rel_diff(ours, reference, key) for key in ("loss", "grad_norm", "aux_loss")}
     if pipelined:
@@ -319,9 +312,9 @@ def test_layout_equals_single_process(preset: str, layout: str, single_process, 
 
 
 @pytest.mark.parametrize(("model", "layout"), [case for case in CONTEXT_CASES if _runs(*case)])
-def test_context_parallel_equals_single_process(model: str, layout: str, single_process, parallel_runs: Path) -> None:
+def test_context_parallel_equals_single_process(model: str, layout: str, single_process, parallel_runs: dict) -> None:
     world = CONTEXT_LAYOUTS[layout][0]
-    ours = _records(parallel_runs / f"world{world}" / _case_dir(model, layout))
+    ours = _records(_case(parallel_runs, world, _case_dir(model, layout)))
     reference = single_process[f"{model} context"]
     keys = ("loss", "grad_norm", "aux_loss", "expert_load_max_over_mean")
     diffs = {key: _max_rel_diff(ours, reference, key) for key in keys}
@@ -330,26 +323,11 @@ def test_context_parallel_equals_single_process(model: str, layout: str, single_
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.5
 
 
-def test_control_without_gradient_sync_differs(single_process, parallel_runs: Path) -> None:
-    ours = _records(parallel_runs / f"world{CONTROL[1]}" / _case_dir(PRESETS[0], CONTROL[0]))
+def test_control_without_gradient_sync_differs(single_process, parallel_runs: dict) -> None:
+    ours = _records(_case(parallel_runs, CONTROL[1], _case_dir(PRESETS[0], CONTROL[0])))
     # the experts hold ~1% of the squared gradient norm here, so doubling their gradients moves the norm by about
     # 1%: ten times the tolerance the layouts are held to
     assert _max_rel_diff(ours, single_process[PRESETS[0]], "grad_norm") > 10 * TOLERANCE
-
-
-@pytest.mark.parametrize(("preset", "layout"), [(preset, "one process") for preset in PRESETS] + EAGER_CASES)
-def test_meta_build_trains_as_the_whole_model_built_first(
-    preset: str, layout: str, single_process, parallel_runs: Path
-) -> None:
-    """Built on meta and materialised shard by shard, or built whole with values and then split: the same run."""
-    if layout == "one process":
-        meta, eager = single_process[preset], single_process[f"{preset} eager"]
-    else:
-        case = parallel_runs / f"world{LAYOUTS[layout][0]}" / _case_dir(preset, layout)
-        meta, eager = _records(case), _records(case.with_name(case.name + "--eager"))
-    diffs = {key: _max_rel_diff(meta, eager, key) for key in ("loss", "grad_norm", "aux_loss")}
-    print(f"{preset} {layout}: meta vs eager build, max relative difference {diffs}")
-    assert all(d < EAGER_TOLERANCE for d in diffs.values()), diffs
 
 
 def test_the_default_matrix_keeps_every_layout() -> None:
@@ -358,6 +336,5 @@ def test_the_default_matrix_keeps_every_layout() -> None:
     pairs |= {(preset, layout) for layout in PIPELINE_LAYOUTS for preset in PIPELINE_PRESETS.get(layout, PRESETS)}
     pairs |= set(CONTEXT_CASES)
     assert not FULL_ONLY - pairs, FULL_ONLY - pairs
-    assert not FULL_ONLY_EAGER - {(preset, layout) for layout in EAGER for preset in PRESETS}
     for layout in {layout for _, layout in pairs}:
         assert {pair for pair in pairs if pair[1] == layout} - FULL_ONLY, layout

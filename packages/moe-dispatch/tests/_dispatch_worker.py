@@ -3,8 +3,8 @@
 The parent starts WORLD_SIZE processes with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Every
 case builds the same global batch on every rank (fixed seed): rank r routes its own tokens through a
 distributed dispatcher and a sharded SwiGLU expert; the reference is LocalDispatcher on all ranks'
-tokens with all experts whole, in this process. Each rank saves both sides for its own tokens and
-expert shard to ``OUT_DIR/rank{r}.pt``; the parent asserts.
+tokens with all experts whole, in this process. Each rank records both sides for its own tokens and
+expert shard, each case a scenario of its own (``_rank_scenarios.py``); the parent asserts.
 
 The flex (DeepEP) dispatcher runs the expert-parallel cases on ``_fake_deep_ep`` (DeepEP's contracts over gloo), with
 CUDA reported available while it runs. It sends bf16 (DeepEP combines bf16 only): its reference takes the tokens after
@@ -14,7 +14,6 @@ a bf16 round trip, and its outputs are bf16-rounded.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from _rank_scenarios import Scenarios
 from moe_dispatch.accounting import rows_sent
 from moe_dispatch.alltoall import AllToAllDispatcher
 from moe_dispatch.dispatcher import LocalDispatcher
@@ -329,27 +329,30 @@ def cases_for(world: int) -> list[tuple[Case, int, int, bool]]:
     ]
 
 
+def run_dispatchers(case: Case, layout: Layout, in_flight: bool) -> list[dict]:
+    """One case through every dispatcher (the flex one where etp == 1), and again encoded where it is a wire case."""
+    results = []
+    for name in ("allgather", "alltoall"):
+        results.append(run_case(case, name, layout, in_flight))
+        if case.name in WIRE_CASES:
+            results.append(run_case(case, name, layout, in_flight, HalfWire()))
+    if layout.etp == 1:
+        with fake_deep_ep():
+            result = run_case(case, "flex", layout, in_flight)
+            result["buffers_made"] = len(sys.modules["deep_ep"].Buffer.created)
+        results.append(result)
+    return results
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    layouts: dict[tuple[int, int], Layout] = {}
-    results = []
-    for case, ep, etp, in_flight in cases_for(world):
-        if (ep, etp) not in layouts:
-            layouts[(ep, etp)] = Layout(ep, etp)
-        for name in ("allgather", "alltoall"):
-            results.append(run_case(case, name, layouts[(ep, etp)], in_flight))
-            if case.name in WIRE_CASES:
-                results.append(run_case(case, name, layouts[(ep, etp)], in_flight, HalfWire()))
-        if etp == 1:
-            with fake_deep_ep():
-                result = run_case(case, "flex", layouts[(ep, etp)], in_flight)
-                result["buffers_made"] = len(sys.modules["deep_ep"].Buffer.created)
-            results.append(result)
-    dist.barrier()
-    dist.destroy_process_group()
-    torch.save(results, out_dir / f"rank{os.environ['RANK']}.pt")
+    cases = cases_for(dist.get_world_size())
+    layouts = {(ep, etp): Layout(ep, etp) for _, ep, etp, _ in cases}  # every group made before the first case
+    scenarios = Scenarios(out_dir)
+    for case, ep, etp, in_flight in cases:  # one scenario per case (_rank_scenarios.py)
+        scenarios.run(case.name, run_dispatchers, case, layouts[(ep, etp)], in_flight)
+    scenarios.finish()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))  # a failure's traceback reaches the test through the launcher's captured output
+    main(Path(sys.argv[1]))

@@ -1,7 +1,7 @@
 """One rank of the gloo checks in test_router_distributed.py: ``python _router_dist_worker.py OUT_DIR``.
 
 The parent starts one process per rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, as
-torchrun would. Every rank writes what it computed to ``OUT_DIR/rank{r}.pt``; the parent asserts.
+torchrun would. Every rank records what it computed per scenario (``_rank_scenarios.py``); the parent asserts.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from _rank_scenarios import Scenarios
 from moe_dispatch.config import RouterConfig
 from moe_dispatch.expert_bias import update_expert_bias
 from moe_dispatch.router import TopKRouter
@@ -41,28 +42,34 @@ def route(kind: str, x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor
     return out.aux_loss, router.weight.grad.clone()
 
 
+def aux_losses(x_local: torch.Tensor, group) -> dict:
+    result = {}
+    result["global_aux"], result["global_grad"] = route("global_aux_loss", x_local, group)
+    result["local_aux"], result["local_grad"] = route("aux_loss", x_local, group)
+    return result
+
+
+def expert_bias(rank: int, group) -> dict:
+    bias = torch.full((EXPERTS,), 0.125)
+    update_expert_bias(bias, torch.tensor(COUNTS[rank]), RATE, group=group)
+    router = TopKRouter(
+        HIDDEN, RouterConfig(num_experts=EXPERTS, enable_expert_bias=True, bias_update_rate=RATE), stats_group=group
+    )
+    router.update_expert_bias(torch.tensor(COUNTS[rank]))  # the router's stats_group is the default
+    return {"bias": bias, "router_bias": router.expert_bias.clone()}
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
     start = sum(TOKENS[:rank])
     x_local = full_batch()[start : start + TOKENS[rank]]
-    result: dict = {}
-    result["global_aux"], result["global_grad"] = route("global_aux_loss", x_local, group)
-    result["local_aux"], result["local_grad"] = route("aux_loss", x_local, group)
-
-    bias = torch.full((EXPERTS,), 0.125)
-    update_expert_bias(bias, torch.tensor(COUNTS[rank]), RATE, group=group)
-    result["bias"] = bias
-    router = TopKRouter(
-        HIDDEN, RouterConfig(num_experts=EXPERTS, enable_expert_bias=True, bias_update_rate=RATE), stats_group=group
-    )
-    router.update_expert_bias(torch.tensor(COUNTS[rank]))  # the router's stats_group is the default
-    result["router_bias"] = router.expert_bias.clone()
-    dist.barrier()
-    dist.destroy_process_group()
-    torch.save(result, out_dir / f"rank{rank}.pt")
+    scenarios = Scenarios(out_dir)  # one scenario per test (_rank_scenarios.py)
+    scenarios.run("aux losses", aux_losses, x_local, group)
+    scenarios.run("expert bias", expert_bias, rank, group)
+    scenarios.finish()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))  # a failure's traceback reaches the test through the launcher's captured output
+    main(Path(sys.argv[1]))

@@ -4,7 +4,8 @@
 Every rank builds the same full micro-batch(es) from fixed seeds and computes, without any group, the
 single-process reference (a plain router on the full sequences); then it routes only its own chunk of
 every sequence with a ``sequence_group`` and, as a control, without one. Gradients of the sharded routers
-are summed over the sequence group here (what the parallelize code will do); the parent asserts.
+are summed over the sequence group here (what the parallelize code will do); each case is a scenario of its own
+(``_rank_scenarios.py``); the parent asserts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from _rank_scenarios import Scenarios
 from moe_dispatch.config import RouterConfig
 from moe_dispatch.router import TopKRouter
 
@@ -101,19 +103,17 @@ def summed(grad: torch.Tensor, group) -> torch.Tensor:
     return grad
 
 
-def sequence_parallel_cases(rank: int, world: int, group) -> dict:
-    """Every case with the whole world as one sequence group (and as stats_group, for global_aux_loss)."""
+def sequence_parallel_case(name: str, rank: int, world: int, group) -> dict:
+    """A case with the whole world as one sequence group (and as stats_group, for global_aux_loss)."""
+    fields = CASES[name]
     x_BSH, w_BSK = micro_batch()
     x_TH, w_TK = chunk(x_BSH, rank, world), chunk(w_BSK, rank, world)
-    results = {}
-    for name, fields in CASES.items():
-        ref = route(fields, x_BSH.reshape(-1, HIDDEN), w_BSK.reshape(-1, TOPK), SEQ)
-        sharded = route(fields, x_TH, w_TK, SEQ // world, stats_group=group, sequence_group=group)
-        sharded["grad_sum"] = summed(sharded["grad"], group)
-        naive = route(fields, x_TH, w_TK, SEQ // world, stats_group=group)  # what the router did before
-        naive["grad_sum"] = summed(naive["grad"], group)
-        results[name] = {"ref": ref, "sharded": sharded, "naive": naive}
-    return results
+    ref = route(fields, x_BSH.reshape(-1, HIDDEN), w_BSK.reshape(-1, TOPK), SEQ)
+    sharded = route(fields, x_TH, w_TK, SEQ // world, stats_group=group, sequence_group=group)
+    sharded["grad_sum"] = summed(sharded["grad"], group)
+    naive = route(fields, x_TH, w_TK, SEQ // world, stats_group=group)  # what the router did before
+    naive["grad_sum"] = summed(naive["grad"], group)
+    return {"ref": ref, "sharded": sharded, "naive": naive}
 
 
 def size_one_cases(rank: int, world: int, group) -> dict:
@@ -165,16 +165,14 @@ def main(out_dir: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
-    result = {
-        "sp": sequence_parallel_cases(rank, world, group),
-        "size_one": size_one_cases(rank, world, group),
-    }
+    scenarios = Scenarios(out_dir)  # one scenario per case (_rank_scenarios.py)
+    for name in CASES:
+        scenarios.run(f"sp {name}", sequence_parallel_case, name, rank, world, group)
+    scenarios.run("size one", size_one_cases, rank, world, group)
     if world == 4:
-        result["dp_global"] = data_parallel_global_case(rank, world)
-    dist.barrier()
-    dist.destroy_process_group()
-    torch.save(result, out_dir / f"rank{rank}.pt")
+        scenarios.run("dp global", data_parallel_global_case, rank, world)
+    scenarios.finish()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))  # a failure's traceback reaches the test through the launcher's captured output
+    main(Path(sys.argv[1]))

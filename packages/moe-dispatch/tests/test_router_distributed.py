@@ -26,8 +26,9 @@ W = _worker_module()
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, launch_gloo_workers) -> list[dict]:
-    return launch_gloo_workers(WORKER, WORLD, tmp_path_factory.mktemp("router_gloo"))
+def outcomes(tmp_path_factory, launch_gloo_scenarios):
+    """Each rank's record per scenario: ``outcomes[name]`` is the ranks' list."""
+    return launch_gloo_scenarios(WORKER, WORLD, tmp_path_factory.mktemp("router_gloo"))
 
 
 def _full_batch_reference() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,7 +51,8 @@ def _full_batch_reference() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.dist
-def test_global_aux_loss_equals_single_process_loss_over_concatenated_batch(results):
+def test_global_aux_loss_equals_single_process_loss_over_concatenated_batch(outcomes):
+    results = outcomes["aux losses"]
     ref_loss, ref_grad, hand = _full_batch_reference()
     torch.testing.assert_close(ref_loss, hand)
     mean_loss = sum(r["global_aux"] for r in results) / WORLD
@@ -64,7 +66,8 @@ def test_global_aux_loss_equals_single_process_loss_over_concatenated_batch(resu
 
 
 @pytest.mark.dist
-def test_update_expert_bias_identical_on_every_rank_and_equal_to_hand_update(results):
+def test_update_expert_bias_identical_on_every_rank_and_equal_to_hand_update(outcomes):
+    results = outcomes["expert bias"]
     summed = [a + b for a, b in zip(*W.COUNTS, strict=True)]  # [9, 5, 8, 4, 4], mean 6
     mean = sum(summed) / len(summed)
     hand = torch.tensor([0.125 + W.RATE * ((mean > c) - (mean < c)) for c in summed])

@@ -28,13 +28,14 @@ W = _worker_module()
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory, launch_gloo_workers) -> list[dict]:
-    return launch_gloo_workers(WORKER, 2, tmp_path_factory.mktemp("router_sp2"))
+def world2(tmp_path_factory, launch_gloo_scenarios):
+    """Each rank's record per scenario: ``world2[name]`` is the ranks' list."""
+    return launch_gloo_scenarios(WORKER, 2, tmp_path_factory.mktemp("router_sp2"))
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory, launch_gloo_workers) -> list[dict]:
-    return launch_gloo_workers(WORKER, 4, tmp_path_factory.mktemp("router_sp4"))
+def world4(tmp_path_factory, launch_gloo_scenarios):
+    return launch_gloo_scenarios(WORKER, 4, tmp_path_factory.mktemp("router_sp4"))
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 0.0) -> bool:
@@ -45,12 +46,12 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 0.0) -> b
 @pytest.mark.parametrize("world", ["world2", "world4"])
 @pytest.mark.parametrize("case", list(W.CASES))
 def test_sharded_router_reports_and_sums_to_the_full_sequence_losses(case, world, request):
-    results = request.getfixturevalue(world)
+    results = request.getfixturevalue(world)[f"sp {case}"]
     kinds = W.RouterConfig(num_experts=W.EXPERTS, topk=W.TOPK, **W.CASES[case]).load_balancing_types
-    first = results[0]["sp"][case]["sharded"]
+    first = results[0]["sharded"]
     naive_differs = []
     for rank, result in enumerate(results):
-        ref, sharded, naive = (result["sp"][case][k] for k in ("ref", "sharded", "naive"))
+        ref, sharded, naive = (result[k] for k in ("ref", "sharded", "naive"))
         assert sharded["losses"].keys() == ref["losses"].keys()
         for kind, value in ref["losses"].items():
             torch.testing.assert_close(sharded["losses"][kind], value, rtol=RTOL, atol=0, msg=f"rank {rank} {kind}")
@@ -72,10 +73,10 @@ def test_sharded_router_reports_and_sums_to_the_full_sequence_losses(case, world
 
 @pytest.mark.dist
 def test_data_parallel_global_aux_loss_averages_over_replicas_and_sums_over_the_sequence_group(world4):
-    ref = world4[0]["dp_global"]["ref"]
+    results = world4["dp global"]
+    ref = results[0]["ref"]
     replicas = {}
-    for rank, result in enumerate(world4):
-        case = result["dp_global"]
+    for rank, case in enumerate(results):
         sharded = case["sharded"]
         torch.testing.assert_close(case["ref"]["aux_loss"], ref["aux_loss"], rtol=0, atol=0)
         torch.testing.assert_close(sharded["grad_avg"], ref["grad"], rtol=RTOL, atol=GRAD_ATOL, msg=f"rank {rank}")
@@ -92,8 +93,8 @@ def test_data_parallel_global_aux_loss_averages_over_replicas_and_sums_over_the_
 @pytest.mark.dist
 @pytest.mark.parametrize("world", ["world2", "world4"])
 def test_sequence_group_of_size_one_is_bit_identical_to_none_and_stats_group_must_contain_it(world, request):
-    for rank, result in enumerate(request.getfixturevalue(world)):
-        runs_by_case = dict(result["size_one"])
+    for rank, result in enumerate(request.getfixturevalue(world)["size one"]):
+        runs_by_case = dict(result)
         assert "must contain the sequence group" in runs_by_case.pop("bad_stats_group", "")
         for case, runs in runs_by_case.items():
             none, one = runs["none"], runs["one"]

@@ -1,6 +1,7 @@
 """One rank of test_checkpoint_layout.py: ``python _checkpoint_worker.py OUT_DIR``, OUT_DIR/phase.json saying what
-to do (``save``, ``load`` or both) and where the checkpoints are. Also imported by the test module, which runs the
-one-process layout in its own process through the same functions.
+to do (``save``, ``load`` or both) and where the checkpoints are, each save and load a scenario of its own
+(``_rank_scenarios.py``). Also imported by the test module, which runs the one-process layout in its own process
+through the same functions.
 
 Saving under a layout: the model (``_checkpoint_model.py``, seed 1) split that way, its model state dict from
 get_model_state_dict with every routed-expert tensor replaced by its canonical pieces, and an optimizer-state-like
@@ -28,6 +29,7 @@ from _checkpoint_model import build
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from _rank_scenarios import Scenarios
 from moe_experts import GroupedExperts
 from moe_parallel import (
     ParallelConfig,
@@ -292,43 +294,41 @@ def _wait_for(root: Path, worlds: list[int], timeout: float = 400) -> None:
         time.sleep(0.2)
 
 
-def run(phase: dict, world: int) -> dict:
+def run(phase: dict, world: int, scenarios: Scenarios) -> None:
     """Save, then load, every layout of this world size (phase.json: mode ``save``, ``load`` or ``save_load``, the
-    checkpoint root, and in ``save_load`` the world sizes whose checkpoints to wait for before loading)."""
+    checkpoint root, and in ``save_load`` the world sizes whose checkpoints to wait for before loading). Each save and
+    each load is a scenario of its own (``_rank_scenarios.py``), its value recorded under ``save <family> <layout>``
+    or ``load <family> <layout>``."""
     root = Path(phase["root"])
-    result: dict = {"pieces": {}, "loads": {}}
     if "save" in phase["mode"]:
         for family, layouts in FAMILY_LAYOUTS.items():
             for layout in (n for n in layouts if LAYOUTS[n][0] == world):
-                result["pieces"][(family, layout)] = save(family, layout, root, world)
+                scenarios.run(f"save {family} {layout}", save, family, layout, root, world)
             if family == "main" and world == 2:
-                save(family, "etp=2", root, world, naive=True)
-        if world > 1:
-            dist.barrier()
-        if world == 1 or dist.get_rank() == 0:
+                scenarios.run(f"save {family} {NAIVE}", save, family, "etp=2", root, world, naive=True)
+        # every rank is past its saves: the ranks agree at the end of each scenario
+        if scenarios.rank == 0:
             (root / f"saved-by-{world}-ranks").touch()
     if "load" in phase["mode"]:
         _wait_for(root, phase.get("wait_for", []))
         for family, layouts in FAMILY_LAYOUTS.items():
             saved = sorted(p.name for p in (root / family).iterdir() if p.name != NAIVE)
             for layout in (n for n in layouts if LAYOUTS[n][0] == world):
-                result["loads"][(family, layout)] = load(family, layout, saved, root, world)
+                scenarios.run(f"load {family} {layout}", load, family, layout, saved, root, world)
             if family == "main" and world == 1:
-                result["naive"] = load(family, "one process", [NAIVE], root, world, naive=True)[NAIVE]
-    return result
+                scenarios.run(f"load {family} {NAIVE}", load, family, "one process", [NAIVE], root, world, naive=True)
 
 
 def main(out_dir: Path) -> None:
     ctx = init_distributed("gloo", "cpu")
     phase = json.loads((out_dir / "phase.json").read_text())
     try:
-        result = run(phase, ctx.world_size)
+        scenarios = Scenarios(out_dir)
+        run(phase, ctx.world_size, scenarios)
     except BaseException:
         Path(phase["root"], f"failed-{ctx.world_size}-ranks-rank{ctx.rank}").touch()  # the other group stops waiting
         raise
-    dist.barrier()
-    dist.destroy_process_group()
-    torch.save(result, out_dir / f"rank{ctx.rank}.pt")
+    scenarios.finish()
 
 
 if __name__ == "__main__":

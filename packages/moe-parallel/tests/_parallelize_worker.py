@@ -11,7 +11,7 @@ Checks that need real process groups, each against the same model in this proces
 - activation checkpointing applied through ``before_fsdp`` recomputes the experts that run, in every layout;
 - the flex (DeepEP) dispatcher on moe-dispatch's strict DeepEP stand-in: one buffer shared by every MoE layer.
 
-Each section stores what it saw; the test module asserts.
+Each section is a scenario of its own (``_rank_scenarios.py``) recording what it saw; the test module asserts.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
 
+from _rank_scenarios import Scenarios
 from moe_experts import GroupedExperts
 from moe_memory import apply_activation_checkpointing
 from moe_models import build_model, causal_lm_loss
@@ -433,16 +434,15 @@ def flex_dispatch(world: int) -> dict:
     }
 
 
-def main(out_dir: Path) -> None:
-    ctx = init_distributed("gloo", "cpu")
-    world = ctx.world_size
-    result: dict = {"groups": [], "placements": {}}
-    for sizes in LAYOUTS:
-        cfg = ParallelConfig(**sizes)
-        layout = cfg.layout(world)
-        result["groups"].append((sizes, _groups(build_meshes(layout, "cpu"))))
+def mesh_groups(world: int) -> dict:
+    return {
+        "groups": [(sizes, _groups(build_meshes(ParallelConfig(**sizes).layout(world), "cpu"))) for sizes in LAYOUTS]
+    }
 
+
+def expert_placements(world: int) -> dict:
     config = preset("tiny-qwen3-moe")
+    result: dict = {"placements": {}}
     for name, sizes in {
         "ep=2 (edp=2)": {"ep": 2},
         "ep=4 (edp=1)": {"ep": 4},
@@ -453,33 +453,50 @@ def main(out_dir: Path) -> None:
         cfg = ParallelConfig(**sizes)
         parallelize(model, build_meshes(cfg.layout(world), "cpu"), cfg)
         result["placements"][name] = _placements(model)
+    return result
 
-    # 2 experts over 4 data-parallel ranks: FSDP shards them along dim 1; one step equals one process
-    few = dataclasses.replace(config, num_moe_experts=2, moe_router_topk=1)
+
+def few_experts(world: int) -> dict:
+    """2 experts over 4 data-parallel ranks: FSDP shards them along dim 1; one step equals one process."""
+    few = dataclasses.replace(preset("tiny-qwen3-moe"), num_moe_experts=2, moe_router_topk=1)
     ids_BS = torch.randint(0, few.vocab_size, (2, 17), generator=torch.Generator().manual_seed(5))
     reference = build_model(few, seed=1)
     model = build_model(few, seed=1)
     cfg = ParallelConfig()
     parallel = parallelize(model, build_meshes(cfg.layout(world), "cpu"), cfg)
-    result["few_experts_placement"] = _placements(model)["layers.0.mlp.experts.w_down_EFH"]
+    result: dict = {"few_experts_placement": _placements(model)["layers.0.mlp.experts.w_down_EFH"]}
     result["loss"] = _step(model, few, ids_BS)  # every rank reads the same batch: the mean is that batch's
     parallel.finalize_grads()
     result["norm"] = parallel.clip_grad_norm_(float("inf")).item()
     result["ref_loss"] = _step(reference, few, ids_BS)
     result["ref_norm"] = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item()
+    return result
 
-    result["protocol"] = protocol(world)
-    result["bad_plans"] = bad_plans(world)
-    result["meta"] = meta_equals_eager(world)
-    result["expert_scale"] = expert_gradient_scale(world)
-    result["context_parallel"] = context_parallel_attention(world)
-    result["recompute"] = recompute(world)
-    result["bytes"] = materialised_bytes(world)
-    result["checkpoint"] = from_checkpoint(world, out_dir)
-    result["flex"] = flex_dispatch(world)
-    dist.barrier()
-    dist.destroy_process_group()
-    torch.save(result, out_dir / f"rank{ctx.rank}.pt")
+
+def _keyed(key: str, section, *args) -> dict:
+    return {key: section(*args)}
+
+
+def main(out_dir: Path) -> None:
+    ctx = init_distributed("gloo", "cpu")
+    world = ctx.world_size
+    scenarios = Scenarios(out_dir)  # one scenario per section (_rank_scenarios.py): a dict of what it saw
+    scenarios.run("groups", mesh_groups, world)
+    scenarios.run("placements", expert_placements, world)
+    scenarios.run("few experts", few_experts, world)
+    for key, section, *args in [
+        ("protocol", protocol),
+        ("bad_plans", bad_plans),
+        ("meta", meta_equals_eager),
+        ("expert_scale", expert_gradient_scale),
+        ("context_parallel", context_parallel_attention),
+        ("recompute", recompute),
+        ("bytes", materialised_bytes),
+        ("checkpoint", from_checkpoint, out_dir),
+        ("flex", flex_dispatch),
+    ]:
+        scenarios.run(key, _keyed, key, section, world, *args)
+    scenarios.finish()
 
 
 if __name__ == "__main__":

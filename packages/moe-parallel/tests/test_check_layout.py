@@ -149,8 +149,8 @@ def test_errors_without_a_hint_are_left_as_they_are() -> None:
             ParallelConfig(ep=2, mixed_precision_param="bfloat16"),
             2,
             plan,
-            "mixed_precision_param='bfloat16': applies to FSDP-sharded parameters and this layout shards no experts "
-            "(edp); keep it float32 and compute in bf16 with autocast instead",
+            "mixed_precision_param='bf16': applies to FSDP-sharded parameters and this layout shards no experts "
+            "(edp); keep it fp32 and compute in bf16 with autocast instead",
         ),
     ]:
         with pytest.raises(LayoutError) as err:

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from _rank_scenarios import Outcomes, Scenarios
 from moe_parallel import ParallelConfig, expert_checkpoint_pieces, parallelize, restore_expert_checkpoint_pieces
 
 WORKER = Path(__file__).with_name("_checkpoint_worker.py")
@@ -28,33 +29,41 @@ CASES = [(family, layout) for family, layouts in worker.FAMILY_LAYOUTS.items() f
 
 
 @pytest.fixture(scope="module")
-def runs(launch_gloo_workers, tmp_path_factory) -> dict:
+def runs(launch_gloo_scenarios, tmp_path_factory) -> dict:
     """This process saves the one-process checkpoints; a 2-rank and a 4-rank group, started together, save theirs,
-    wait for each other's and load them all; then this process loads them all."""
+    wait for each other's and load them all (each save and load a scenario of its own: ``runs[world]`` is what the
+    ranks recorded); then this process loads them all."""
     base = tmp_path_factory.mktemp("expert_checkpoints")
     root = base / "checkpoints"
 
-    def spawn(world: int, other: int) -> list[dict]:
+    def spawn(world: int, other: int):
         out = base / f"world{world}"
         out.mkdir()
         phase = {"mode": "save_load", "root": str(root), "wait_for": [1, other]}
         (out / "phase.json").write_text(json.dumps(phase))
-        return launch_gloo_workers(WORKER, world, out, timeout=600)
+        return launch_gloo_scenarios(WORKER, world, out, timeout=600)
 
+    one = Scenarios(base / "world1")  # no process group: this process, one rank
     with torch.random.fork_rng():  # the models seed torch's generator
-        one_saved = worker.run({"mode": "save", "root": str(root)}, 1)
+        worker.run({"mode": "save", "root": str(root)}, 1, one)
         with ThreadPoolExecutor(2) as pool:
             two, four = pool.submit(spawn, 2, 4), pool.submit(spawn, 4, 2)
             two, four = two.result(), four.result()
-        one_loaded = worker.run({"mode": "load", "root": str(root), "wait_for": [2, 4]}, 1)
-    return {"root": root, "saved": [one_saved, *two, *four], "loaded": [one_loaded, *two, *four]}
+        worker.run({"mode": "load", "root": str(root), "wait_for": [2, 4]}, 1, one)
+    return {"root": root, 1: Outcomes(base / "world1", [None], [""]), 2: two, 4: four}
+
+
+def _per_rank(runs, kind: str, family: str, layout: str) -> list:
+    """Each rank's value of the save or load (``kind``) of ``family`` under ``layout`` (a test asking for one that
+    failed fails with its name and the ranks' tracebacks)."""
+    return runs[worker.LAYOUTS[layout][0]][f"{kind} {family} {layout}"]
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(("family", "layout"), CASES)
 def test_every_checkpoint_loads_under_every_layout(runs, family: str, layout: str) -> None:
     """Every parameter and every exp_avg equal the one-process model's after loading each checkpoint of the family."""
-    results = [r["loads"][(family, layout)] for r in runs["loaded"] if (family, layout) in r["loads"]]
+    results = _per_rank(runs, "load", family, layout)
     assert len(results) == worker.LAYOUTS[layout][0]  # every rank of the layout reported
     for rank, loads in enumerate(results):
         assert sorted(loads) == sorted(worker.FAMILY_LAYOUTS[family]), rank
@@ -70,6 +79,7 @@ def test_every_checkpoint_loads_under_every_layout(runs, family: str, layout: st
 def test_every_layout_saves_the_same_keys_and_global_shapes(runs, family: str) -> None:
     stored = {}
     for layout in worker.FAMILY_LAYOUTS[family]:
+        _per_rank(runs, "save", family, layout)  # saved on every rank (else this fails with the ranks' tracebacks)
         metadata = dcp.FileSystemReader(runs["root"] / family / layout).read_metadata().state_dict_metadata
         stored[layout] = {key: tuple(m.size) for key, m in metadata.items() if ".experts." in key}
     first = stored["one process"]
@@ -92,8 +102,7 @@ def test_every_layout_saves_the_same_keys_and_global_shapes(runs, family: str) -
 
 
 def _pieces(runs, family: str, layout: str, rank: int = 0) -> dict:
-    ranks = [r["pieces"][(family, layout)] for r in runs["saved"] if (family, layout) in r["pieces"]]
-    return ranks[rank]
+    return _per_rank(runs, "save", family, layout)[rank]
 
 
 @pytest.mark.dist
@@ -126,7 +135,8 @@ def test_pieces_are_dtensors_over_edp_ep_etp(runs) -> None:
 def test_the_check_fails_when_gate_and_up_are_not_split(runs) -> None:
     """The control: etp=2 slices saved as one DTensor sharded along the FFN dim, loaded in one process. Only the
     halves bank's first projection comes out wrong (an interleaved slice is a column block of the whole)."""
-    naive = runs["loaded"][0]["naive"]
+    (naive,) = runs[1][f"load main {worker.NAIVE}"]
+    naive = naive[worker.NAIVE]
     assert naive["differ"] == ["moe.a.experts.b_gate_up_E2F", "moe.a.experts.w_gate_up_EH2F"]
 
 

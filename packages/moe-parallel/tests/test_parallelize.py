@@ -186,8 +186,8 @@ def test_fsdp_mixed_precision_needs_fsdp_on_both_sides(sizes: dict, unsharded: s
         check_plan(model, model.parallel_plan(), cfg, cfg.layout(2))
     assert err.value.field == "mixed_precision_param"
     assert str(err.value) == (
-        f"mixed_precision_param='bfloat16': applies to FSDP-sharded parameters and this layout shards no {unsharded}; "
-        "keep it float32 and compute in bf16 with autocast instead"
+        f"mixed_precision_param='bf16': applies to FSDP-sharded parameters and this layout shards no {unsharded}; "
+        "keep it fp32 and compute in bf16 with autocast instead"
     )
     fp32 = ParallelConfig(**sizes)
     check_plan(model, model.parallel_plan(), fp32, fp32.layout(2))
@@ -201,12 +201,19 @@ def test_tensor_parallel_checks_the_dense_width_only_with_dense_layers() -> None
         _check(with_dense, tp=2)
 
 
+def test_dtype_names_take_torch_spellings_as_aliases() -> None:
+    # moe-train's sections take the same names: short, torch's accepted and written back short
+    config = ParallelConfig(mixed_precision_param="bfloat16", mixed_precision_reduce="float32")
+    assert (config.mixed_precision_param, config.mixed_precision_reduce) == ("bf16", "fp32")
+    assert ParallelConfig(mixed_precision_param="bf16") == config
+
+
 def test_parallel_config_names_bad_choices() -> None:
     for kwargs, field, message in [
         ({"moe_token_dispatcher_type": "deepep"}, "moe_token_dispatcher_type", "'deepep': choose one of alltoall"),
         ({"backend": "glo"}, "backend", "'glo': choose one of auto, gloo, nccl"),
-        ({"mixed_precision_param": "fp16"}, "mixed_precision_param", "'fp16': choose one of float32, bfloat16"),
-        ({"mixed_precision_reduce": "fp8"}, "mixed_precision_reduce", "'fp8': choose one of float32, bfloat16"),
+        ({"mixed_precision_param": "fp16"}, "mixed_precision_param", "'fp16': choose one of fp32, bf16"),
+        ({"mixed_precision_reduce": "fp8"}, "mixed_precision_reduce", "'fp8': choose one of fp32, bf16"),
     ]:
         with pytest.raises(LayoutError) as err:
             ParallelConfig(**kwargs)

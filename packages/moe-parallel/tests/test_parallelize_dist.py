@@ -19,11 +19,13 @@ WORKER = Path(__file__).with_name("_parallelize_worker.py")
 
 
 @pytest.fixture(scope="module")
-def ranks(launch_gloo_workers, tmp_path_factory) -> list[dict]:
-    return launch_gloo_workers(WORKER, WORLD, tmp_path_factory.mktemp("parallelize"))
+def outcomes(launch_gloo_scenarios, tmp_path_factory):
+    """Each rank's record per section of the worker (a scenario each): ``outcomes[name]`` is the ranks' dicts."""
+    return launch_gloo_scenarios(WORKER, WORLD, tmp_path_factory.mktemp("parallelize"))
 
 
-def test_mesh_groups_are_the_layouts(ranks) -> None:
+def test_mesh_groups_are_the_layouts(outcomes) -> None:
+    ranks = outcomes["groups"]
     for rank, result in enumerate(ranks):
         for sizes, groups in result["groups"]:
             layout = ParallelConfig(**sizes).layout(WORLD)
@@ -33,7 +35,8 @@ def test_mesh_groups_are_the_layouts(ranks) -> None:
                 assert members == expected, (sizes, key, rank)
 
 
-def test_experts_are_sharded_over_edp_only(ranks) -> None:
+def test_experts_are_sharded_over_edp_only(outcomes) -> None:
+    ranks = outcomes["placements"]
     placements = ranks[0]["placements"]
     # ep=2 on 4 ranks: the experts are a DTensor split over ep (a rank's 4 experts), then by FSDP over their 2 edp
     # copies, and over nothing else; its shape is the global one, as a checkpoint stores it
@@ -49,7 +52,8 @@ def test_experts_are_sharded_over_edp_only(ranks) -> None:
     assert placements["tp=2 x ep=2"]["layers.0.mlp.experts.w_down_EFH"][1] == ("edp", "ep")
 
 
-def test_fewer_experts_than_shards_train_as_one_process(ranks) -> None:
+def test_fewer_experts_than_shards_train_as_one_process(outcomes) -> None:
+    ranks = outcomes["few experts"]
     kind, mesh, placement, _ = ranks[0]["few_experts_placement"]
     assert kind == "dtensor" and mesh == ("edp",) and placement == ("Shard(dim=1)",)
     for result in ranks:
@@ -67,8 +71,9 @@ PROTOCOL_LAYOUTS = ("ep=2", "tp=2 x ep=2 (etp=1)", "tp=2 x ep=2 (etp=2)")
 
 
 @pytest.mark.parametrize("layout", PROTOCOL_LAYOUTS)
-def test_a_model_with_its_own_plan_trains_as_one_process(ranks, layout: str) -> None:
+def test_a_model_with_its_own_plan_trains_as_one_process(outcomes, layout: str) -> None:
     """_toy_plan_model.py: not moe_models', its MoE parts under other names than the plan's defaults."""
+    ranks = outcomes["protocol"]
     for rank, result in enumerate(ranks):
         case = result["protocol"][layout]
         # the plan's attribute names are the ones parallelize swapped; nothing appeared under the default names
@@ -82,13 +87,15 @@ def test_a_model_with_its_own_plan_trains_as_one_process(ranks, layout: str) -> 
     assert (losses[0] != losses[1]) == (layout == "ep=2") and losses[0] != losses[2]
 
 
-def test_context_parallel_attention_equals_one_process(ranks) -> None:
+def test_context_parallel_attention_equals_one_process(outcomes) -> None:
+    ranks = outcomes["context_parallel"]
     for rank, result in enumerate(ranks):
         for case, diffs in result["context_parallel"].items():
             assert all(d < 1e-5 for d in diffs.values()), (case, rank, diffs)
 
 
-def test_a_plan_naming_a_missing_parameter_or_unit_is_a_clear_error(ranks) -> None:
+def test_a_plan_naming_a_missing_parameter_or_unit_is_a_clear_error(outcomes) -> None:
+    ranks = outcomes["bad_plans"]
     bad = ranks[0]["bad_plans"]
     assert bad["tp_partial_grads"] == (
         "ValueError",
@@ -97,13 +104,15 @@ def test_a_plan_naming_a_missing_parameter_or_unit_is_a_clear_error(ranks) -> No
     assert bad["fsdp_units"] == ("ValueError", "the parallel plan names module 'mo', which the model does not have")
 
 
-def test_a_plan_naming_a_missing_tensor_parallel_module_is_a_clear_error(ranks) -> None:
+def test_a_plan_naming_a_missing_tensor_parallel_module_is_a_clear_error(outcomes) -> None:
+    ranks = outcomes["bad_plans"]
     # torch's parallelize_module alone would only warn and leave the module unsplit: check_plan refuses it first
     kind, message = ranks[0]["bad_plans"]["tensor_parallel"]
     assert (kind, message) == ("ValueError", "the parallel plan names module 'ffn.w1', which the model does not have")
 
 
-def test_meta_build_materialised_equals_the_eager_build(ranks) -> None:
+def test_meta_build_materialised_equals_the_eager_build(outcomes) -> None:
+    ranks = outcomes["meta"]
     for rank, result in enumerate(ranks):
         for layout, case in result["meta"].items():
             got, want = case["names"]
@@ -116,8 +125,9 @@ def test_meta_build_materialised_equals_the_eager_build(ranks) -> None:
             assert case["norms"][1] == case["norms"][0] > 0, (layout, rank)
 
 
-def test_expert_gradients_are_scaled_by_edp_over_dp(ranks) -> None:
+def test_expert_gradients_are_scaled_by_edp_over_dp(outcomes) -> None:
     """ep=2 x dp_shard=4: each expert has edp=2 copies, reached by the tokens of all 4 replicas."""
+    ranks = outcomes["expert_scale"]
     for rank, result in enumerate(ranks):
         case = result["expert_scale"]
         assert case["sizes"] == (2, 4, 2)  # (ep, dp, edp): expert_scale = 1/2, not 1
@@ -134,7 +144,8 @@ def test_expert_gradients_are_scaled_by_edp_over_dp(ranks) -> None:
 
 
 @pytest.mark.parametrize("layout", ["ep=2", "tp=2 x ep=2 (etp=1)"])
-def test_recompute_applied_before_fsdp_reruns_the_experts_that_run(ranks, layout: str) -> None:
+def test_recompute_applied_before_fsdp_reruns_the_experts_that_run(outcomes, layout: str) -> None:
+    ranks = outcomes["recompute"]
     for result in ranks:
         case = result["recompute"][layout]
         assert case["wrapped"] == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
@@ -143,19 +154,21 @@ def test_recompute_applied_before_fsdp_reruns_the_experts_that_run(ranks, layout
         assert case["differ"] == []
 
 
-def test_each_rank_materialises_only_its_shard(ranks) -> None:
+def test_each_rank_materialises_only_its_shard(outcomes) -> None:
     """64 experts at ep=4 and tp=2 x ep=2 (4 ranks): a rank never holds more than 1.1x its expert shard plus the
     whole non-expert parameters at any moment; building the whole model first (the old way) does, by far."""
+    ranks = outcomes["bytes"]
     for rank, result in enumerate(ranks):
         for layout, (meta_peak, whole_first_peak, bound) in result["bytes"].items():
             assert meta_peak <= 1.1 * bound, (layout, rank, meta_peak / bound)
             assert whole_first_peak > 2 * bound, (layout, rank, whole_first_peak / bound)  # the counter sees it all
 
 
-def test_ranks_read_only_their_experts_and_slices_of_a_checkpoint(ranks) -> None:
+def test_ranks_read_only_their_experts_and_slices_of_a_checkpoint(outcomes) -> None:
     """tp=2 x ep=2 over 4 ranks from a HuggingFace checkpoint: every local shard equals the whole checkpoint loaded
     and split; a rank reads only the experts of its FSDP shard of its expert-parallel share, and q_proj (stored as it
     is) only as its box of rows."""
+    ranks = outcomes["checkpoint"]
     for rank, result in enumerate(ranks):
         case = result["checkpoint"]
         assert case["differ"] == [], rank
@@ -170,8 +183,9 @@ def test_ranks_read_only_their_experts_and_slices_of_a_checkpoint(ranks) -> None
         assert (row_stop - row_start, col_start, col_stop) == (rows // 4, 0, cols), (rank, case["q_proj_box"])
 
 
-def test_flex_dispatcher_shares_one_deepep_buffer_over_the_layers(ranks) -> None:
+def test_flex_dispatcher_shares_one_deepep_buffer_over_the_layers(outcomes) -> None:
     """DeepEP expects one buffer per process group: every MoE layer's dispatcher holds the same one."""
+    ranks = outcomes["flex"]
     for result in ranks:
         flex = result["flex"]
         assert flex["dispatcher"] == "FlexDispatcher"

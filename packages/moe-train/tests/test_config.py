@@ -98,3 +98,22 @@ def test_a_model_preset_on_the_command_line_replaces_the_files_model() -> None:
     cfg = load_config("tiny", {"model.preset": "tiny-deepseek-v3", "model.init_method_std": "0.01"})
     assert cfg.model == replace(preset("tiny-deepseek-v3"), init_method_std=0.01)
     assert cfg.train.steps == load_config("tiny").train.steps  # the other sections still come from the file
+
+
+def test_one_dtype_vocabulary_in_every_section() -> None:
+    # short names everywhere (as parallel.mixed_precision_*), torch's names accepted and written back short
+    cfg = load_config(
+        "tiny",
+        {
+            "model.moe_router_dtype": "float64",
+            "parallel.mixed_precision_param": "bfloat16",
+            "train.params_dtype": "bfloat16",
+            "train.optimizer_states_dtype": "bf16",
+            "run.dtype": "float32",
+        },
+    )
+    assert (cfg.model.moe_router_dtype, cfg.parallel.mixed_precision_param) == ("fp64", "bf16")
+    assert (cfg.train.params_dtype, cfg.train.optimizer_states_dtype, cfg.run.dtype) == ("bf16", "bf16", "fp32")
+    assert cfg.to_dict()["train"]["params_dtype"] == "bf16"
+    with pytest.raises(ConfigError, match="train.params_dtype='float16': choose fp32 or bf16"):
+        load_config("tiny", {"train.params_dtype": "float16"})

@@ -9,7 +9,10 @@ from moe_parallel.plan import LayoutError
 from moe_parallel.schedules import check_schedule_name
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
-PRECISIONS = ("float32", "bfloat16")
+# the stack's dtype names (moe-train's config sections take the same): short, as Megatron-Core's flags; torch's
+# names accepted as aliases
+PRECISIONS = ("fp32", "bf16")
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -28,8 +31,8 @@ class ParallelConfig:
     # Megatron-Core's --moe-token-dispatcher-type: how tokens reach experts on other ranks (ep or etp > 1)
     moe_token_dispatcher_type: str = "alltoall"
     # FSDP2 MixedPrecisionPolicy, as torchtitan's: the dtype parameters are gathered in, and gradients reduced in
-    mixed_precision_param: str = "float32"
-    mixed_precision_reduce: str = "float32"
+    mixed_precision_param: str = "fp32"
+    mixed_precision_reduce: str = "fp32"
     backend: str = "auto"  # process-group backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl
     # pipeline parallelism (pp > 1): torch.distributed.pipelining's schedule, the stages each rank holds (None: 1 for
     # 1F1B / GPipe, 2 for the interleaved and V-shaped schedules), and Megatron-Core's
@@ -54,6 +57,7 @@ class ParallelConfig:
         if self.backend not in BACKENDS:
             raise LayoutError("backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
         for name in ("mixed_precision_param", "mixed_precision_reduce"):
+            setattr(self, name, DTYPE_ALIASES.get(getattr(self, name), getattr(self, name)))
             if getattr(self, name) not in PRECISIONS:
                 raise LayoutError(name, getattr(self, name), f"choose one of {', '.join(PRECISIONS)}")
 

@@ -17,7 +17,7 @@ from moe_parallel.expert_parallel import moe_blocks
 from moe_parallel.mesh import ParallelMeshes
 from moe_parallel.plan import ParallelPlan, submodule
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _expert_placement(edp: int):
@@ -36,20 +36,20 @@ def apply_fsdp(
     model: nn.Module,
     meshes: ParallelMeshes,
     plan: ParallelPlan,
-    param_dtype: str = "float32",
-    reduce_dtype: str = "float32",
+    param_dtype: str = "fp32",
+    reduce_dtype: str = "fp32",
 ) -> None:
     """Shard ``model`` in place: each of ``plan.fsdp_units`` and the root are units on the dp mesh (HSDP when
     dp_replicate > 1), each MoE block's experts a unit on the edp mesh. Works on the meta device too.
 
-    ``param_dtype`` is the dtype parameters are gathered in (float32: as stored), ``reduce_dtype`` the one gradients
+    ``param_dtype`` is the dtype parameters are gathered in (fp32: as stored), ``reduce_dtype`` the one gradients
     are reduced in. Gradients are averaged over each unit's mesh; :class:`~moe_parallel.grads.GradientSync`
     rescales the experts' to the data-parallel mean. Nothing is wrapped along a dimension of size 1.
     """
     layout = meshes.layout
-    # float32 (the default) means no cast: parameters stored in bf16 are then gathered and computed in bf16, rather
+    # fp32 (the default) means no cast: parameters stored in bf16 are then gathered and computed in bf16, rather
     # than widened to fp32 copies on every gather
-    gather = None if param_dtype == "float32" else DTYPES[param_dtype]
+    gather = None if DTYPES[param_dtype] == torch.float32 else DTYPES[param_dtype]
     mp = MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=DTYPES[reduce_dtype])
     experts = [block.experts for block in moe_blocks(model, plan)]
     ignored = None

@@ -80,7 +80,7 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
                 f"the experts' FFN width {experts.ffn_hidden_size} is not divisible by it{etp_default}",
                 f"it divides over etp in {divisors(experts.ffn_hidden_size)}",
             )
-    if config.mixed_precision_param != "float32":
+    if config.mixed_precision_param != "fp32":
         # FSDP's policy casts the parameters of the modules it wraps, and it wraps nothing along a size-1 dimension
         whole = [
             what
@@ -91,7 +91,7 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
             raise LayoutError(
                 "mixed_precision_param",
                 config.mixed_precision_param,
-                f"applies to FSDP-sharded parameters and this layout shards no {' or '.join(whole)}; keep it float32 "
+                f"applies to FSDP-sharded parameters and this layout shards no {' or '.join(whole)}; keep it fp32 "
                 "and compute in bf16 with autocast instead",
             )
     if config.moe_token_dispatcher_type == "flex" and layout.etp > 1:

@@ -21,6 +21,7 @@ import yaml
 from moe_models import ModelConfig
 from moe_parallel import ParallelConfig
 from moe_precision import PrecisionConfig
+from moe_train.dtypes import DTYPE_KEYS, short_name
 
 
 class ConfigError(ValueError):
@@ -252,7 +253,8 @@ def _set(sections: dict[str, dict[str, Any]], dotted: str, value: Any) -> None:
     if key not in hints:
         extra = [f"model.{k}" for k in MODEL_SOURCE_KEYS] if section == "model" else []
         raise _unknown("key", dotted, [f"{section}.{k}" for k in hints] + extra)
-    sections[section][key] = _coerce(dotted, value, hints[key])
+    value = _coerce(dotted, value, hints[key])
+    sections[section][key] = short_name(value) if (section, key) in DTYPE_KEYS else value
 
 
 def _model_base(preset: str | None, from_hf: str | None) -> dict[str, Any]:

@@ -36,8 +36,9 @@ from moe_train.checkpoint import (
     load_checkpoint,
     read_meta,
 )
+from moe_train.dtypes import short_name, torch_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXPORT_DTYPES = ("fp32", "bf16")  # what a HuggingFace export is written in
 # the files of a tokenizer directory transformers reads, copied when present
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # written when the tokenizer came without one: without it AutoTokenizer picks the family's own tokenizer class
@@ -107,11 +108,12 @@ def _train_section(meta: dict[str, Any]) -> dict[str, Any]:
 def _torch_dtype(dtype: str | torch.dtype | None, meta: dict[str, Any]) -> torch.dtype:
     if dtype is None:  # as trained: lossless, and no larger than the checkpoint's parameters
         dtype = _train_section(meta).get("params_dtype", "fp32")
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+    allowed = {torch_dtype(name) for name in EXPORT_DTYPES}
+    if isinstance(dtype, torch.dtype) and dtype in allowed:
         return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype={dtype!r}: choose {' or '.join(DTYPES)}")
+    if short_name(dtype) in EXPORT_DTYPES:
+        return torch_dtype(dtype)
+    raise ValueError(f"dtype={dtype!r}: choose {' or '.join(EXPORT_DTYPES)}")
 
 
 def _tokenizer_files(meta: dict[str, Any]) -> list[Path]:

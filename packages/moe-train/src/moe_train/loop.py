@@ -85,7 +85,7 @@ class TrainLoop:
     def hidden_dtype(self) -> torch.dtype:
         """What stages send each other: the residual stream keeps the parameters' dtype (autocast computes in its
         own, the residual additions promote back), or FSDP's gather dtype."""
-        if self.cfg.parallel.mixed_precision_param == "bfloat16":
+        if self.cfg.parallel.mixed_precision_param == "bf16":
             return torch.bfloat16
         return torch.bfloat16 if self.cfg.train.params_dtype == "bf16" else torch.float32
 

@@ -11,8 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_train.adamw import PrecisionAwareAdamW
 from moe_train.config import TrainConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from moe_train.dtypes import torch_dtype
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> PrecisionAwareAdamW:
@@ -37,7 +36,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> PrecisionAwareAdamW:
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
-        states_dtype=DTYPES[cfg.optimizer_states_dtype],
+        states_dtype=torch_dtype(cfg.optimizer_states_dtype),
         master_weights=cfg.master_weights_dtype == "fp32",
     )
 

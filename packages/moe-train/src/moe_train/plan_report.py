@@ -58,6 +58,7 @@ from moe_parallel import (
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, FLATTENED_DIMS
 from moe_parallel.schedules import inflight_microbatches
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig
+from moe_train.dtypes import dtype_bytes
 from moe_train.setup import checked_meta_model, default_micro_batch_size, micro_batching
 
 NON_EXPERT = "non-expert"  # attention, norms, dense MLPs, routers, shared experts, embedding, head
@@ -427,7 +428,7 @@ def plan_memory_options(cfg: ExperimentConfig, layout: ParallelLayout) -> Memory
     only with ``run.device cpu``), the AdamW state and master-weight dtypes, the dispatcher, recompute and offload."""
     micro, _ = plan_micro_batching(cfg, layout)
     on_cpu = cfg.run.device == "cpu"
-    activation = {"fp32": 4, "bf16": 2}.get(cfg.run.dtype, 4 if on_cpu else 2)
+    activation = (4 if on_cpu else 2) if cfg.run.dtype == "auto" else dtype_bytes(cfg.run.dtype)
     train, run = cfg.train, cfg.run
     return memory_options(
         list(run.recompute_modules),
@@ -435,7 +436,7 @@ def plan_memory_options(cfg: ExperimentConfig, layout: ParallelLayout) -> Memory
         micro_batch=micro,
         seq_len=cfg.data.seq_len,
         activation_bytes=activation,
-        optimizer_state_bytes={"bf16": 2}.get(train.optimizer_states_dtype, 4),
+        optimizer_state_bytes=dtype_bytes(train.optimizer_states_dtype),
         master_weights_bytes={"none": 0}.get(train.master_weights_dtype, 4),
         dispatcher=cfg.parallel.moe_token_dispatcher_type,
         device="cpu" if on_cpu else "cuda",

@@ -30,6 +30,7 @@ from moe_parallel import (
 from moe_train.compile import compile_problem
 from moe_train.config import ConfigError, ExperimentConfig, RunConfig, TrainConfig, config_error
 from moe_train.data import PreparedData, prepare_data
+from moe_train.dtypes import torch_dtype
 from moe_train.loggers import check_wandb_available
 from moe_train.precision import dispatch_wire
 from moe_train.resume import ResumePoint, check_output_dir, find_resume_point
@@ -226,9 +227,8 @@ def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
                 f"train.micro_batch_size={micro} per data-parallel rank, and {reason}; raise the batch or lower the "
                 "micro-batch size"
             )
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
-            cfg.run.dtype, torch.bfloat16 if device_type == "cuda" else torch.float32
-        )
+        auto = torch.bfloat16 if device_type == "cuda" else torch.float32
+        dtype = auto if cfg.run.dtype == "auto" else torch_dtype(cfg.run.dtype)
         _check_expert_backend_dtype(cfg, torch.bfloat16 if cfg.train.params_dtype == "bf16" else dtype)
     except BaseException:
         if source is not None:
@@ -237,25 +237,24 @@ def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
     return RunChecks(device_type, native_precision, resume, data, source, layout, model, plan, micro, grad_accum, dtype)
 
 
-def prepare(cfg: ExperimentConfig, world_size: int, *, build_on_meta: bool = True) -> Setup:
+def prepare(cfg: ExperimentConfig, world_size: int) -> Setup:
     """Validate the config against this launch (:func:`check_run`), join the process group and build this rank's
     part of the model.
 
     The model is built on the meta device, split over the layout (expert, tensor parallelism, recompute, FSDP), and
     only then materialised: each rank allocates and fills its own shards, from fresh initial values or from the
-    HuggingFace checkpoint. ``build_on_meta=False`` builds the whole model with values first (as every rank did
-    before; the same values, kept to check that both ways train alike).
+    HuggingFace checkpoint.
     """
     checked = check_run(cfg, world_size)
     try:
-        return _build(cfg, checked, build_on_meta)
+        return _build(cfg, checked)
     except BaseException:
         if checked.source is not None:
             checked.source.close()
         raise
 
 
-def _build(cfg: ExperimentConfig, checked: RunChecks, build_on_meta: bool) -> Setup:
+def _build(cfg: ExperimentConfig, checked: RunChecks) -> Setup:
     """:func:`prepare` once the run is checked."""
     device_type, native_precision = checked.device_type, checked.native_precision
     resume, data, layout, model, plan = checked.resume, checked.data, checked.layout, checked.model, checked.plan
@@ -269,12 +268,8 @@ def _build(cfg: ExperimentConfig, checked: RunChecks, build_on_meta: bool) -> Se
         )
     ctx = init_distributed(cfg.parallel.backend, device_type)
     torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
-    if not build_on_meta:
-        with torch.device(ctx.device):
-            model = build_model(cfg.model, seed=cfg.train.seed)
-        plan = model.parallel_plan(cfg.data.seq_len)  # its stages are built from this model's modules
     if cfg.train.params_dtype == "bf16":
-        # cast while the model is still on the meta device (or right after the eager build): each rank only ever
+        # cast while the model is still on the meta device: each rank only ever
         # allocates bf16 shards, which materialize fills with the fp32 initial values rounded to nearest. The
         # routers keep their expert_bias buffers in fp32 (TopKRouter._apply) and compute in their own router dtype
         model.to(torch.bfloat16)
@@ -284,12 +279,11 @@ def _build(cfg: ExperimentConfig, checked: RunChecks, build_on_meta: bool) -> Se
     parallel = parallelize_stages(
         model, meshes, cfg.parallel, plan, before_fsdp=transforms, dispatch_wire=dispatch_wire(cfg.precision)
     )
-    if build_on_meta or source is not None:
-        try:
-            parallel.materialize(source or model.initial_weights(cfg.train.seed), ctx.device)
-        finally:
-            if source is not None:
-                source.close()
+    try:
+        parallel.materialize(source or model.initial_weights(cfg.train.seed), ctx.device)
+    finally:
+        if source is not None:
+            source.close()
     checkpoint_group = None
     if cfg.run.async_checkpoint and ctx.world_size > 1:
         # background writes talk over a group of their own, never interleaved with the training step's collectives
