@@ -315,15 +315,16 @@ def _export(checkpoint: str, out: str | None, dtype: str | None, overwrite: bool
     from moe_models import count_parameters
     from moe_models.hf import HFCheckpointError
     from moe_train.checkpoint import CheckpointError
-    from moe_train.export import DTYPES, export_hf, resolve_checkpoint, trained_model_config
+    from moe_train.dtypes import short_name
+    from moe_train.export import EXPORT_DTYPES, export_hf, resolve_checkpoint, trained_model_config
     from moe_train.write_errors import describe
 
     if rest:
         raise ConfigError(f"moe-train export takes CHECKPOINT --hf OUT [--dtype] [--overwrite], got {' '.join(rest)}")
     if out is None:
         raise ConfigError("moe-train export needs --hf OUT: the HuggingFace directory to write")
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype}: choose {' or '.join(DTYPES)}")
+    if dtype is not None and short_name(dtype) not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose {' or '.join(EXPORT_DTYPES)}")
     try:
         info = resolve_checkpoint(Path(checkpoint))
         with warnings.catch_warnings(record=True) as caught:
