@@ -162,7 +162,7 @@ class Outcomes:
         for rank in range(len(exits)):
             recorded = {}
             for path in sorted((Path(out_dir) / f"rank{rank}").glob("*.pt")):
-                outcome = torch.load(path, weights_only=False)  # our own workers' results, written a moment ago
+                outcome = torch.load(path, weights_only=True)  # tensors, containers and plain values only
                 recorded[outcome["name"]] = outcome
                 if outcome["name"] not in self.order:
                     self.order.append(outcome["name"])

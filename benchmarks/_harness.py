@@ -5,8 +5,8 @@ A script builds its parser with :func:`cli`, adds its own options and reads them
 writes ``benchmarks/results/<name>.json`` unless ``--out`` says otherwise, a ``--quick`` run (the nox benchmarks
 session) writes only where ``--out`` says, never over the committed results. :func:`header` starts the report,
 :func:`write` writes it (and any text beside it: a markdown table, an SVG). :func:`head_to_head` times two functions
-interleaved in one process, taking turns at going first, so that neither always runs in the other's wake
-(:func:`interleaved`: several in rotation, which changes what each costs; pairs are the rule).
+interleaved in one process, taking turns at going first, so that neither always runs in the other's wake (a rotation
+through several changes what each costs: a baseline is compared pair by pair).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,32 +94,23 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def interleaved(
-    fns: Sequence[Callable[[], object]], reps: int, warmup: int, sync: Callable[[], None] = lambda: None
-) -> list[list[float]]:
-    """Seconds of each of ``fns`` in each of ``reps`` repetitions after ``warmup`` untimed ones, the order rotated
-    one place a repetition; ``sync`` waits for the device before each clock read."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    order = list(range(len(fns)))
-    for rep in range(reps):
-        for index in order[rep % len(fns) :] + order[: rep % len(fns)]:
-            sync()
-            start = time.perf_counter()
-            fns[index]()
-            sync()
-            times[index].append(time.perf_counter() - start)
-    return times
-
-
 def head_to_head(
     a: Callable[[], object], b: Callable[[], object], reps: int, warmup: int, sync: Callable[[], None] = lambda: None
 ) -> tuple[list[float], list[float]]:
-    """Seconds of ``a`` and of ``b`` in each of ``reps`` repetitions, interleaved, taking turns at going first."""
-    times_a, times_b = interleaved((a, b), reps, warmup, sync)
-    return times_a, times_b
+    """Seconds of ``a`` and of ``b`` in each of ``reps`` repetitions after ``warmup`` untimed ones of each,
+    interleaved, taking turns at going first; ``sync`` waits for the device before each clock read."""
+    for _ in range(warmup):
+        a()
+        b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for rep in range(reps):
+        for index in (0, 1) if rep % 2 == 0 else (1, 0):
+            sync()
+            start = time.perf_counter()
+            (a, b)[index]()
+            sync()
+            times[index].append(time.perf_counter() - start)
+    return times
 
 
 def spread(values: list[float]) -> dict[str, float]:
