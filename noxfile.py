@@ -5,7 +5,8 @@ uv.lock into a fresh environment, so a test that needs an undeclared package fai
 what proves every package installs and imports alone.
 
 ``floors`` (not in the default run: CI's 25-minute budget) runs the library packages' suites on the oldest torch
-and Triton they declare: ``uv run nox -s floors``.
+they declare (2.11, what the first GPU machine runs) and on 2.13, each with the oldest Triton (3.6), from source:
+``uv run nox -s floors`` runs both, ``uv run nox -s "floors(torch='2.11.0')"`` one.
 """
 
 from __future__ import annotations
@@ -63,24 +64,32 @@ for _dist in PACKAGES:
 
 nox.options.sessions = [*PACKAGES, "integration", "lint", "benchmarks"]
 
-# the oldest torch and Triton the packages declare (pyproject.toml), tested by the floors session
-FLOOR_TORCH, FLOOR_TRITON = "2.13.0", "3.6.0"
+# the oldest torch and Triton the packages declare (pyproject.toml; the first GPU machine runs torch 2.11.0+cu130 and
+# Triton 3.6), tested by the floors session, and the later torch releases it tests too, each with that Triton
+FLOOR_TORCH, FLOOR_TRITON = "2.11.0", "3.6.0"
+FLOOR_TORCHES = (FLOOR_TORCH, "2.13.0")
 LIBRARY_PACKAGES = [d for d in PACKAGES if d != "moe-train"]  # moe-train's data stack is tested on the lock only
 
 
+def _torch_requirement(version: str) -> str:
+    """A CPU build on disk where these machines hold one (/opt/wheels: 2.13's), else the registry's build: PyPI's
+    Linux wheels are CUDA builds (2.11.0: CUDA 13.0, with its nvidia-* libraries, 4.7 GB installed; run on the CPU).
+    PyTorch's own CPU index is out of reach of these machines."""
+    wheel = next(Path("/opt/wheels").glob(f"torch-{version}+cpu-*.whl"), None)
+    return str(wheel) if wheel is not None else f"torch=={version}"
+
+
 @nox.session
-def floors(session: nox.Session) -> None:
-    """The library packages' suites on torch 2.13 and Triton 3.6, from source (PYTHONPATH to each package's src/),
-    as the GPU machine runs them. These machines hold torch 2.13's CPU build on disk (/opt/wheels); elsewhere the
-    registry's build is installed."""
-    wheel = next(Path("/opt/wheels").glob(f"torch-{FLOOR_TORCH}+cpu-*.whl"), None)
-    torch_req = str(wheel) if wheel is not None else f"torch=={FLOOR_TORCH}"
+@nox.parametrize("torch", FLOOR_TORCHES)
+def floors(session: nox.Session, torch: str) -> None:
+    """The library packages' suites on one torch release and Triton 3.6, from source (PYTHONPATH to each package's
+    src/), as the GPU machine runs them."""
     deps = ["pytest>=8", "hypothesis>=6", "numpy>=1.26", "safetensors>=0.4", "pyyaml>=6", "transformers>=5"]
-    session.install(torch_req, f"triton=={FLOOR_TRITON}", *deps)
+    session.install(_torch_requirement(torch), f"triton=={FLOOR_TRITON}", *deps)
     session.run(
         "python",
         "-c",
-        f"import torch, triton; assert torch.__version__.startswith('{FLOOR_TORCH}'), torch.__version__; "
+        f"import torch, triton; assert torch.__version__.split('+')[0] == '{torch}', torch.__version__; "
         f"assert triton.__version__ == '{FLOOR_TRITON}', triton.__version__",
     )
     src = os.pathsep.join(str(ROOT / "packages" / dist / "src") for dist in PACKAGES)
@@ -119,5 +128,6 @@ def benchmarks(session: nox.Session) -> None:
     sync(session)
     REPORTS.mkdir(exist_ok=True)
     session.run("python", str(ROOT / "benchmarks" / "_quick_all.py"), str(REPORTS))
-    # the GPU suite's code paths at tiny sizes on the CPU, from source as the GPU machine runs it
-    session.run("bash", "benchmarks/gpu/run.sh", "--smoke", "--out", str(REPORTS / "bench-gpu-suite-smoke.json"))
+    # the GPU check (benchmarks/gpu/gpu_check.sh: probe, gpu tests, every suite section, one JSON) at tiny sizes on
+    # the CPU, from source as the GPU machine runs it; and the test-dependency folder it carries, built from uv.lock
+    pytest(session, "benchmarks/gpu/test_gpu_check.py")

@@ -11,6 +11,18 @@ lent a GPU, run from source on torch >= 2.11 with PYTHONPATH to each package's s
    of the same bytes;
 4. ``fp8``: each recipe with a native GEMM here (per-tensor FP8 through ``torch._scaled_mm``) against the bf16 GEMM
    of the same shape, forward + backward of a linear layer, speed-up.
+5. ``offload``: recompute and activation offload by module kind against the plain model
+   (``memory_offload_check.py``): gradients equal, peak memory, step-time ratio;
+6. ``sync``: host synchronisations of a training step (forward + loss + backward + gradient clipping + AdamW) of a
+   full-width proxy (2 layers, sequence 2,048), per step and per phase, with the source lines: on CUDA the warnings
+   of ``torch.cuda.set_sync_debug_mode("warn")``; on every device the ops that read a device value back, counted at
+   the dispatcher (``aten._local_scalar_dense`` - ``.item()`` -, ``nonzero``, ``masked_select``, ``unique``,
+   ``repeat_interleave`` without ``output_size``, copies from the device to the host). On the CPU (smoke) only the
+   dispatcher count applies; ``cuda_sync_warnings`` is "not applicable".
+
+Each section is guarded: one that raises records ``{"error", "traceback"}`` in the JSON and the next still runs (the
+exit status is then 1). ``--section NAME`` (repeatable) runs some; ``benchmarks/gpu/gpu_check.sh`` runs each in a
+process of its own under a time limit.
 
 Every ratio is of two things timed head to head (interleaved in one process, taking turns at going first:
 ``benchmarks/_harness.py``), median of >= 7 repetitions after warm-up, with the range. ``--smoke`` runs the same
@@ -23,20 +35,27 @@ code paths on the CPU at tiny sizes in fp32 (CI: ``benchmarks`` nox session); it
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import sys
 import time
-from collections.abc import Callable
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/_harness.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_offload_check.py
 from _harness import head_to_head, spread
+from memory_offload_check import offload_check
 
 from moe_dispatch.permutation import make_permutation_map, permute, unpermute
 from moe_experts import GroupedExperts
@@ -46,6 +65,10 @@ from moe_models.presets import preset
 from moe_precision import Recipe
 from moe_precision.gemm import native_recipes, quantized_matmul
 from moe_train.compile import compile_decoder_layers
+from moe_train.config import TrainConfig
+from moe_train.optim import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 DATASHEET_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}
 
@@ -64,6 +87,7 @@ class Sizes:
 
 FULL = Sizes(layers=4, seq=4096, tokens=16384, hidden=2048, ffn=768, experts=128, topk=8, gemm=8192)
 SMOKE = Sizes(layers=2, seq=64, tokens=64, hidden=32, ffn=16, experts=4, topk=2, gemm=64)
+SYNC_LAYERS, SYNC_SEQ, SYNC_STEPS = 2, 2048, 3  # the sync section's proxy (full width) and its steps
 
 
 def sync(device: torch.device) -> None:
@@ -100,7 +124,9 @@ def step(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warm
         eager = build_model(config, seed=0)
         compiled = build_model(config, seed=0)
     compiled.load_state_dict(eager.state_dict())
-    compile_decoder_layers(compiled)
+    # the smoke run traces the same regions (dynamo, AOT autograd) without inductor's C++ code generation, a minute
+    # of the CPU's time; the compile tests (packages/moe-train/tests/test_compile.py) cover inductor on the CPU
+    compile_decoder_layers(compiled, **({"backend": "aot_eager"} if sizes is SMOKE else {}))
     ids = torch.randint(0, config.vocab_size, (1, sizes.seq + 1), device=device)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
@@ -198,12 +224,179 @@ def fp8(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warmu
     return out
 
 
+# ops that read a device value back to the host (a synchronisation on CUDA), by overload packet name
+SYNC_OPS = frozenset(
+    {"_local_scalar_dense", "nonzero", "masked_select", "unique_consecutive", "_unique", "_unique2", "unique_dim"}
+)
+
+
+def _our_frame() -> str:
+    """``path:line`` of the innermost frame in this repository's code outside this file (else the innermost frame
+    outside torch)."""
+    stack = traceback.extract_stack()[:-2]
+    ours = [f for f in stack if "/moe_" in f.filename or "/packages/" in f.filename]
+    frame = (ours or [f for f in stack if "/torch/" not in f.filename and f.filename != __file__] or stack)[-1]
+    path = Path(frame.filename)
+    with contextlib.suppress(ValueError):
+        path = path.resolve().relative_to(ROOT)
+    return f"{path}:{frame.lineno}"
+
+
+class SyncOpCounter(TorchDispatchMode):
+    """Counts the ops that read a value of a ``device_type`` tensor back to the host (:data:`SYNC_OPS`,
+    ``repeat_interleave`` without ``output_size``; a copy from a non-CPU device to the CPU), with the source line
+    that ran each. On CUDA each is a synchronisation; on the CPU (smoke) they are the reads that would be, together
+    with those of values the code keeps on the host (the source lines tell them apart)."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.sources: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        syncs = first is not None and first.device.type == self.device_type
+        syncs = syncs and (name in SYNC_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None))
+        if name in ("_to_copy", "copy_") and first is not None:
+            src = args[1] if name == "copy_" else first
+            dst = first.device if name == "copy_" else kwargs.get("device") or src.device
+            to_host = torch.device(dst).type == "cpu"
+            syncs = isinstance(src, torch.Tensor) and src.device.type != "cpu" and to_host
+        if syncs:
+            self.sources[f"{name} @ {_our_frame()}"] += 1
+        return func(*args, **kwargs)
+
+
+def sync_count(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warmup: int) -> dict:
+    """Host synchronisations of :data:`SYNC_STEPS` training steps (forward + loss, backward, clip + AdamW) of a
+    full-width proxy: ``torch.cuda.set_sync_debug_mode("warn")`` warnings on CUDA, dispatcher-level device-value
+    reads everywhere; per step, per phase and by source line."""
+    smoke = sizes is SMOKE
+    config = dataclasses.replace(preset("qwen3-30b-a3b"), num_layers=SYNC_LAYERS, moe_layer_freq=1)
+    seq = SYNC_SEQ
+    if smoke:
+        config, seq = dataclasses.replace(preset("tiny-qwen3-moe"), num_layers=sizes.layers), sizes.seq
+    with torch.device(device):
+        model = build_model(config, seed=0)
+    optimizer = build_optimizer(model, TrainConfig())
+    ids = torch.randint(0, config.vocab_size, (1, seq + 1), device=device)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    cuda = device.type == "cuda"
+
+    def phases() -> Iterator[str]:
+        with autocast:
+            loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:], config.mtp_loss_scaling_factor).total
+        yield "forward"
+        loss.backward()
+        yield "backward"
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        yield "optimizer"
+
+    steps = []
+    for index in range(SYNC_STEPS):
+        record: dict = {"step": index + 1, "warm_up": index == 0, "phases": {}}
+        warning_sources: collections.Counter[str] = collections.Counter()
+        dispatch_sources: collections.Counter[str] = collections.Counter()
+        sync(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run = phases()
+                while True:
+                    counter = SyncOpCounter(device.type)
+                    before = len(caught)
+                    with counter:
+                        phase = next(run, None)
+                    if phase is None:
+                        break
+                    ours = [w for w in caught[before:] if "synchroniz" in str(w.message).lower()]
+                    for w in ours:
+                        path = Path(w.filename)
+                        with contextlib.suppress(ValueError):
+                            path = path.resolve().relative_to(ROOT)
+                        warning_sources[f"{path}:{w.lineno}"] += 1
+                    dispatch_sources.update(counter.sources)
+                    record["phases"][phase] = {
+                        "cuda_sync_warnings": len(ours) if cuda else "not applicable",
+                        "dispatch_device_reads": sum(counter.sources.values()),
+                    }
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        sync(device)
+        record["cuda_sync_warnings"] = sum(warning_sources.values()) if cuda else "not applicable"
+        record["cuda_sync_warning_sources"] = dict(warning_sources.most_common()) if cuda else "not applicable"
+        record["dispatch_device_reads"] = sum(dispatch_sources.values())
+        record["dispatch_device_read_sources"] = dict(dispatch_sources.most_common())
+        steps.append(record)
+    return {
+        "layers": config.num_layers,
+        "seq": seq,
+        "method": (
+            "torch.cuda.set_sync_debug_mode('warn') warnings (CUDA only) and a TorchDispatchMode counting ops that "
+            "read a value of a tensor on the device back (aten._local_scalar_dense, nonzero, masked_select, unique, "
+            "repeat_interleave without output_size; device-to-host copies); on the CPU (smoke) the latter also "
+            "counts values the code keeps on the host, which are no synchronisation on CUDA; step 1 is the warm-up"
+        ),
+        "steps": steps,
+        "per_step_after_warm_up": {
+            "cuda_sync_warnings": steps[-1]["cuda_sync_warnings"],
+            "dispatch_device_reads": steps[-1]["dispatch_device_reads"],
+        },
+    }
+
+
+def offload(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warmup: int) -> dict:
+    return offload_check(device, dtype, reps, smoke=sizes is SMOKE)
+
+
+SECTIONS: dict[str, Callable[[Sizes, torch.device, torch.dtype, int, int], dict]] = {
+    "step": step,
+    "experts": experts,
+    "permutation": permutation,
+    "fp8": fp8,
+    "offload": offload,
+    "sync": sync_count,
+}
+
+
+def run_section(name: str, sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warmup: int) -> dict:
+    """``name``'s result, or ``{"error", "traceback"}`` if it raised; its seconds either way."""
+    start = time.perf_counter()
+    try:
+        result = SECTIONS[name](sizes, device, dtype, reps, warmup)
+    except Exception as err:  # guarded: the next section still runs
+        traceback.print_exc()
+        result = {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+    result["seconds"] = time.perf_counter() - start
+    gc.collect()
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):  # a failed section may have left the context unusable
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU in fp32, the same code paths")
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--only", nargs="*", default=["step", "experts", "permutation", "fp8"])
+    parser.add_argument(
+        "--section",
+        "--only",
+        dest="sections",
+        action="extend",
+        nargs="+",
+        choices=list(SECTIONS),
+        help="the sections to run, in this order (repeatable; default: all)",
+    )
     args = parser.parse_args()
     if args.smoke:
         device, dtype, sizes, reps, warmup = torch.device("cpu"), torch.float32, SMOKE, 2, 1
@@ -219,14 +412,17 @@ def main() -> None:
         "smoke": args.smoke,
         "sizes": dataclasses.asdict(sizes),
     }
-    sections = {"step": step, "experts": experts, "permutation": permutation, "fp8": fp8}
-    for name in args.only:
-        start = time.perf_counter()
-        report[name] = sections[name](sizes, device, dtype, reps, warmup)
-        print(f"{name}: done in {time.perf_counter() - start:.1f}s", flush=True)
+    failed = []
+    for name in args.sections or list(SECTIONS):
+        print(f"{name}: start", flush=True)
+        report[name] = run_section(name, sizes, device, dtype, reps, warmup)
+        if "error" in report[name]:
+            failed.append(name)
+        print(f"{name}: {'FAILED' if name in failed else 'done'} in {report[name]['seconds']:.1f}s", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")  # what finished survives a later failure
-    print(f"wrote {args.out}")
+        args.out.write_text(json.dumps(report, indent=2) + "\n")  # what finished survives a later crash
+    print(f"wrote {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_experts.__version__ == "0.2.4"
+    assert moe_experts.__version__ == "0.2.5"
     assert importlib.metadata.version("moe-experts") == moe_experts.__version__
 
 

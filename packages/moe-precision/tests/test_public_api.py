@@ -41,7 +41,7 @@ PUBLIC_NAMES = [
 
 
 def test_version_is_semver_0_2() -> None:
-    assert moe_precision.__version__ == "0.2.1"
+    assert moe_precision.__version__ == "0.2.2"
     assert importlib.metadata.version("moe-precision") == moe_precision.__version__
 
 

@@ -176,3 +176,18 @@ def test_config_checks_name_the_field():
     assert err.value.field == "recipe" and "emulate" in err.value.reason and "native here: none" in err.value.reason
     assert PrecisionConfig(recipe="mxfp8", emulate=True).native_on("cpu") is False
     assert PrecisionConfig().native_on("cpu") is False and not PrecisionConfig().enabled
+
+
+def test_a_non_finite_amax_stays_out_of_the_delayed_history():
+    fmt, history = E4M3, Recipe("fp8_delayed").new_state().of("input")
+    inf, nan = torch.tensor(float("inf")), torch.tensor(float("nan"))
+    history.record(inf)  # the first use overflowed: nothing finite recorded, the scale follows the current amax
+    assert int(history.recorded) == 0
+    torch.testing.assert_close(history.scale(torch.tensor(2.0), fmt, 0, "max"), torch.tensor(fmt.max / 2.0))
+    for amax in (torch.tensor(4.0), nan, torch.tensor(1.0), inf):
+        history.record(amax)
+    assert int(history.recorded) == 2
+    assert history.history is not None and history.history[:3].tolist() == [1.0, 4.0, 0.0]
+    # the finite amaxes alone decide: max 4, most recent 1, whatever the current amax
+    torch.testing.assert_close(history.scale(torch.tensor(100.0), fmt, 0, "max"), torch.tensor(fmt.max / 4.0))
+    torch.testing.assert_close(history.scale(nan, fmt, 0, "most_recent"), torch.tensor(fmt.max / 1.0))

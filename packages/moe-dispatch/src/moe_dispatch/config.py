@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_dispatch.permutation import BACKENDS as PERMUTE_BACKENDS
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
@@ -76,6 +78,10 @@ class RouterConfig:
     force_load_balancing: bool = False
     router_dtype: str = "fp32"
     add_bias: bool = False  # a learned bias on the router logits (GPT-OSS)
+    # not a router flag: how the MoE block built from this config permutes its tokens (Megatron's
+    # --moe-permute-fusion picks fused kernels); a name of moe_dispatch.permutation.BACKENDS. "triton" on CPU runs the
+    # custom ops' plain-torch stand-in: the permutation a GPU runs, traced the same way
+    permute_backend: str = "auto"
 
     def __post_init__(self) -> None:
         # lists are accepted but stored as tuples so the frozen config stays hashable and comparable
@@ -94,6 +100,8 @@ class RouterConfig:
             raise RouterConfigError("bias_update_rate", self.bias_update_rate, "must be a finite number >= 0")
         if self.router_dtype not in ROUTER_DTYPES:
             raise RouterConfigError("router_dtype", self.router_dtype, f"choose one of {tuple(ROUTER_DTYPES)}")
+        if self.permute_backend not in PERMUTE_BACKENDS:
+            raise RouterConfigError("permute_backend", self.permute_backend, f"choose one of {PERMUTE_BACKENDS}")
 
     def _check_bool(self, name: str) -> None:
         if not isinstance(getattr(self, name), bool):

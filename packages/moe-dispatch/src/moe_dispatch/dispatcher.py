@@ -13,14 +13,21 @@ dispatcher passes its own typed state; between the combine stages, an :class:`In
 from __future__ import annotations
 
 import dataclasses
-import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
 
-from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, permute_probs, unpermute
+from moe_dispatch.permutation import (
+    BACKENDS,
+    Backend,
+    PermutationMap,
+    make_permutation_map,
+    permute,
+    permute_probs,
+    unpermute,
+)
 from moe_dispatch.router import RoutingResult
 
 
@@ -59,11 +66,16 @@ class DispatchResult(Generic[HandleT]):
     source_RH: torch.Tensor  # the rows the expert-major rows are gathered from
     tokens_per_expert_E: torch.Tensor  # int64 rows per local expert, padding included
     handle: HandleT
+    permute_backend: Backend = "auto"  # the backend of moe_dispatch.permutation.permute for tokens_NH
 
-    @functools.cached_property
+    @property
     def tokens_NH(self) -> torch.Tensor:
         """Expert-major rows for the local experts (padding rows are zero), permuted on first use."""
-        return permute(self.source_RH, self.handle.pmap)
+        # cached by hand: functools.cached_property takes a lock before Python 3.12, a graph break under torch.compile
+        cache = self.__dict__
+        if "_tokens_NH" not in cache:
+            cache["_tokens_NH"] = permute(self.source_RH, self.handle.pmap, backend=self.permute_backend)
+        return cache["_tokens_NH"]
 
     @property
     def row_source_N(self) -> torch.Tensor:
@@ -119,11 +131,17 @@ class TokenDispatcher(ABC, Generic[StateT, HandleT]):
 
 
 class LocalDispatcher(TokenDispatcher[InFlight[DispatchHandle], DispatchHandle]):
-    """Single-process dispatcher: all experts are local, so the communication stages are identities."""
+    """Single-process dispatcher: all experts are local, so the communication stages are identities.
 
-    def __init__(self, num_experts: int, pad_multiple: int = 1) -> None:
+    ``permute_backend``: the backend of its permute and unpermute (:mod:`moe_dispatch.permutation`).
+    """
+
+    def __init__(self, num_experts: int, pad_multiple: int = 1, permute_backend: Backend = "auto") -> None:
+        if permute_backend not in BACKENDS:
+            raise ValueError(f"permute_backend={permute_backend!r}: must be one of {BACKENDS}")
         self.num_experts = self.num_local_experts = num_experts
         self.pad_multiple = pad_multiple
+        self.permute_backend: Backend = permute_backend
 
     def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> InFlight[DispatchHandle]:
         pmap = make_permutation_map(
@@ -136,7 +154,7 @@ class LocalDispatcher(TokenDispatcher[InFlight[DispatchHandle], DispatchHandle])
         return state
 
     def dispatch_postprocess(self, state: InFlight[DispatchHandle]) -> DispatchResult[DispatchHandle]:
-        return DispatchResult(state.tokens, state.handle.pmap.tokens_per_expert_E, state.handle)
+        return DispatchResult(state.tokens, state.handle.pmap.tokens_per_expert_E, state.handle, self.permute_backend)
 
     def combine_preprocess(self, y_NH: torch.Tensor, handle: DispatchHandle) -> InFlight[DispatchHandle]:
         return InFlight(y_NH, handle)
@@ -145,4 +163,4 @@ class LocalDispatcher(TokenDispatcher[InFlight[DispatchHandle], DispatchHandle])
         return state
 
     def combine_postprocess(self, state: InFlight[DispatchHandle]) -> torch.Tensor:
-        return unpermute(state.tokens, state.handle.pmap, state.handle.probs_TK)
+        return unpermute(state.tokens, state.handle.pmap, state.handle.probs_TK, backend=self.permute_backend)

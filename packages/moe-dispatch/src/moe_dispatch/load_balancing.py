@@ -241,9 +241,10 @@ def global_aux_loss(
         _check_contains(group, sequence_stats.group)
     totals = torch.cat([counts_E, counts_E.new_tensor([num_tokens])])
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
-    global_counts_E, global_tokens = totals[:-1], int(totals[-1])
-    if global_tokens == 0:
-        return scores_TE.sum() * 0.0
+    # the token count stays on the device (reading it back would stall every MoE layer's forward); with no token
+    # anywhere the counts and the scores' sums are zero, and so is the loss, divided by one instead of zero
+    global_counts_E, tokens64 = totals[:-1], totals[-1].clamp(min=1).double()
+    global_tokens = tokens64.to(scores_TE.dtype)
     if sequence_stats is not None:
         world //= sequence_stats.group_size  # the data-parallel replicas, whose gradients are averaged
     fraction_E = global_counts_E.to(scores_TE.dtype) / (global_tokens * topk)
@@ -251,8 +252,8 @@ def global_aux_loss(
     loss = num_experts * torch.sum(fraction_E * prob_E)
     if sequence_stats is None:
         return loss
-    fraction64_E = global_counts_E.double() / (global_tokens * topk)
-    return _with_value(loss, num_experts * torch.sum(fraction64_E * sequence_stats.scores_E * (world / global_tokens)))
+    fraction64_E = global_counts_E.double() / (tokens64 * topk)
+    return _with_value(loss, num_experts * torch.sum(fraction64_E * sequence_stats.scores_E * (world / tokens64)))
 
 
 def _check_contains(group: dist.ProcessGroup, sequence_group: dist.ProcessGroup) -> None:

@@ -8,20 +8,26 @@ needs no scatter and no atomics (on CPU, where a scatter-add is deterministic an
 one). Every expert's block can be padded to a multiple of ``pad_multiple`` rows (8/16/32 for FP8 GEMMs) or to
 a fixed ``pad_to`` rows (capacity padding); padding rows are zero.
 
-``permute`` and ``unpermute`` take ``backend="auto" | "torch" | "triton"``: the fused Triton kernels of
-:mod:`moe_dispatch.triton_permutation` (same contract) or the plain-torch code below. ``auto`` picks triton when
-the tensors are on CUDA and triton is importable. triton is imported only when that backend is used.
+``permute`` and ``unpermute`` take ``backend="auto" | "torch" | "triton"``: the plain-torch code below, or
+``triton``: the custom ops of :mod:`moe_dispatch.permutation_ops` (same contract; one graph under torch.compile, no
+host sync, backward included), whose CUDA implementation is the fused Triton kernels of
+:mod:`moe_dispatch.triton_permutation`. ``auto`` picks triton when the tensors are on CUDA and triton is importable.
+``triton`` on CPU tensors runs the ops' plain-torch stand-in, or the kernels in Triton's interpreter under
+``TRITON_INTERPRET=1``: the way to run a model on CPU as it runs on a GPU (it still asks for the triton package,
+named by the backend). The kernel module is imported only when a kernel runs.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from moe_dispatch import permutation_ops
 from moe_dispatch.counts import expert_counts
 
 Backend = Literal["auto", "torch", "triton"]
@@ -94,15 +100,15 @@ def triton_available() -> bool:
     return True
 
 
-def _triton_module():
-    try:
-        importlib.import_module("triton")
-    except ImportError as err:
+def _require_triton() -> None:
+    """The backend names the package: without it, say so, even where the ops' CPU stand-in would run."""
+    if torch.compiler.is_compiling():  # a module lookup is nothing to trace; the kernels raise on their own
+        return
+    if importlib.util.find_spec("triton") is None:  # found, not imported: the stand-in does not need it
         raise ImportError(
-            "backend='triton' needs the 'triton' package, which is not importable here "
-            f"({err}); install triton (it ships with torch on Linux) or use backend='torch'"
-        ) from err
-    return importlib.import_module("moe_dispatch.triton_permutation")
+            "backend='triton' needs the 'triton' package, which is not importable here; install triton (it ships "
+            "with torch on Linux) or use backend='torch'"
+        )
 
 
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> Literal["torch", "triton"]:
@@ -117,7 +123,8 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> Literal["torch", "t
 def permute(x_TH: torch.Tensor, pmap: PermutationMap, *, backend: Backend = "auto") -> torch.Tensor:
     """Copy each token once per kept choice into expert-major rows; padding rows are zero."""
     if resolve_backend(backend, x_TH) == "triton":
-        return _triton_module().permute(x_TH, pmap)
+        _require_triton()
+        return permutation_ops.permute(x_TH, pmap)
     if x_TH.shape[0] == 0:  # no tokens, only padding rows (pad_to): nothing to index into
         return x_TH.new_zeros(pmap.num_rows, x_TH.shape[-1]) + x_TH.sum()
     rows_NH = x_TH.index_select(0, pmap.token_of_row_N.clamp(min=0))
@@ -154,7 +161,8 @@ def unpermute(
 ) -> torch.Tensor:
     """``out[t] = sum_k probs[t, k] * y[row_of_pair[t, k]]`` over kept pairs (probs 1 when omitted)."""
     if resolve_backend(backend, y_NH) == "triton":
-        return _triton_module().unpermute(y_NH, pmap, probs_TK)
+        _require_triton()
+        return permutation_ops.unpermute(y_NH, pmap, probs_TK)
     num_tokens, topk = pmap.row_of_pair_TK.shape
     if probs_TK is None and y_NH.device.type == "cpu":
         return _SumRowsByToken.apply(y_NH, pmap.token_of_row_N, num_tokens)
@@ -170,11 +178,8 @@ def unpermute(
 def permute_probs(probs_TK: torch.Tensor, pmap: PermutationMap) -> torch.Tensor:
     """Each expert-major row's router probability (0 for padding rows), for experts that apply the
     probabilities inside their activation; combine then unpermutes without probs."""
-    if torch.compiler.is_compiling():
-        # dropped pairs write to one spare slot past the rows, cut off after: no boolean index (a graph break)
-        slot_TK = torch.where(pmap.row_of_pair_TK >= 0, pmap.row_of_pair_TK, pmap.num_rows)
-        probs_N = probs_TK.new_zeros(pmap.num_rows + 1).index_put((slot_TK.flatten(),), probs_TK.flatten())
-        return probs_N[: pmap.num_rows]
-    kept_TK = pmap.row_of_pair_TK >= 0
-    probs_N = probs_TK.new_zeros(pmap.num_rows)
-    return probs_N.index_put((pmap.row_of_pair_TK[kept_TK],), probs_TK[kept_TK])
+    # dropped pairs write to one spare slot past the rows, cut off after: no boolean index (a host sync, and a
+    # graph break under torch.compile). Copied out of the longer buffer, which the experts would otherwise save whole
+    slot_TK = torch.where(pmap.row_of_pair_TK >= 0, pmap.row_of_pair_TK, pmap.num_rows)
+    probs_N = probs_TK.new_zeros(pmap.num_rows + 1).index_put((slot_TK.flatten(),), probs_TK.flatten())
+    return probs_N[: pmap.num_rows].clone()

@@ -12,7 +12,7 @@ against ``moe_memory.measure.SavedTensorBytes`` on :class:`~moe_dispatch.router.
   probabilities; softmax before top-k the softmax scores and ids; sigmoid the sigmoid scores and ids and, renormalised
   over k > 1, the picked scores and their sum. Then the capacity keep mask, the balancing losses' scores (and their
   sums under sigmoid) and fractions, the z-loss's logsumexp (and the logits), and the loss they attach.
-- The dispatcher saves the int64 row of each kept pair and the kept-pair mask; the permutation's int64 row indices
+- The dispatcher saves the int64 row of each pair (a spare slot for a dropped one); the permutation's int64 row indices
   (and padding rows) unless the experts gather their rows themselves (:attr:`RoutedRows.gathered_by_experts`); under
   the all-to-all the send map (the token of each sent row, twice, and the sent rows' pair mask in the router dtype).
   Combine on CPU scatter-adds (an int64 token slot per row, and per returned row), elsewhere gathers each token's pair
@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 INDEX_BYTES = 8  # int64 ids and row indices
-BOOL_BYTES = 1
 
 
 class SavedBytes(NamedTuple):
@@ -186,10 +185,8 @@ def dispatcher_saved_bytes(
         if rows.pairs > rows.kept:
             padding = (rows.pairs - rows.kept) * INDEX_BYTES
             saves.append(SavedBytes("dispatch", "dispatch.padding", padding, "padding rows"))
-    saves += [
-        SavedBytes("dispatch", "dispatch.kept", rows.received * topk * BOOL_BYTES, "kept-pair mask"),
-        SavedBytes("dispatch", "dispatch.rows", rows.kept * INDEX_BYTES, "row of each kept pair"),
-    ]
+    # the rows' probabilities: the row of each pair, a spare slot for a dropped one (no boolean index: no host sync)
+    saves.append(SavedBytes("dispatch", "dispatch.rows", rows.received * topk * INDEX_BYTES, "row of each pair"))
     if device == "cpu":  # the unweighted sums are one scatter-add each, saving every row's token slot
         saves.append(SavedBytes("combine", "combine.slots", rows.pairs * INDEX_BYTES, "token slot of each row"))
         if alltoall:

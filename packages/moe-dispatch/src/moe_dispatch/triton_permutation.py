@@ -1,4 +1,5 @@
-"""Fused Triton kernels for :func:`~moe_dispatch.permutation.permute` and ``unpermute``.
+"""Fused Triton kernels for :func:`~moe_dispatch.permutation.permute` and ``unpermute``: the CUDA implementation of
+the custom ops of :mod:`moe_dispatch.permutation_ops`, which also hold their autograd formulas.
 
 Same contract as the plain-torch reference in :mod:`moe_dispatch.permutation`, with no scatter and no atomics:
 
@@ -7,12 +8,13 @@ Same contract as the plain-torch reference in :mod:`moe_dispatch.permutation`, w
   choices, accumulating in fp32;
 - backward of permute is an unpermute without probs; backward of unpermute gathers
   ``grad_y[n] = probs[pair] * grad_out[pair // K]`` through the inverse map ``pair_of_row_N`` (each row has
-  exactly one owning pair) and computes ``grad_probs[t, k] = dot(y[row_of_pair[t, k]], grad_out[t])``.
+  exactly one owning pair: :func:`~moe_dispatch.permutation_ops.pair_of_row`) and computes
+  ``grad_probs[t, k] = dot(y[row_of_pair[t, k]], grad_out[t])``.
 
-This module imports triton at import time; :mod:`moe_dispatch.permutation` imports it only when the triton
-backend is used. On a machine without a GPU the kernels run in Triton's interpreter when the environment
-variable ``TRITON_INTERPRET=1`` is set before this module is first imported (the choice is made when the
-kernels are decorated).
+This module imports triton at import time; :mod:`moe_dispatch.permutation_ops` imports it only when a kernel runs.
+On a machine without a GPU the kernels run in Triton's interpreter when the environment variable
+``TRITON_INTERPRET=1`` is set before this module is first imported (the choice is made when the kernels are
+decorated); the ops then run them on CPU tensors too.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_dispatch.permutation import PermutationMap
+# the PermutationMap-level entry points, through the custom ops whose CUDA implementation is this module's kernels
+from moe_dispatch.permutation_ops import pair_of_row, permute, unpermute
+
+__all__ = ["combine_rows", "gather_rows", "pair_dot", "pair_of_row", "permute", "unpermute"]
 
 _MAX_BLOCK_H = 1024
 
@@ -188,66 +193,3 @@ def pair_dot(y_NH: torch.Tensor, grad_out_TH: torch.Tensor, row_of_pair_TK: torc
         BLOCK_H=_block_h(hidden),
     )
     return grad_TK
-
-
-def pair_of_row(row_of_pair_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Inverse map: flat pair index ``t * K + k`` held by each row, -1 for padding rows."""
-    flat = row_of_pair_TK.reshape(-1)
-    kept = flat >= 0
-    out = torch.full((num_rows,), -1, dtype=torch.int64, device=flat.device)
-    out[flat[kept]] = torch.arange(flat.shape[0], device=flat.device)[kept]
-    return out
-
-
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TH, token_of_row_N, row_of_pair_TK):
-        ctx.save_for_backward(row_of_pair_TK)
-        return gather_rows(x_TH, token_of_row_N)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_NH):
-        (row_of_pair_TK,) = ctx.saved_tensors
-        return combine_rows(grad_NH, row_of_pair_TK), None, None
-
-
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_NH, row_of_pair_TK, probs_TK):
-        ctx.has_probs = probs_TK is not None
-        ctx.probs_dtype = None if probs_TK is None else probs_TK.dtype
-        ctx.save_for_backward(y_NH, row_of_pair_TK, probs_TK)
-        return combine_rows(y_NH, row_of_pair_TK, probs_TK)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_TH):
-        y_NH, row_of_pair_TK, probs_TK = ctx.saved_tensors
-        grad_TH = grad_TH.contiguous()
-        grad_y = grad_probs = None
-        if ctx.needs_input_grad[0]:
-            owner_N = pair_of_row(row_of_pair_TK, y_NH.shape[0])
-            grad_y = gather_rows(grad_TH, owner_N, divisor=row_of_pair_TK.shape[1], scale=probs_TK)
-        if ctx.has_probs and ctx.needs_input_grad[2]:
-            grad_probs = pair_dot(y_NH, grad_TH, row_of_pair_TK, ctx.probs_dtype)
-        return grad_y, None, grad_probs
-
-
-def _check_hidden(t: torch.Tensor, name: str, rows: int) -> None:
-    if t.dim() != 2 or t.shape[0] != rows:
-        raise ValueError(f"{name} must be 2-D with {rows} rows, got shape {tuple(t.shape)}")
-
-
-def permute(x_TH: torch.Tensor, pmap: PermutationMap) -> torch.Tensor:
-    """Triton version of :func:`moe_dispatch.permutation.permute` (differentiable in ``x``)."""
-    _check_hidden(x_TH, "x_TH", pmap.num_tokens)
-    return _Permute.apply(x_TH, pmap.token_of_row_N, pmap.row_of_pair_TK)
-
-
-def unpermute(y_NH: torch.Tensor, pmap: PermutationMap, probs_TK: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of :func:`moe_dispatch.permutation.unpermute` (differentiable in ``y`` and ``probs``)."""
-    _check_hidden(y_NH, "y_NH", pmap.num_rows)
-    if probs_TK is not None and probs_TK.shape != pmap.row_of_pair_TK.shape:
-        raise ValueError(f"probs_TK shape {tuple(probs_TK.shape)} != row_of_pair_TK {tuple(pmap.row_of_pair_TK.shape)}")
-    return _Unpermute.apply(y_NH, pmap.row_of_pair_TK, probs_TK)

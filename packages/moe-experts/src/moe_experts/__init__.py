@@ -26,7 +26,7 @@ from moe_experts.fused import WeightedActivation, weighted_activation
 from moe_experts.grouped import ExpertActivation, ExpertLinear, GroupedExperts, expert_seed
 from moe_experts.shared import SharedExperts, SharedExpertsHandle, shared_expert_stream
 
-__version__ = "0.2.4"
+__version__ = "0.2.5"
 
 __all__ = [
     "ACTIVATIONS",

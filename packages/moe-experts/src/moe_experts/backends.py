@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from moe_experts.grouped_mm_op import grouped_mm
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (x_NK, dy_NM, tokens_per_expert_E) -> dw_EKM: a grouped GEMM's weight gradient alone (no autograd)
@@ -55,7 +56,7 @@ def contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
 def torch_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """One ``torch.nn.functional.grouped_mm`` call for all experts."""
     offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-    out = F.grouped_mm(x_NK, w_EKM, offs=offsets_E)
+    out = grouped_mm(x_NK, w_EKM, offsets_E)
     if out.requires_grad:
         # grouped_mm's backward rejects the expanded (stride-0) gradients that reductions such as sum() produce. A
         # hook rather than an identity autograd.Function: that would return a view, which FSDP2 warns about
@@ -66,7 +67,7 @@ def torch_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_
 def torch_grouped_wgrad(x_NK: torch.Tensor, dy_NM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """``dw_e = x_e^T @ dy_e`` for all experts in one ``grouped_mm`` (zeros for an expert without rows)."""
     offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-    return F.grouped_mm(x_NK.t(), dy_NM, offs=offsets_E)
+    return grouped_mm(x_NK.t(), dy_NM, offsets_E)
 
 
 def loop_grouped_wgrad(x_NK: torch.Tensor, dy_NM: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:

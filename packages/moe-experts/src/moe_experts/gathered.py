@@ -18,24 +18,24 @@ from moe_experts.backends import GroupedMM, GroupedWgrad, contiguous_grad
 
 
 def gather_rows(x_TH: torch.Tensor, row_source_N: torch.Tensor) -> torch.Tensor:
-    """``x_TH[row_source_N]`` with zero rows where ``row_source_N`` is -1 (differentiable)."""
-    rows_NH = x_TH.index_select(0, row_source_N.clamp(min=0))
-    padding = row_source_N < 0
-    # eager skips the mask when there is no padding row; the compiler fuses it into the gather instead of
-    # breaking the graph to ask
-    if torch.compiler.is_compiling() or bool(padding.any()):
-        rows_NH = rows_NH.masked_fill(padding[:, None], 0)
-    return rows_NH
+    """``x_TH[row_source_N]`` with zero rows where ``row_source_N`` is -1 (differentiable).
+
+    Padding rows read a zero row appended to the tokens: no read-back of whether there is any (a host sync per call
+    on a GPU), and a copy of the ``[T, H]`` tokens costs ``topk`` times less than masking the ``[N, H]`` rows."""
+    num_tokens = x_TH.shape[0]
+    padded_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[-1])])
+    return padded_TH.index_select(0, _slot_of_row(row_source_N, num_tokens))
+
+
+def _slot_of_row(row_source_N: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each row's token, padding rows sent to a spare slot ``num_tokens`` past the tokens."""
+    return torch.where(row_source_N >= 0, row_source_N, num_tokens)
 
 
 def _scatter_rows(rows_NH: torch.Tensor, row_source_N: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The gather's backward: each token's rows summed (padding rows dropped)."""
-    out_TH = rows_NH.new_zeros(num_tokens, rows_NH.shape[-1])
-    real = row_source_N >= 0
-    if bool(real.all()):
-        return out_TH.index_add_(0, row_source_N, rows_NH)
-    keep = real.nonzero().squeeze(1)
-    return out_TH.index_add_(0, row_source_N[keep], rows_NH[keep])
+    """The gather's backward: each token's rows summed (padding rows go to a spare slot, cut off after)."""
+    out_TH = rows_NH.new_zeros(num_tokens + 1, rows_NH.shape[-1])
+    return out_TH.index_add_(0, _slot_of_row(row_source_N, num_tokens), rows_NH)[:num_tokens]
 
 
 class GatheredGroupedMM(torch.autograd.Function):

@@ -174,15 +174,19 @@ class GroupedExperts(nn.Module):
         name without the expert dimension: normal(0, std) first projection, normal(0, std / sqrt(2 * num_layers))
         down projection (Megatron's scaled output init), zero biases. Drawn from a generator seeded by
         ``(base_seed, expert)`` alone, so they do not depend on the split of experts over ranks or on the device."""
-        gen = torch.Generator().manual_seed(expert_seed(base_seed, expert))
+        # CPU spelled out: under ``with torch.device("cuda")`` a bare randn lands on the GPU and rejects the CPU
+        # generator, and the values must not depend on the device anyway
+        cpu = torch.device("cpu")
+        gen = torch.Generator(device=cpu).manual_seed(expert_seed(base_seed, expert))
         hidden, f = self.hidden_size, self.ffn_hidden_size
         width = self.activation.width_factor * f
         values = {
-            "w_gate_up_EH2F": torch.randn(hidden, width, generator=gen).mul_(std),
-            "w_down_EFH": torch.randn(f, hidden, generator=gen).mul_(std / math.sqrt(2.0 * num_layers)),
+            "w_gate_up_EH2F": torch.randn(hidden, width, generator=gen, device=cpu).mul_(std),
+            "w_down_EFH": torch.randn(f, hidden, generator=gen, device=cpu).mul_(std / math.sqrt(2.0 * num_layers)),
         }
         if self.has_bias:
-            values["b_gate_up_E2F"], values["b_down_EH"] = torch.zeros(width), torch.zeros(hidden)
+            values["b_gate_up_E2F"] = torch.zeros(width, device=cpu)
+            values["b_down_EH"] = torch.zeros(hidden, device=cpu)
         return values
 
     def local_slice(self, name: str, whole_expert: torch.Tensor) -> torch.Tensor:
@@ -266,14 +270,18 @@ class GroupedExperts(nn.Module):
     ) -> GroupedWgrad | None:
         """The weight-gradient kernel of ``backend`` when the first projection can gather its own rows: its module
         says so (:attr:`ExpertLinear.gathers_rows`; a quantised one takes rows), plain tensors (not DTensors), a back
-        end with a separate weight gradient, groups that cover every row, and not under torch.compile."""
+        end with a separate weight gradient (for the loop back end, groups that cover every row), and not under
+        torch.compile."""
         if not getattr(self.fc1, "gathers_rows", False) or type(x_TH) is not torch.Tensor:
             return None
         if torch.compiler.is_compiling():  # as for the fused activation: the compiler chooses what to save itself
             return None
         if backend.wgrad is None:
             return None
-        if int(tokens_per_expert_E.sum()) != row_source_N.shape[0]:
+        # the loop back end splits the rows by the counts on the host anyway: there, rows past the groups (which it
+        # cannot gather for) are checked; torch's grouped_mm takes device offsets, and reading the counts back to
+        # check would stall the stream every layer (the dispatchers' groups cover every row)
+        if backend.name == "loop" and int(tokens_per_expert_E.sum()) != row_source_N.shape[0]:
             return None
         return backend.wgrad
 

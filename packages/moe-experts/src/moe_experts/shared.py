@@ -17,9 +17,9 @@ Parameters (names used in checkpoints):
 
 The shared expert does not depend on the routing, so on CUDA it can run on a side stream while the tokens are
 dispatched: :meth:`SharedExperts.start` launches it and returns a :class:`SharedExpertsHandle`; its
-:meth:`~SharedExpertsHandle.wait` makes the current stream wait for the result. Off CUDA ``start`` computes
-the result inline (no overlap) and ``wait`` returns it. Autograd runs each backward op on the stream its forward
-op ran on, so the backward of the shared expert overlaps too.
+:meth:`~SharedExpertsHandle.wait` makes the current stream wait for the result. Off CUDA, and under
+``torch.compile``, ``start`` computes the result inline (no overlap) and ``wait`` returns it. Autograd runs each
+backward op on the stream its forward op ran on, so the backward of the shared expert overlaps too.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ class SharedExperts(nn.Module):
     def start(self, x_TH: torch.Tensor, stream: torch.cuda.Stream | None = None) -> SharedExpertsHandle:
         """Launch the forward on ``stream`` (default :func:`shared_expert_stream`) when ``x_TH`` is on CUDA, else
         run it inline. Call :meth:`SharedExpertsHandle.wait` before using the output (e.g. after the combine)."""
-        if not x_TH.is_cuda:
+        # inline when compiling: Dynamo's stream/event/record_stream tracing is new and untested here; one plain graph
+        if not x_TH.is_cuda or torch.compiler.is_compiling():
             return SharedExpertsHandle(self(x_TH))
         side = shared_expert_stream(x_TH.device) if stream is None else stream
         main = torch.cuda.current_stream(x_TH.device)

@@ -34,6 +34,7 @@ ROUTER_FIELDS = {
     "moe_pad_expert_input_to_capacity": "pad_to_capacity",
     "moe_router_force_load_balancing": "force_load_balancing",
     "moe_router_dtype": "router_dtype",
+    "moe_permute_backend": "permute_backend",
     "add_bias_linear": "add_bias",  # the router's bias comes with the other linear biases (GPT-OSS)
 }
 # RouterConfig field -> the ModelConfig field a user sets, to name it in errors
@@ -148,6 +149,9 @@ class ModelConfig:
     moe_router_force_load_balancing: bool = False
     moe_router_dtype: str = "fp32"  # fp32 | fp64
     moe_expert_backend: str = "auto"  # auto | torch | loop | grouped_gemm | te
+    # auto | torch | triton: the token permutation's (triton: the fused kernels' custom ops; their plain-torch
+    # stand-in on CPU, to run as on a GPU)
+    moe_permute_backend: str = "auto"
     # --- multi-token prediction (DeepSeek-V3) ---
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1

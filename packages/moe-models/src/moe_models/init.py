@@ -83,14 +83,16 @@ class InitialWeights:
         box = box or tuple(slice(0, n) for n in shape)
         local = tuple(s.stop - s.start for s in box)
         if rule.std is None:
-            return torch.full(local, rule.fill)
+            return torch.full(local, rule.fill, device="cpu")
         rows = box[0] if shape else slice(0, 1)
         first, last = rows.start // ROWS_PER_DRAW, max(rows.stop - 1, rows.start) // ROWS_PER_DRAW
         blocks = []
         for block in range(first, last + 1):
-            gen = torch.Generator().manual_seed(expert_seed(name_seed(self.seed, name), block))
+            # on the CPU whatever the default device (a model built under ``with torch.device("cuda")``): the
+            # generator is a CPU one, and the values must not depend on the device
+            gen = torch.Generator(device="cpu").manual_seed(expert_seed(name_seed(self.seed, name), block))
             n = min(ROWS_PER_DRAW, (shape[0] if shape else 1) - block * ROWS_PER_DRAW)
-            blocks.append(torch.randn(n, *shape[1:], generator=gen))
+            blocks.append(torch.randn(n, *shape[1:], generator=gen, device="cpu"))
         start = rows.start - first * ROWS_PER_DRAW
         value = torch.cat(blocks)[start : start + (rows.stop - rows.start)].mul_(rule.std)
         return value[(slice(None), *box[1:])] if shape else value.reshape(())

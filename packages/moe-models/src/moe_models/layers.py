@@ -63,7 +63,8 @@ class MoEBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.router = TopKRouter(hidden_size, router)
-        self.dispatcher = LocalDispatcher(router.num_experts)  # stateless: safe to share across calls
+        # stateless: safe to share across calls
+        self.dispatcher = LocalDispatcher(router.num_experts, permute_backend=router.permute_backend)
         self.experts = GroupedExperts(
             router.num_experts, hidden_size, ffn_hidden_size, activation=activation, backend=expert_backend, bias=bias
         )

@@ -17,7 +17,7 @@ from moe_precision.layers import QuantizedGroupedLinear, QuantizedLinear, apply_
 from moe_precision.recipes import RECIPES, Recipe, ScalingState
 from moe_precision.wire import BlockwiseFP8Wire
 
-__version__ = "0.2.1"
+__version__ = "0.2.2"
 
 __all__ = [
     "E2M1",

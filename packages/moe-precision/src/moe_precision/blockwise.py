@@ -163,9 +163,9 @@ def quantize_nvfp4(
     return NVFP4(values, block_scale, global_scale, block)
 
 
-def hadamard_16() -> torch.Tensor:
-    """The 16x16 Sylvester Hadamard matrix divided by 4 (orthonormal)."""
-    h = torch.ones(1, 1)
+def hadamard_16(device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16x16 Sylvester Hadamard matrix divided by 4 (orthonormal), on ``device`` (None: the default device)."""
+    h = torch.ones(1, 1, device=device)
     for _ in range(4):
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h / 4.0
@@ -178,5 +178,6 @@ def random_hadamard_transform(x_MK: torch.Tensor, signs_16: torch.Tensor) -> tor
     m, k = x_MK.shape
     kb = -(-k // 16)
     padded = torch.nn.functional.pad(x_MK.float(), (0, kb * 16 - k)).view(m, kb, 16)
-    rotation = (signs_16.float()[:, None] * hadamard_16()).to(x_MK.device)
+    # built on the operand's device: the signs and the matrix must meet there, not on the default (CPU) device
+    rotation = signs_16.to(x_MK.device, torch.float32)[:, None] * hadamard_16(x_MK.device)
     return (padded @ rotation).view(m, kb * 16)

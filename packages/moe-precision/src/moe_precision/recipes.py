@@ -63,8 +63,11 @@ ERROR_BOUNDS: dict[str, dict[str, float]] = {
     "mxfp8": dict.fromkeys(_GEMMS, 0.06),
     "nvfp4": dict.fromkeys(_GEMMS, 0.25),
 }
-# fixed random signs of nvfp4's Hadamard transform (TE also draws them once)
-_RHT_SIGNS = torch.where(torch.rand(16, generator=torch.Generator().manual_seed(0x5EED)) < 0.5, -1.0, 1.0)
+# fixed random signs of nvfp4's Hadamard transform (TE also draws them once); on the CPU whatever the default device
+# when this module is imported (a CPU generator drawing under ``with torch.device("cuda")`` fails), moved per use
+_RHT_SIGNS = torch.where(
+    torch.rand(16, generator=torch.Generator(device="cpu").manual_seed(0x5EED), device="cpu") < 0.5, -1.0, 1.0
+)
 
 
 def group_amax(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -79,29 +82,31 @@ def group_amax(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
 
 @dataclass
 class AmaxHistory:
-    """Delayed scaling state of one operand of one GEMM: the amaxes of its last ``length`` uses (fp32, newest
-    first), created on the first use's device."""
+    """Delayed scaling state of one operand of one GEMM: the amaxes of its last ``length`` finite uses (fp32, newest
+    first; zeros before the first, which take no part in a max of amaxes) and how many were recorded, both created
+    on the first use's device and updated there: no read-back decides anything (a host sync per GEMM on a GPU)."""
 
     length: int
     history: torch.Tensor | None = None
-    recorded: int = 0
+    recorded: torch.Tensor | None = None  # int64 scalar: the finite amaxes recorded so far
 
     def scale(self, current_amax: torch.Tensor, fmt: MiniFloat, margin: int, algo: str) -> torch.Tensor:
-        """The scale for this use: from the history (``max`` of it or its ``most_recent`` entry); at the first use,
-        from the current amax. A history with non-finite entries keeps them out (the last finite scale stays)."""
-        if self.history is None:  # nothing recorded yet
+        """The scale for this use: from the history (``max`` of it or its ``most_recent`` entry); while nothing finite
+        has been recorded, from the current amax. Non-finite amaxes are kept out (the last finite scale stays)."""
+        if self.history is None or self.recorded is None:  # first use
             return scale_from_amax(current_amax, fmt.max, margin)
-        window = self.history[: min(self.recorded, self.length)]
-        amax = window.max() if algo == "max" else window[0]
-        return scale_from_amax(amax, fmt.max, margin)
+        amax = self.history.max() if algo == "max" else self.history[0]
+        return scale_from_amax(torch.where(self.recorded > 0, amax, current_amax.float()), fmt.max, margin)
 
     def record(self, amax: torch.Tensor) -> None:
-        if not bool(torch.isfinite(amax)):
-            return  # an overflowing step must not poison the scale of the steps after it
-        if self.history is None:
+        if self.history is None or self.recorded is None:
             self.history = torch.zeros(self.length, device=amax.device)
-        self.history = torch.cat([amax.reshape(1).float(), self.history[:-1]])
-        self.recorded += 1
+            self.recorded = torch.zeros((), dtype=torch.int64, device=amax.device)
+        # an overflowing step must not poison the scale of the steps after it: the history moves only when finite
+        finite = torch.isfinite(amax.reshape(()))
+        shifted = torch.cat([amax.reshape(1).float(), self.history[:-1]])
+        self.history = torch.where(finite, shifted, self.history)
+        self.recorded = self.recorded + finite.long()
 
 
 @dataclass

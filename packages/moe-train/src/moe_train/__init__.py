@@ -10,7 +10,7 @@ from moe_train.config import (
     preset_names,
 )
 
-__version__ = "0.11.0"
+__version__ = "0.11.1"
 
 __all__ = [
     "ConfigError",

@@ -114,7 +114,19 @@ def capability_rows() -> list[tuple[str, str, str]]:
     for name, reason in backends.backend_availability().items():
         rows.append((f"experts backend {name}", "yes" if reason is None else "no", reason or "usable"))
     rows += [vendor_row(vendor) for vendor in VENDORS]
+    rows += torch_difference_rows()
     return rows
+
+
+def torch_difference_rows() -> list[tuple[str, str, str]]:
+    """One row per way the installed torch differs from 2.13 in what the packages use (each package finds its own by
+    trying the API: moe_train.torch_differences), and how it is handled; one row saying so when there is none."""
+    from moe_train.torch_differences import torch_differences
+
+    found = torch_differences()
+    if not found:
+        return [("torch differences", "none", "behaves as torch 2.13 where the packages check")]
+    return [("torch difference", f"torch {torch.__version__.split('+')[0]}", line) for line in found]
 
 
 def format_table(rows: list[tuple[str, str, str]]) -> str:

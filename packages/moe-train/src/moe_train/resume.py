@@ -31,7 +31,7 @@ from moe_train.config import ConfigError, ExperimentConfig
 from moe_train.output_lock import LOCK_FILE, check_unlocked
 
 # model fields that choose how a step computes, not what the weights are: a checkpoint resumes under another value
-_RUNTIME_MODEL_FIELDS = frozenset({"moe_expert_backend"})
+_RUNTIME_MODEL_FIELDS = frozenset({"moe_expert_backend", "moe_permute_backend"})
 
 
 @dataclasses.dataclass(frozen=True)
