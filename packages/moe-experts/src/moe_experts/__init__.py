@@ -24,6 +24,7 @@ from moe_experts.backends import (
 )
 from moe_experts.fused import WeightedActivation, weighted_activation
 from moe_experts.grouped import ExpertActivation, ExpertLinear, GroupedExperts, expert_seed
+from moe_experts.lora import LoRAExpertLinear, add_expert_lora_, merged_expert_weights
 from moe_experts.shared import SharedExperts, SharedExpertsHandle, shared_expert_stream
 
 __version__ = "0.2.5"
@@ -38,10 +39,12 @@ __all__ = [
     "ExpertActivation",
     "ExpertLinear",
     "GroupedExperts",
+    "LoRAExpertLinear",
     "SharedExperts",
     "SharedExpertsHandle",
     "WeightedActivation",
     "__version__",
+    "add_expert_lora_",
     "backend_availability",
     "expert_seed",
     "gate_up_columns",
@@ -49,6 +52,7 @@ __all__ = [
     "geglu",
     "get_activation",
     "loop_grouped_mm",
+    "merged_expert_weights",
     "resolve_backend",
     "shared_expert_stream",
     "squared_relu",
