@@ -25,6 +25,7 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -271,6 +272,7 @@ def _pinned_copy() -> str:
     host = torch.empty(1 << 20, pin_memory=True)
     dev = torch.randn(1 << 20, device="cuda")
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # dev is written on the current stream: copy after it
     with torch.cuda.stream(stream):
         host.copy_(dev, non_blocking=True)
     stream.synchronize()
@@ -327,6 +329,11 @@ def versions() -> dict:
         import triton
 
         out["triton"] = triton.__version__
+    # Triton builds its CUDA launcher with a C compiler ($CC, else cc / gcc / clang): without one, every Triton
+    # kernel (the permutation, inductor's) fails at its first launch
+    out["c_compiler"] = os.environ.get("CC") or next(
+        (found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None
+    )
     return out
 
 
@@ -408,7 +415,10 @@ def main() -> None:
 
     v, c = report["versions"], report["card"]
     print(f"python {v['python']}  torch {v.get('torch')} (CUDA {v.get('torch_cuda')})  triton {v.get('triton')}")
-    print(f"transformers {v.get('transformers')}  pytest {v.get('pytest')}  hypothesis {v.get('hypothesis')}")
+    print(
+        f"transformers {v.get('transformers')}  pytest {v.get('pytest')}  hypothesis {v.get('hypothesis')}  "
+        f"C compiler {v.get('c_compiler')}"
+    )
     print(f"card: {c.get('name', 'none')} {c.get('capability', '')} {c.get('memory_gib', '')} GiB x{c.get('count', 0)}")
     print(f"APIs: {len(listed)} listed, {len(missing)} missing" + (f": {', '.join(missing)}" if missing else ""))
     for label, result in {**report["signatures"], **report["checks"]}.items():
