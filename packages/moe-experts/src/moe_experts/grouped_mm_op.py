@@ -49,7 +49,11 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
 def _backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
     mat_a, mat_b, offs = ctx.saved_tensors
     if mat_b.dim() != 3:
-        raise NotImplementedError("moe_experts::grouped_mm: gradients of the 2D x 2D form")
+        # the 2D x 2D form is the weight gradient, computed inside a backward and never differentiated itself
+        raise RuntimeError(
+            "moe_experts::grouped_mm: the 2D x 2D form (a weight gradient) has no gradient; differentiate the "
+            "2D x 3D form instead"
+        )
     grad = grad.contiguous()
     grad_a = grouped_mm_op(grad, mat_b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
     grad_b = grouped_mm_op(mat_a.t(), grad, offs) if ctx.needs_input_grad[1] else None
