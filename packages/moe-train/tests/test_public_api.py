@@ -9,6 +9,7 @@ PUBLIC_NAMES = [
     "ConfigError",
     "DataConfig",
     "ExperimentConfig",
+    "PeftConfig",
     "RunConfig",
     "TrainConfig",
     "__version__",

@@ -71,6 +71,36 @@ class DataConfig:
     # undecodable bytes in .txt / .jsonl text (and their .gz): strict = an error naming the file and byte offset |
     # replace = each undecodable run of bytes becomes U+FFFD (a note counts them)
     decode_errors: str = "strict"
+    # what a record is: text (data.text_field is one document) | chat (a conversation: OpenAI-style "messages" or
+    # ShareGPT "conversations", rendered by the tokenizer's chat template) | prompt_completion (two text fields)
+    format: str = "text"
+    messages_field: str = ""  # chat: the record field holding the turns; "" = "messages", else "conversations"
+    prompt_field: str = "prompt"  # prompt_completion: the field holding the prompt
+    completion_field: str = "completion"  # prompt_completion: the field holding the answer
+    # a jinja chat template file; "" = the tokenizer's own (its tokenizer_config.json chat_template)
+    chat_template: str = ""
+    # which tokens carry labels: "" = assistant for chat, completion for prompt_completion, all for text |
+    # assistant (the assistant's turns, their end-of-turn token included) | completion | all
+    loss_on: str = ""
+    # chat / prompt_completion: pack whole conversations into data.seq_len windows (first fit; attention never
+    # crosses a document) | false = one conversation per window, padded
+    packing: bool = True
+    # a conversation longer than data.seq_len: error (names the record) | skip (counted in the start-up line)
+    truncation: str = "error"
+    # a malformed record (unknown role, empty conversation, missing field): error | skip (counted, never silent)
+    bad_records: str = "error"
+
+
+@dataclass
+class PeftConfig:
+    """The ``peft`` config section: parameter-efficient fine-tuning (LoRA) of a frozen base model."""
+
+    method: str = "none"  # none | lora
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    # fnmatch patterns over module names; [] = attention projections, dense MLPs, shared and routed experts
+    targets: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +175,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -373,10 +404,21 @@ def validate(cfg: ExperimentConfig) -> None:
         if getattr(cfg.train, key) not in choices:
             raise ConfigError(f"train.{key}={getattr(cfg.train, key)!r}: choose {' or '.join(choices)}")
     _validate_data(cfg)
+    _validate_peft(cfg.peft)
     if cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"run.device={cfg.run.device!r}: choose auto, cpu or cuda")
     if cfg.run.dtype not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.dtype={cfg.run.dtype!r}: choose auto, fp32 or bf16")
+
+
+def _validate_peft(peft: PeftConfig) -> None:
+    if peft.method not in ("none", "lora"):
+        raise ConfigError(f"peft.method={peft.method!r}: choose none (train every parameter) or lora")
+    if peft.method == "none":
+        return
+    _positive("peft", peft, "rank", "alpha")
+    if not 0 <= peft.dropout < 1:
+        raise ConfigError(f"peft.dropout={peft.dropout}: must be in [0, 1)")
 
 
 def _validate_data(cfg: ExperimentConfig) -> None:
