@@ -452,7 +452,53 @@ def _validate_data(cfg: ExperimentConfig) -> None:
             f"data.valid_fraction={data.valid_fraction} and data.valid_source={data.valid_source!r} both name the "
             "validation data: keep one"
         )
+    _validate_data_format(cfg)
     # byte level for sure: no tokenizer named, none to take from a checkpoint (whether one has a tokenizer.json is
     # for prepare_data to look at)
     if (data.tokenizer == "bytes" or not (data.tokenizer or cfg.model_from_hf)) and cfg.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: byte-level data needs at least 256")
+
+
+# data.format -> the data.loss_on values that mean something for it ("" = its default)
+LOSS_ON = {"text": ("", "all"), "chat": ("", "assistant", "all"), "prompt_completion": ("", "completion", "all")}
+
+
+def _validate_data_format(cfg: ExperimentConfig) -> None:
+    """data.format and the keys of conversation data (moe_train.conversation_data reads them)."""
+    data = cfg.data
+    if data.format not in LOSS_ON:
+        raise ConfigError(
+            f"data.format={data.format!r}: choose text (one document per record), chat (conversations) or "
+            "prompt_completion (two text fields)"
+        )
+    if data.loss_on not in LOSS_ON[data.format]:
+        known = ("", "assistant", "completion", "all")
+        what = "is not a choice" if data.loss_on not in known else f"does not apply to data.format={data.format}"
+        choices = ", ".join(c for c in LOSS_ON[data.format] if c)
+        raise ConfigError(f"data.loss_on={data.loss_on!r}: {what}; choose {choices} (or '' for the format's default)")
+    for key, meaning in (("truncation", "conversations longer than data.seq_len"), ("bad_records", "bad records")):
+        if getattr(data, key) not in ("error", "skip"):
+            raise ConfigError(
+                f"data.{key}={getattr(data, key)!r}: choose error (stop at the first of the {meaning}) or skip (count "
+                "and leave them out)"
+            )
+    if data.format == "text":
+        return
+    if data.source == "stdlib":
+        raise ConfigError(
+            f"data.source='stdlib' is text, not {data.format} records; name a .jsonl or .parquet file, a directory of "
+            "them or a datasets save_to_disk directory"
+        )
+    if data.tokenizer == "bytes" or not (data.tokenizer or cfg.model_from_hf):
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer!r}: data.format={data.format} needs a tokenizer (byte-level ids have no "
+            "chat template or special tokens); name a tokenizer.json or its directory with data.tokenizer"
+        )
+    if data.format == "prompt_completion":
+        for key in ("prompt_field", "completion_field"):
+            if not getattr(data, key):
+                raise ConfigError(f"data.{key}='': name the record field that holds the {key.split('_')[0]}")
+        if data.prompt_field == data.completion_field:
+            raise ConfigError(
+                f"data.prompt_field and data.completion_field are both {data.prompt_field!r}: name two fields"
+            )

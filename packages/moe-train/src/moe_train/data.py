@@ -2,7 +2,9 @@
 
 ``prepare_data`` turns the ``data`` config section into token files (sources: moe_train.sources; tokenizers:
 moe_train.tokenization; packing and the cache: moe_train.packing). The default, byte-level tokens of the Python
-standard library's source files, exists on every machine and is cached once as a flat uint8 file.
+standard library's source files, exists on every machine and is cached once as a flat uint8 file. Conversations
+(``data.format`` chat / prompt_completion) take their own path (moe_train.conversation_data) to windows of whole
+conversations with labels on the answers only (moe_train.conversation_stream.ConversationStream).
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import hashlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from moe_train.batch import Batch
 from moe_train.config import ConfigError, DataConfig
+from moe_train.conversation_data import prepare_conversations
+from moe_train.conversation_stream import ConversationStream
 from moe_train.packing import log_to_stderr, token_files
 from moe_train.sources import STDLIB, resolve_source, stdlib_sources
 from moe_train.tokenization import BYTE_SEPARATOR, default_tokenizer, load_tokenizer
@@ -28,6 +33,7 @@ DTYPES = {".u8": np.uint8, ".u16": np.uint16, ".u32": np.uint32}
 __all__ = [
     "SEPARATOR",
     "Batch",
+    "ConversationStream",
     "PreparedData",
     "TokenStream",
     "default_cache_dir",
@@ -61,12 +67,6 @@ def stdlib_token_file(cache_dir: Path | None = None) -> Path:
             out.write(SEPARATOR)
     os.replace(tmp, path)
     return path
-
-
-@dataclass(frozen=True)
-class Batch:
-    input_ids_BS: torch.Tensor
-    labels_BS: torch.Tensor
 
 
 class TokenStream:
@@ -103,6 +103,10 @@ class TokenStream:
         """Sequences ``start .. start+count-1`` of global batch ``step``."""
         return self._windows(self.global_offsets(step, global_batch)[start : start + count])
 
+    def labelled_tokens(self, step: int, global_batch: int) -> int:
+        """The labels of global batch ``step``: every position of every window has one."""
+        return global_batch * self.seq_len
+
     def eval_offsets(self, num_windows: int | None = None) -> np.ndarray:
         """Starts of fixed evaluation windows: non-overlapping (each token is a label at most once), spread evenly
         over the file; all that fit when ``num_windows`` is None or more than fit."""
@@ -137,8 +141,8 @@ class PreparedData:
     """What the trainer reads: training windows, validation windows (None without validation data) and what
     identifies them."""
 
-    train: TokenStream
-    valid: TokenStream | None
+    train: TokenStream | ConversationStream
+    valid: TokenStream | ConversationStream | None
     vocab_size_needed: int  # model.vocab_size must be at least this: every id the tokenizer can produce
     eos_id: int | None  # the id after every document; None for byte level, whose documents end with a blank line
     separator: tuple[int, ...]  # the ids after every document
@@ -146,6 +150,11 @@ class PreparedData:
     # hash of the token files' content (and dtype): equal for equal data, wherever it is cached; checkpoints record
     # it so that a resume on other data can be refused
     fingerprint: str
+    # conversations (data.format chat / prompt_completion): the share of the training windows' tokens that are
+    # conversations' (the rest is padding); None for text
+    packing_efficiency: float | None = None
+    # records and conversations left out by data.bad_records=skip / data.truncation=skip: reason -> count
+    skipped: dict[str, int] = field(default_factory=dict)
 
 
 def _stdlib_bytes(data: DataConfig, cache_dir: Path, seed: int) -> PreparedData:
@@ -169,7 +178,9 @@ def prepare_data(
     inputs is there, and open the token files. Every mistake a user can make is a one-line :class:`ConfigError`,
     raised before the trainer builds anything: missing or unreadable sources, a missing ``data.text_field``, an
     empty corpus, a tokenizer that is not one, a vocabulary larger than ``model_vocab_size``, data shorter than a
-    window. ``log`` hears about a build (which can take a while); cache hits are silent."""
+    window. ``log`` hears about a build (which can take a while); cache hits are silent. For data.format chat /
+    prompt_completion, bad records and conversations longer than a window too (or, with data.bad_records /
+    data.truncation skip, their counts in ``skipped``)."""
     cache_dir = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     tokenizer = load_tokenizer(default_tokenizer(data, model_from_hf), data.eos_token)
     if model_vocab_size is not None and model_vocab_size < tokenizer.vocab_size:
@@ -177,6 +188,19 @@ def prepare_data(
         raise ConfigError(
             f"model.vocab_size={model_vocab_size}: {what} needs at least {tokenizer.vocab_size}; "
             f"set model.vocab_size={tokenizer.vocab_size} or more"
+        )
+    if data.format != "text":
+        found = prepare_conversations(data, tokenizer, cache_dir, seed, log)
+        return PreparedData(
+            train=found.train,
+            valid=found.valid,
+            vocab_size_needed=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id,
+            separator=(),  # nothing follows a conversation: its template ends it, and windows keep them apart
+            tokenizer=tokenizer.name,
+            fingerprint=found.fingerprint,
+            packing_efficiency=found.train.packing_efficiency,
+            skipped=found.skipped,
         )
     valid_spec = data.valid_source
     if data.source == STDLIB and not tokenizer.name and not valid_spec and not data.valid_fraction:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from moe_models import StageRouting, next_token_loss, training_flops_per_token
+from moe_models.loss import IGNORE_INDEX
 from moe_parallel import all_reduce_mean, full_value, local_grad
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
 from moe_train.metrics import peak_tflops
@@ -25,18 +26,22 @@ from moe_train.step_metrics import PendingMetrics
 class NextTokenLoss:
     """The one loss of a training step, called by the model's last stage with its output (the logits, with the MTP
     depths' after them) and the micro-batch's labels; keeps the step's LM and MTP loss sums on the device.
-    ``positions_S``: the positions this rank computes under context parallelism."""
+    ``positions_S``: the positions this rank computes under context parallelism. ``labelled_per_share`` (set for each
+    step by :meth:`reset`): the per-token loss's divisor (moe_models.causal_lm_loss's ``labelled_tokens``); None: the
+    mean over the micro-batch's positions, which is the same thing when every position has a label."""
 
     def __init__(self, mtp_loss_scaling_factor: float, positions_S: torch.Tensor | None = None) -> None:
         self.factor, self.positions = mtp_loss_scaling_factor, positions_S
         self.lm_sum = self.mtp_sum = torch.zeros(())
+        self.labelled_per_share: float | None = None
 
-    def reset(self, device: torch.device) -> None:
+    def reset(self, device: torch.device, labelled_per_share: float | None = None) -> None:
         self.lm_sum, self.mtp_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.labelled_per_share = labelled_per_share
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels_BS: torch.Tensor) -> torch.Tensor:
         logits, *mtp = output if isinstance(output, tuple) else (output,)
-        loss = next_token_loss(logits, mtp, labels_BS, self.factor, self.positions)
+        loss = next_token_loss(logits, mtp, labels_BS, self.factor, self.positions, self.labelled_per_share)
         self.lm_sum = self.lm_sum + full_value(loss.lm)
         if loss.mtp:
             self.mtp_sum = self.mtp_sum + full_value(torch.stack(loss.mtp).mean())
@@ -89,14 +94,29 @@ class TrainLoop:
             return torch.bfloat16
         return torch.bfloat16 if self.cfg.train.params_dtype == "bf16" else torch.float32
 
-    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of step ``step``'s global batch (its micro-batches one after another), on the device."""
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of step ``step``'s global batch (its micro-batches one after another), on the device: the
+        token ids, the labels and (packed documents) the document ids."""
         micro, device = self.setup.micro_batch, self.ctx.device
         parts = [
             self.setup.data.train.batch(step, self.cfg.train.global_batch_size, self.first_row + m * micro, micro)
             for m in range(self.setup.grad_accum)
         ]
-        return torch.cat([p.input_ids_BS for p in parts]).to(device), torch.cat([p.labels_BS for p in parts]).to(device)
+        ids, labels = (
+            torch.cat([getattr(p, name) for p in parts]).to(device) for name in ("input_ids_BS", "labels_BS")
+        )
+        if parts[0].document_ids_BS is None:
+            return ids, labels, None
+        return ids, labels, torch.cat([p.document_ids_BS for p in parts]).to(device)
+
+    def labelled_per_share(self, step: int) -> float:
+        """The per-token loss's divisor at step ``step``: the global batch's labelled tokens over the equal shares
+        the batch is cut into (every data-parallel rank's micro-batches, each split over the context-parallel ranks),
+        so that the shares' mean is the mean over the global batch's labelled tokens (loss.causal_lm_loss)."""
+        cfg = self.cfg
+        labelled = self.setup.data.train.labelled_tokens(step, cfg.train.global_batch_size)
+        shares = cfg.train.global_batch_size // self.setup.micro_batch * self.setup.layout.cp
+        return max(labelled, 1) / shares
 
     def step(self, step: int, last_saved: Path | None, stop: StopRequest, write_metrics: bool) -> StepResult:
         """Optimizer step ``step`` (0-based). ``write_metrics``: reduce and return the pending records (a log step,
@@ -106,12 +126,21 @@ class TrainLoop:
         lr = lr_at(step, self.cfg.train)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
-        inputs, labels = self._batch(step)
+        inputs, labels, documents = self._batch(step)
         self.routing.clear()
-        self.loss.reset(self.ctx.device)
+        # packed documents label some tokens only (and a different number in each micro-batch): a per-token loss
+        self.loss.reset(self.ctx.device, None if documents is None else self.labelled_per_share(step))
+        extra = {} if documents is None else {"document_ids_BS": documents}
         with self.autocast, parallel.loss_context():
             parallel.forward_backward(
-                inputs, labels, accum, self.loss, self.hidden_dtype, positions_S=self.positions, routing=self.routing
+                inputs,
+                labels,
+                accum,
+                self.loss,
+                self.hidden_dtype,
+                positions_S=self.positions,
+                routing=self.routing,
+                **extra,
             )
         held = parallel.stage_indices
         aux_sum = sum((self.routing.aux_loss[i] for i in held), torch.zeros((), device=self.ctx.device))
@@ -162,9 +191,10 @@ class TrainLoop:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean next-token loss over ``train.eval_iters`` fixed validation batches (the same at every evaluation),
-        each data-parallel replica computing its slice of each."""
+        each data-parallel replica computing its slice of each; over the labelled tokens for packed documents."""
         setup, cfg, device, parallel = self.setup, self.cfg, self.ctx.device, self.parallel
         total = torch.zeros((), device=device)
+        labelled = torch.zeros((), device=device)
         batches = 0
         setup.model.eval()
         try:
@@ -174,14 +204,23 @@ class TrainLoop:
                     cfg.train.eval_iters, cfg.train.global_batch_size, first, setup.micro_batch
                 ):
                     ids, labels = batch.input_ids_BS.to(device), batch.labels_BS.to(device)
+                    documents = batch.document_ids_BS
+                    extra = {} if documents is None else {"document_ids_BS": documents.to(device)}
                     with self.autocast:
-                        out = parallel.forward(ids, self.hidden_dtype, positions_S=self.positions)
+                        out = parallel.forward(ids, self.hidden_dtype, positions_S=self.positions, **extra)
                         if out is not None:  # the last stage's ranks alone have logits
                             logits = out[0] if isinstance(out, tuple) else out
                             with parallel.loss_context():
-                                loss = next_token_loss(logits, (), labels, 0.0, self.positions)
+                                if documents is None:
+                                    loss = next_token_loss(logits, (), labels, 0.0, self.positions)
+                                else:  # a sum, and its labels counted where it was taken: a per-token mean below
+                                    loss = next_token_loss(logits, (), labels, 0.0, self.positions, 1.0)
+                                    local_labels = labels if self.positions is None else labels[:, self.positions]
+                                    labelled += (local_labels != IGNORE_INDEX).sum()
                                 total += full_value(loss.lm.float())
                     batches += 1
         finally:
             setup.model.train()
+        if documents is not None:
+            return self.global_mean(total) / max(self.global_mean(labelled), 1e-12)
         return self.global_mean(total / batches)

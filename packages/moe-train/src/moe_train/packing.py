@@ -92,7 +92,7 @@ def token_files(
     if (entry / META).is_file():
         return _read_entry(entry)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(cache_dir / f".{entry.name}.lock"):
+    with exclusive(cache_dir / f".{entry.name}.lock"):
         if (entry / META).is_file():  # another rank built it while this one waited
             return _read_entry(entry)
         started = time.perf_counter()
@@ -103,11 +103,7 @@ def token_files(
         replaced = Replaced()
         try:
             meta = _build(tmp, key, train, valid, valid_fraction, tokenizer, replaced)
-            try:
-                os.replace(tmp, entry)
-            except OSError:  # a non-empty entry is there: another process's rename came first
-                if not (entry / META).is_file():
-                    raise
+            publish_entry(tmp, entry)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if log is not None:
@@ -124,12 +120,22 @@ def token_files(
     return _read_entry(entry)
 
 
+def publish_entry(tmp: Path, entry: Path) -> None:
+    """Rename the built directory ``tmp`` into place as ``entry``; a whole entry already there (another process's
+    rename came first) is kept."""
+    try:
+        os.replace(tmp, entry)
+    except OSError:
+        if not (entry / META).is_file():
+            raise
+
+
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
+def exclusive(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (released by the OS if the process dies, so it never goes stale)."""
     try:
         import fcntl

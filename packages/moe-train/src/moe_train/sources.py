@@ -13,6 +13,9 @@ offset, unless ``data.decode_errors=replace``, which turns each undecodable run 
 ``bytes.decode("utf-8", errors="replace")``; .txt line ends ``\r\n`` / ``\r`` read as ``\n``, as they always
 were) and counts the bytes replaced. Parquet and ``datasets`` strings are UTF-8 already (Arrow checks them).
 
+Chat and prompt/completion data (``data.format``) read whole records instead (:func:`iter_records`): JSONL lines,
+Parquet and ``datasets`` rows, each with its place for error messages.
+
 A directory's files, and the files a ``save_to_disk`` directory names, must lie inside it: a symlink or a
 ``state.json`` entry leading out of it is refused (a single file named as the source may be anywhere).
 """
@@ -25,7 +28,7 @@ import os
 import re
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -357,7 +360,7 @@ def _parquet_documents(source: Source, path: Path) -> Iterator[str | None]:
             yield _text_value(source, value, f"{path.name} row {row}")
 
 
-def _hf_documents(source: Source, split_dir: Path) -> Iterator[str | None]:
+def _load_hf_split(source: Source, split_dir: Path):  # -> datasets.Dataset
     # load_from_disk reads local Arrow files; the variables keep anything datasets may do on import off the network
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -369,6 +372,11 @@ def _hf_documents(source: Source, split_dir: Path) -> Iterator[str | None]:
         raise ConfigError(f"{source.describe()}: not a readable datasets save_to_disk directory ({err})") from None
     if isinstance(dataset, datasets.DatasetDict):  # a DatasetDict nested in a split: not something save_to_disk writes
         raise ConfigError(f"{source.describe()}: {split_dir} holds a DatasetDict; point at one split's directory")
+    return dataset
+
+
+def _hf_documents(source: Source, split_dir: Path) -> Iterator[str | None]:
+    dataset = _load_hf_split(source, split_dir)
     if source.text_field not in dataset.column_names:
         raise _missing_field(source, f"the dataset at {split_dir}", dataset.column_names)
     row = 0
@@ -377,3 +385,100 @@ def _hf_documents(source: Source, split_dir: Path) -> Iterator[str | None]:
         for value in table.column(0).to_pylist():
             row += 1
             yield _text_value(source, value, f"row {row}")
+
+
+# ------------------------------------------------------------------------------------------- records (data.format)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record of a chat or prompt/completion source: the ``number``-th (1-based: a JSONL line, a Parquet or
+    datasets row) of the source's file ``file_index``. ``value`` is what the line parsed to (a dict when it is a
+    record at all); ``error`` says why a JSONL line did not parse."""
+
+    file_index: int
+    number: int
+    value: object
+    error: str = ""
+
+
+def record_where(source: Source, file_index: int, number: int) -> str:
+    """A record's place as a user finds it: "chat.jsonl line 3", "part-0.parquet row 7", "row 7" (datasets)."""
+    if source.kind == HF_DATASET:
+        return f"row {number}"
+    path = source.files[file_index]
+    return f"{source.file_name(path)} {'line' if _format(path) == 'jsonl' else 'row'} {number}"
+
+
+def iter_records(
+    source: Source, columns: Sequence[str], missing: Callable[[str, list[str]], ConfigError], need_all: bool = False
+) -> Iterator[Record]:
+    """Every record of ``source`` (JSONL, Parquet, datasets, .gz), in a fixed order. Columnar files read only those
+    of ``columns`` they have; one with none of them (``need_all``: without one of them) is ``missing(where, its
+    columns)``, raised. JSONL records keep every key; a line that is not JSON is a Record with ``error`` set; blank
+    lines are no records."""
+
+    def present(names: list[str], where: str) -> list[str]:
+        found = [c for c in columns if c in names]
+        if not found or (need_all and len(found) < len(columns)):
+            raise missing(where, names)
+        return found
+
+    if source.kind == HF_DATASET:
+        assert source.hf_dir is not None
+        yield from _hf_records(source, source.hf_dir, present)
+        return
+    for index, path in enumerate(source.files):
+        fmt = _format(path)
+        if fmt == "jsonl":
+            yield from _jsonl_records(source, index, path)
+        elif fmt == "parquet":
+            yield from _parquet_records(source, index, path, present)
+        else:
+            raise ConfigError(
+                f"{source.describe()}: {source.file_name(path)} is text, not records; data.format=chat and "
+                "prompt_completion read .jsonl, .parquet or datasets save_to_disk directories"
+            )
+
+
+def _jsonl_records(source: Source, index: int, path: Path) -> Iterator[Record]:
+    offset = 0
+    for number, raw in enumerate(_binary_lines(source, path), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line = _decode(source, path, raw, offset, Replaced(), number)
+        offset += len(raw)
+        if not line.strip():
+            continue
+        try:
+            yield Record(index, number, json.loads(line))
+        except ValueError as err:
+            yield Record(index, number, None, f"not JSON ({err})")
+
+
+def _parquet_records(
+    source: Source, index: int, path: Path, present: Callable[[list[str], str], list[str]]
+) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises ArrowInvalid / OSError subclasses for files that are not Parquet
+        raise ConfigError(f"{source.describe()}: {path.name} is not a Parquet file ({err})") from None
+    columns = present(parquet.schema_arrow.names, source.file_name(path))
+    number = 0
+    for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns):
+        for row in batch.to_pylist():
+            number += 1
+            yield Record(index, number, row)
+
+
+def _hf_records(source: Source, split_dir: Path, present: Callable[[list[str], str], list[str]]) -> Iterator[Record]:
+    dataset = _load_hf_split(source, split_dir)
+    columns = present(dataset.column_names, f"the dataset at {split_dir}")
+    number = 0
+    for table in dataset.select_columns(columns).with_format("arrow").iter(batch_size=READ_BATCH_ROWS):
+        for row in table.to_pylist():
+            number += 1
+            yield Record(0, number, row)

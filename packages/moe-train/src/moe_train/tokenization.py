@@ -41,6 +41,11 @@ class Tokenizer:
     separator: tuple[int, ...]  # ids appended after each document
     digest: str  # hash of the files that decide its ids, for the token cache's key
     encode_batch: Callable[[list[str]], list[Sequence[int]]]
+    # ids and each id's [start, end) character offsets into its text, with no special tokens added (those written in
+    # the text, as a chat template writes them, are read as themselves); None: byte level, or a transformers tokenizer
+    # without a fast (Rust) version, which has no offsets
+    encode_offsets: Callable[[list[str]], list[tuple[Sequence[int], Sequence[tuple[int, int]]]]] | None = None
+    directory: Path | None = None  # where its tokenizer_config.json (chat template, special tokens) would be
 
     @property
     def dtype(self) -> np.dtype:
@@ -211,8 +216,11 @@ def _load_tokenizers_file(name: str, file: Path, eos_token: str) -> Tokenizer:
         # documents get no BOS/EOS from a post-processor: packing adds the separator itself
         return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
 
+    def encode_offsets(texts: list[str]) -> list[tuple[Sequence[int], Sequence[tuple[int, int]]]]:
+        return [(e.ids, e.offsets) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     vocab = max(tokenizer.get_vocab_size(with_added_tokens=True), eos + 1)
-    return Tokenizer(name, vocab, eos, (eos,), _digest([file]), encode_batch)
+    return Tokenizer(name, vocab, eos, (eos,), _digest([file]), encode_batch, encode_offsets, file.parent)
 
 
 def _load_transformers(name: str, directory: Path, eos_token: str) -> Tokenizer:
@@ -239,6 +247,12 @@ def _load_transformers(name: str, directory: Path, eos_token: str) -> Tokenizer:
     def encode_batch(texts: list[str]) -> list[Sequence[int]]:
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
+    def encode_offsets(texts: list[str]) -> list[tuple[Sequence[int], Sequence[tuple[int, int]]]]:
+        out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(out["input_ids"], out["offset_mapping"], strict=True))
+
     files = [p for pattern in TOKENIZER_FILE_PATTERNS for p in directory.glob(pattern) if p.is_file()]
     vocab = max(len(tokenizer), eos + 1)
-    return Tokenizer(name, vocab, eos, (eos,), _digest(list(dict.fromkeys(files))), encode_batch)
+    offsets = encode_offsets if tokenizer.is_fast else None
+    digest = _digest(list(dict.fromkeys(files)))
+    return Tokenizer(name, vocab, eos, (eos,), digest, encode_batch, offsets, directory)

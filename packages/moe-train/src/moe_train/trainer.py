@@ -251,7 +251,20 @@ def _start_message(setup: Setup, loop: TrainLoop) -> str:
         + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
         + _memory_message(setup.memory)
         + _precision_message(cfg.precision, setup.precision_modules, setup.precision_native)
+        + _data_message(setup)
     )
+
+
+def _data_message(setup: Setup) -> str:
+    """How conversations were packed, and what was skipped (data.bad_records / data.truncation skip): never silent."""
+    data = setup.data
+    text = ""
+    if data.packing_efficiency is not None:
+        how = "packed" if setup.cfg.data.packing else "one per window"
+        text += f", conversations {how} at {100 * data.packing_efficiency:.1f}% of the windows' tokens"
+    if data.skipped:
+        text += ", skipped " + ", ".join(f"{count} {reason}" for reason, count in sorted(data.skipped.items()))
+    return text
 
 
 def _checkpoint_meta(setup: Setup, step: int) -> dict[str, Any]:
