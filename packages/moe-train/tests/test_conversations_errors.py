@@ -188,6 +188,7 @@ def test_a_template_refusing_a_record_is_a_bad_record(tmp_path: Path) -> None:
         ({"data.format": "prompt_completion", "data.prompt_field": ""}, "data.prompt_field='': name the record"),
         ({"data.format": "prompt_completion", "data.completion_field": "prompt"}, "are both 'prompt'"),
         ({"data.format": "text", "data.loss_on": "assistant"}, "does not apply to data.format=text"),
+        ({"model.mtp_num_layers": "1"}, "model.mtp_num_layers=1: multi-token prediction is not supported on packed"),
     ],
 )
 def test_config_checks_that_read_no_files(overrides: dict[str, str], expected: str) -> None:

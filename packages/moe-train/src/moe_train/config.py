@@ -471,6 +471,12 @@ def _validate_data_format(cfg: ExperimentConfig) -> None:
             f"data.format={data.format!r}: choose text (one document per record), chat (conversations) or "
             "prompt_completion (two text fields)"
         )
+    if data.format != "text" and cfg.model.mtp_num_layers:
+        # an MTP depth's targets lie further on in the window, in the next conversation at a document's end
+        raise ConfigError(
+            f"model.mtp_num_layers={cfg.model.mtp_num_layers}: multi-token prediction is not supported on packed "
+            f"conversations (data.format={data.format}) yet; set --model.mtp_num_layers 0 to fine-tune without it"
+        )
     if data.loss_on not in LOSS_ON[data.format]:
         known = ("", "assistant", "completion", "all")
         what = "is not a choice" if data.loss_on not in known else f"does not apply to data.format={data.format}"
