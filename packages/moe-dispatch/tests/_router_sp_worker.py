@@ -41,6 +41,36 @@ CASES = {
 }
 
 
+# packed rows for the padded cases (-1 = padding): every rank's chunk holds a different amount of padding, documents
+# cross the chunks' boundaries, one of them every rank's
+DOCUMENT_IDS_BS = torch.tensor(
+    [
+        [0, 0, 0, 1, 1, -1, -1, -1],
+        [-1, 2, 2, 2, 2, 2, 2, -1],
+        [5, 5, 6, 6, 6, 7, 7, 7],
+    ]
+)
+PADDED_CASES = (
+    "aux_softmax",
+    "aux_sigmoid",
+    "z_loss",
+    "global",
+    "all_but_seq",
+    "seq_softmax",
+    "seq_sigmoid",
+    "aux_plus_seq",
+    "all_sigmoid",
+)
+LAYOUTS = ("contiguous", "zigzag")
+CASES_PADDED_ONLY = {
+    "all_but_seq": {
+        "load_balancing_type": ("aux_loss", "global_aux_loss"),
+        "aux_loss_coeff": (0.3, 0.1),
+        "z_loss_coeff": 0.05,
+    }
+}
+
+
 def micro_batch(replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_BSH, w_BSK): the full micro-batch of a data-parallel replica and the fixed weights of the model
     loss ``sum(probs_TK * w_TK)``."""
@@ -78,7 +108,13 @@ class CountAllReduce:
 
 
 def route(
-    fields: dict, x_TH: torch.Tensor, w_TK: torch.Tensor, seq_len: int, loss_scale: float = 1.0, **groups
+    fields: dict,
+    x_TH: torch.Tensor,
+    w_TK: torch.Tensor,
+    seq_len: int,
+    loss_scale: float = 1.0,
+    document_ids_T: torch.Tensor | None = None,
+    **groups,
 ) -> dict:
     """Forward + backward of ``loss_scale * sum(probs_TK * w_TK)`` (the attached losses add their own
     gradient); returns the reported values, the weight gradient and the collectives of the forward."""
@@ -86,7 +122,7 @@ def route(
     with torch.no_grad():
         router.weight.copy_(router_weight())
     with CountAllReduce() as counter:
-        out = router(x_TH, seq_len=seq_len)
+        out = router(x_TH, seq_len=seq_len, document_ids_T=document_ids_T)
     (loss_scale * (out.probs_TK * w_TK).sum()).backward()
     return {
         "losses": out.losses,
@@ -114,6 +150,29 @@ def sequence_parallel_case(name: str, rank: int, world: int, group) -> dict:
     naive = route(fields, x_TH, w_TK, SEQ // world, stats_group=group)  # what the router did before
     naive["grad_sum"] = summed(naive["grad"], group)
     return {"ref": ref, "sharded": sharded, "naive": naive}
+
+
+def zigzag(t_BSX: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    """Context parallelism's layout: chunks ``index`` and ``2 size - 1 - index`` of ``2 size``, flattened."""
+    length = t_BSX.shape[1] // (2 * size)
+    pieces = [t_BSX[:, c * length : (c + 1) * length] for c in (index, 2 * size - 1 - index)]
+    return torch.cat(pieces, dim=1).reshape(-1, t_BSX.shape[-1])
+
+
+def padded_case(name: str, layout: str, rank: int, world: int, group) -> dict:
+    """A padded case (:data:`DOCUMENT_IDS_BS`) with the whole world as one sequence group, each rank holding its
+    tokens in ``layout``, against one process routing the full padded rows."""
+    fields = {**CASES, **CASES_PADDED_ONLY}[name]
+    cut = chunk if layout == "contiguous" else zigzag
+    x_BSH, w_BSK = micro_batch()
+    ids_T = cut(DOCUMENT_IDS_BS.unsqueeze(-1), rank, world).reshape(-1)
+    ref = route(
+        fields, x_BSH.reshape(-1, HIDDEN), w_BSK.reshape(-1, TOPK), SEQ, document_ids_T=DOCUMENT_IDS_BS.flatten()
+    )
+    x_TH, w_TK = cut(x_BSH, rank, world), cut(w_BSK, rank, world)
+    sharded = route(fields, x_TH, w_TK, SEQ // world, document_ids_T=ids_T, stats_group=group, sequence_group=group)
+    sharded["grad_sum"] = summed(sharded["grad"], group)
+    return {"ref": ref, "sharded": sharded}
 
 
 def size_one_cases(rank: int, world: int, group) -> dict:
@@ -168,6 +227,9 @@ def main(out_dir: Path) -> None:
     scenarios = Scenarios(out_dir)  # one scenario per case (_rank_scenarios.py)
     for name in CASES:
         scenarios.run(f"sp {name}", sequence_parallel_case, name, rank, world, group)
+    for name in PADDED_CASES:
+        for layout in LAYOUTS:
+            scenarios.run(f"padded {name} {layout}", padded_case, name, layout, rank, world, group)
     scenarios.run("size one", size_one_cases, rank, world, group)
     if world == 4:
         scenarios.run("dp global", data_parallel_global_case, rank, world)

@@ -72,6 +72,28 @@ def test_sharded_router_reports_and_sums_to_the_full_sequence_losses(case, world
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("layout", W.LAYOUTS)
+@pytest.mark.parametrize("case", W.PADDED_CASES)
+def test_sharded_router_with_padding_reports_and_sums_to_the_padded_full_sequence_losses(case, layout, world, request):
+    """Each rank's chunk holds its own amount of padding and pieces of documents: the losses leave all of the
+    padding out and balance whole documents, as one process on the full padded rows does."""
+    results = request.getfixturevalue(world)[f"padded {case} {layout}"]
+    first = results[0]["sharded"]
+    for rank, result in enumerate(results):
+        ref, sharded = result["ref"], result["sharded"]
+        assert sharded["losses"].keys() == ref["losses"].keys()
+        for kind, value in ref["losses"].items():
+            torch.testing.assert_close(sharded["losses"][kind], value, rtol=RTOL, atol=0, msg=f"rank {rank} {kind}")
+            assert torch.equal(sharded["losses"][kind], first["losses"][kind]), (rank, kind)
+        torch.testing.assert_close(sharded["grad_sum"], ref["grad"], rtol=RTOL, atol=GRAD_ATOL)
+        kinds = W.RouterConfig(num_experts=W.EXPERTS, topk=W.TOPK, **{**W.CASES, **W.CASES_PADDED_ONLY}[case])
+        # per document, seq_aux_loss sums its split documents' statistics in an all-reduce of its own
+        types = kinds.load_balancing_types
+        assert sharded["collectives"] == 1 + ("global_aux_loss" in types) + ("seq_aux_loss" in types)
+
+
+@pytest.mark.dist
 def test_data_parallel_global_aux_loss_averages_over_replicas_and_sums_over_the_sequence_group(world4):
     results = world4["dp global"]
     ref = results[0]["ref"]

@@ -51,14 +51,19 @@ class RoutingResult:
     pad_to: int | None = None  # rows every expert block is padded to (pad_to_capacity), else None
     losses: dict[str, torch.Tensor] = field(default_factory=dict)  # detached, coefficient-weighted, per type
     capacity: int | None = None  # pairs each expert may keep; None = dropless
+    # bool, tokens of a document (False: padding, in no statistic, combine weights zero); None = no padding
+    real_T: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.probs_TK.shape[0]
 
     def stats(self) -> dict[str, Any]:
-        """:func:`moe_dispatch.stats.routing_stats` of this forward (dropped pairs included)."""
-        return routing_stats(self.tokens_per_expert_E, self.expert_idx_TK.numel())
+        """:func:`moe_dispatch.stats.routing_stats` of this forward (dropped pairs included, padding's not)."""
+        num_pairs = self.expert_idx_TK.numel()
+        if self.real_T is not None:
+            num_pairs = int(self.real_T.sum()) * self.expert_idx_TK.shape[1]
+        return routing_stats(self.tokens_per_expert_E, num_pairs)
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,8 @@ class TopKRouter(nn.Module):
     ``global_aux_loss`` the ``stats_group`` must then hold the sequence groups too (all ranks with distinct
     tokens), its gradients averaged over the data-parallel part only; the reported value is the loss
     summed over the sequence group. Costs one all-reduce of a small fp64 vector per training forward (plus
-    ``global_aux_loss``'s own over ``stats_group``); None or a group of size 1 changes nothing.
+    ``global_aux_loss``'s own over ``stats_group``, and with ``document_ids_T``, ``seq_aux_loss``'s all-gather of the
+    ids and all-reduce of the split documents' statistics); None or a group of size 1 changes nothing.
 
     ``sequence_grad_divisor`` (set by :meth:`set_groups`): how many ranks of the sequence group have their gradients
     AVERAGED rather than summed (context parallelism: each rank's model loss is the mean over its own tokens and FSDP
@@ -184,7 +190,11 @@ class TopKRouter(nn.Module):
         return idx_TK
 
     def _sequence_stats(
-        self, scores_TE: torch.Tensor | None, logits_TE: torch.Tensor, seq_len: int | None
+        self,
+        scores_TE: torch.Tensor | None,
+        logits_TE: torch.Tensor,
+        seq_len: int | None,
+        document_ids_T: torch.Tensor | None,
     ) -> SequenceGroupStats | None:
         """The full-sequence statistics every loss of this forward needs, in one all-reduce; None without
         sequence parallelism (then the losses are exactly those of a single rank)."""
@@ -197,37 +207,62 @@ class TopKRouter(nn.Module):
             cfg.topk,
             scores_TE=scores_TE,
             logits_TE=logits_TE if cfg.z_loss_coeff else None,
-            seq_len=seq_len if cfg.aux_loss_coeffs.get("seq_aux_loss") else None,
+            # per document, seq_aux_loss gathers its own statistics
+            seq_len=seq_len if cfg.aux_loss_coeffs.get("seq_aux_loss") and document_ids_T is None else None,
+            real_T=None if document_ids_T is None else document_ids_T >= 0,
         )
 
-    def _losses(self, logits_TE: torch.Tensor, seq_len: int | None) -> dict[str, torch.Tensor]:
+    def _losses(
+        self, logits_TE: torch.Tensor, seq_len: int | None, document_ids_T: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
         cfg = self.config
         losses: dict[str, torch.Tensor] = {}
         coeffs = cfg.aux_loss_coeffs
         if coeffs.get("seq_aux_loss") and seq_len is None:
             raise ValueError("load_balancing_type includes 'seq_aux_loss': call the router as router(x_TH, seq_len=S)")
+        real_T = None if document_ids_T is None else document_ids_T >= 0
         scores_TE = aux_loss_scores(logits_TE, cfg.score_function) if any(c > 0 for c in coeffs.values()) else None
-        seq = self._sequence_stats(scores_TE, logits_TE, seq_len) if scores_TE is not None or cfg.z_loss_coeff else None
+        seq = None
+        if scores_TE is not None or cfg.z_loss_coeff:
+            seq = self._sequence_stats(scores_TE, logits_TE, seq_len, document_ids_T)
         if scores_TE is not None:
             for kind, coeff in coeffs.items():
                 if coeff == 0:
                     continue
                 if kind == "aux_loss":
-                    counts_E = topk_counts(scores_TE, cfg.topk) if seq is None else seq.counts_E
-                    loss = switch_aux_loss(scores_TE, counts_E, cfg.topk, sequence_stats=seq)
+                    counts_E = topk_counts(scores_TE, cfg.topk, real_T) if seq is None else seq.counts_E
+                    loss = switch_aux_loss(scores_TE, counts_E, cfg.topk, sequence_stats=seq, real_T=real_T)
                 elif kind == "seq_aux_loss":
-                    loss = seq_aux_loss(scores_TE, cfg.topk, seq_len, sequence_stats=seq)
+                    loss = seq_aux_loss(scores_TE, cfg.topk, seq_len, sequence_stats=seq, document_ids_T=document_ids_T)
                 else:  # global_aux_loss
-                    loss = global_aux_loss(scores_TE, cfg.topk, self.stats_group, sequence_stats=seq)
+                    loss = global_aux_loss(scores_TE, cfg.topk, self.stats_group, sequence_stats=seq, real_T=real_T)
                 losses[kind] = coeff * loss
         if cfg.z_loss_coeff:
-            losses["z_loss"] = cfg.z_loss_coeff * z_loss(logits_TE, sequence_stats=seq)
+            losses["z_loss"] = cfg.z_loss_coeff * z_loss(logits_TE, sequence_stats=seq, real_T=real_T)
         return losses
 
-    def forward(self, x_TH: torch.Tensor, seq_len: int | None = None) -> RoutingResult:
+    def forward(
+        self, x_TH: torch.Tensor, seq_len: int | None = None, document_ids_T: torch.Tensor | None = None
+    ) -> RoutingResult:
         """Route T tokens. ``seq_len``: tokens per sequence (batch-major; with a ``sequence_group``, per local
-        chunk), needed by ``seq_aux_loss`` only."""
+        chunk), needed by ``seq_aux_loss`` only.
+
+        ``document_ids_T``: int ``[T]``, the document of each token of packed rows (equal ids within a row of
+        ``seq_len`` tokens are one contiguous document; -1 is padding). Padding then counts in no statistic: not
+        in ``tokens_per_expert_E`` (nor, through it, the expert-bias update), not in the balancing losses or the
+        z-loss, and it takes no expert capacity (the capacity is that of the real tokens, whose number is read
+        back once, and padding is dropped first). Dropless, its pairs are still dispatched (dropping them would
+        size the expert buffers from a read-back) with combine weights zero, so its output is zero.
+        ``seq_aux_loss`` balances each document instead of each row."""
         cfg = self.config
+        if document_ids_T is not None and (
+            document_ids_T.shape != x_TH.shape[:1] or document_ids_T.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"document_ids_T must be an integer tensor of shape ({x_TH.shape[0]},), got "
+                f"{document_ids_T.dtype} {tuple(document_ids_T.shape)}"
+            )
+        real_T = None if document_ids_T is None else document_ids_T >= 0
         dtype = cfg.torch_router_dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         # autocast would run the gate GEMM in bf16 whatever dtype its operands have: off, so that the logits are in
@@ -241,13 +276,25 @@ class TopKRouter(nn.Module):
 
         keep_TK = pad_to = capacity = None
         if cfg.capacity_factor is not None:
-            capacity = get_capacity(num_tokens, cfg.num_experts, cfg.topk, cfg.capacity_factor)
-            keep_TK = capacity_keep_mask(expert_idx_TK, probs_TK, cfg.num_experts, capacity, cfg.token_drop_policy)
+            # the capacity is a host int (it sizes the padded expert blocks): with padding, one read-back of the
+            # real tokens' count
+            real_tokens = num_tokens if real_T is None else int(real_T.sum())
+            capacity = get_capacity(real_tokens, cfg.num_experts, cfg.topk, cfg.capacity_factor)
+            keep_TK = capacity_keep_mask(
+                expert_idx_TK, probs_TK, cfg.num_experts, capacity, cfg.token_drop_policy, real_T=real_T
+            )
             probs_TK = probs_TK * keep_TK.to(probs_TK.dtype)
             pad_to = capacity if cfg.pad_to_capacity else None
-        tokens_per_expert_E = expert_counts(expert_idx_TK, cfg.num_experts, keep_TK)
+            counted_TK = keep_TK
+        elif real_T is not None:
+            # dropless: the padding's pairs stay in the dispatch (a fixed number of rows) but weigh nothing
+            counted_TK = real_T.unsqueeze(-1).expand_as(expert_idx_TK)
+            probs_TK = torch.where(counted_TK, probs_TK, probs_TK.new_zeros(()))
+        else:
+            counted_TK = None
+        tokens_per_expert_E = expert_counts(expert_idx_TK, cfg.num_experts, counted_TK)
 
-        losses = self._losses(logits_TE, seq_len) if self.training else {}
+        losses = self._losses(logits_TE, seq_len, document_ids_T) if self.training else {}
         total = sum(losses.values(), logits_TE.new_zeros(()))
         if losses and total.requires_grad and torch.is_grad_enabled():
             probs_TK = attach_aux_loss(
@@ -262,4 +309,5 @@ class TopKRouter(nn.Module):
             pad_to,
             {k: v.detach() for k, v in losses.items()},
             capacity,
+            real_T,
         )

@@ -33,7 +33,9 @@ class DenseMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
         self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
 
-    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def forward(self, x_BSH: torch.Tensor, document_ids_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        # document_ids_BS: taken so that a layer calls either MLP alike; each token is on its own here, so packed
+        # documents and padding change nothing
         return self.down_proj(F.silu(self.gate_proj(x_BSH)) * self.up_proj(x_BSH)), None
 
 
@@ -70,10 +72,23 @@ class MoEBlock(nn.Module):
         )
         self.shared_experts = SharedExperts(hidden_size, shared_expert_size) if shared_expert_size else None
 
-    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RoutingResult]:
+    def forward(
+        self, x_BSH: torch.Tensor, document_ids_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RoutingResult]:
+        """``document_ids_BS``: int64 ``[B, S]``, the document of each token of packed rows (-1: padding). Padding
+        then weighs in no routing statistic, balancing loss or capacity, and its routed output is zero;
+        ``seq_aux_loss`` balances each document (:meth:`~moe_dispatch.TopKRouter.forward`)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
         shared = self.shared_experts.start(x_TH) if self.shared_experts is not None else None
-        routing = self.router(x_TH, seq_len=x_BSH.shape[1])  # tokens are batch-major; logits in router_dtype
+        if document_ids_BS is None:
+            routing = self.router(x_TH, seq_len=x_BSH.shape[1])  # tokens are batch-major; logits in router_dtype
+        else:
+            if document_ids_BS.shape != x_BSH.shape[:2]:
+                raise ValueError(
+                    f"document_ids_BS has shape {tuple(document_ids_BS.shape)}, not x_BSH's [B, S] "
+                    f"{tuple(x_BSH.shape[:2])}"
+                )
+            routing = self.router(x_TH, seq_len=x_BSH.shape[1], document_ids_T=document_ids_BS.reshape(-1))
         dispatched = self.dispatcher.dispatch(x_TH.to(moe_compute_dtype(x_TH)), routing)
         # probabilities applied inside the experts' activation: less saved for backward than weighting
         # the gathered rows in combine
