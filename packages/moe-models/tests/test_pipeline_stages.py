@@ -1,6 +1,7 @@
 """Pipeline stages of MoETransformer, chained by hand in one process, compute exactly what the whole model does:
 logits, MTP logits, routing side results and every parameter's gradient (the embedding's as the sum of its two
-copies when MTP puts one on the last stage). The reference is the model's own forward."""
+copies when MTP puts one on the last stage), also on packed rows of documents. The reference is the model's own
+forward."""
 
 from __future__ import annotations
 
@@ -28,29 +29,42 @@ def _stages(model, split):
     return [plan.build_stage(i, layers, i == 0, i == last) for i, layers in enumerate(split)]
 
 
-def _run(stages, ids):
+def _run(stages, ids, **kwargs):
     routing = StageRouting()
     x = ids
     for stage in stages:
-        x = stage(x, input_ids_BS=ids, routing=routing)
+        x = stage(x, input_ids_BS=ids, routing=routing, **kwargs)
     logits, *mtp = x if isinstance(x, tuple) else (x,)
     return logits, mtp, routing
+
+
+# packed rows: three documents and a padding tail, two documents
+DOCUMENTS = torch.tensor([[0] * 5 + [1] * 6 + [2] * 3 + [-1] * 2, [7] * 9 + [8] * 7])
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: "/".join(str(len(g)) for g in s))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chained_stages_equal_the_whole_model(family: str, split) -> None:
+    _check_stages(family, split)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chained_stages_on_packed_documents_equal_the_whole_model(family: str) -> None:
+    _check_stages(family, SPLITS[0], document_ids_BS=DOCUMENTS)
+
+
+def _check_stages(family: str, split, **kwargs) -> None:
     config = _config(family)
     model = build_model(config, seed=5)
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(ids, -1, 1)
-    whole = model(ids)
+    whole = model(ids, **kwargs)
     causal_lm_loss(whole, labels).total.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
     stages = _stages(model, split)
-    logits, mtp, routing = _run(stages, ids)
+    logits, mtp, routing = _run(stages, ids, **kwargs)
     torch.testing.assert_close(logits, whole.logits, rtol=0, atol=0)
     assert len(mtp) == len(whole.mtp_logits)
     for ours, theirs in zip(mtp, whole.mtp_logits, strict=True):

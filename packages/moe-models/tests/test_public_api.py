@@ -37,6 +37,7 @@ PUBLIC_NAMES = [
     "build_model",
     "causal_lm_loss",
     "count_parameters",
+    "document_positions",
     "hf",
     "memory",
     "next_token_loss",

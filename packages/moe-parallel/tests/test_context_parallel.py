@@ -1,5 +1,6 @@
 """Load-balanced context-parallel positions: a hand count, and for any cp and length the ranks' chunks tile the
-sequence and carry equal causal attention work."""
+sequence and carry equal causal attention work. The key gathering hook's calling convention (its gathering is
+checked on gloo ranks: test_parallelize_dist.py, test_packed_documents.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_parallel import load_balanced_positions
-from moe_parallel.context_parallel import ascending_runs
+from moe_parallel.context_parallel import GatherKeysValues, ascending_runs
 
 
 def test_rank_r_holds_chunks_r_and_2cp_minus_1_minus_r() -> None:
@@ -42,3 +43,19 @@ def test_ascending_runs_sort_the_gathered_chunks() -> None:
     assert runs == [(0, 4), (8, 8), (4, 4)]
     assert torch.equal(torch.cat([gathered.narrow(0, s, n) for s, n in runs]), torch.arange(16))
     assert ascending_runs(torch.tensor([5, 3, 9])) == [(1, 1), (0, 1), (2, 1)]
+
+
+def test_the_key_gathering_hook_takes_six_arguments_or_seven_with_documents() -> None:
+    """(q, k, v, sinks, q_pos, k_pos) or with the whole sequences' document ids after them; anything else, or no
+    positions, is refused before any collective."""
+    hook = GatherKeysValues(group=None)
+    q = k = v = torch.zeros(1, 1, 4, 2)
+    documents = torch.zeros(1, 8, dtype=torch.long)
+    for args in [(q, k, v, None, None), (q, k, v, None, None, None, documents, documents)]:
+        with pytest.raises(TypeError, match=r"k_positions\[, documents\]"):
+            hook(None, args, {})
+    with pytest.raises(TypeError, match="positionally"):
+        hook(None, (q, k, v, None, None, None), {"documents_BS": documents})
+    for args in [(q, k, v, None, None, None), (q, k, v, None, None, None, documents)]:
+        with pytest.raises(ValueError, match="positions_S"):
+            hook(None, args, {})

@@ -5,6 +5,7 @@ from moe_models import hf, memory
 from moe_models.attention import Attention, CoreAttention
 from moe_models.blockwise import blockwise_attention, reference_attention
 from moe_models.config import FAMILIES, ModelConfig, ModelConfigError
+from moe_models.documents import document_positions
 from moe_models.flops import CONVENTIONS, ParameterCount, count_parameters, training_flops_per_token
 from moe_models.init import InitialWeights
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
@@ -58,6 +59,7 @@ __all__ = [
     "blockwise_attention",
     "build_model",
     "causal_lm_loss",
+    "document_positions",
     "next_token_loss",
     "pipeline_plan",
     "reference_attention",

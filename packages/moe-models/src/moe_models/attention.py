@@ -1,7 +1,8 @@
 """Causal grouped-query attention: QK-norm (Qwen3), biases and learned attention sinks (GPT-OSS), sliding windows
 (GPT-OSS, Mixtral). Plain causal attention over a whole sequence goes to SDPA's fused kernels; sinks, windows, a
-value head size other than q/k's on CPU (MLA), and queries and keys at given positions (a context-parallel rank's)
-go to :func:`~moe_models.blockwise.blockwise_attention`. Both keep memory linear in the sequence."""
+value head size other than q/k's on CPU (MLA), queries and keys at given positions (a context-parallel rank's) and
+packed documents (:mod:`moe_models.documents`) go to :func:`~moe_models.blockwise.blockwise_attention`. Both keep
+memory linear in the sequence."""
 
 from __future__ import annotations
 
@@ -33,22 +34,34 @@ class CoreAttention(nn.Module):
         sinks_N: torch.Tensor | None = None,
         q_pos_S: torch.Tensor | None = None,
         k_pos_K: torch.Tensor | None = None,
+        documents_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q_pos_S`` / ``k_pos_K``: the positions of the queries and keys in the sequence (default 0..S-1 for both,
-        ``k_pos_K`` defaults to ``q_pos_S``); key j is seen by query i when it is not later (and within the window)."""
+        ``k_pos_K`` defaults to ``q_pos_S``); key j is seen by query i when it is not later (and within the window).
+        ``documents_BS``: the document ids of the whole sequences (int64 ``[B, L]``, indexed by position; -1 padding);
+        key j is then seen only by the queries of its own document (the blockwise kernel, memory linear in S)."""
         s, n, n_kv = q_BNSD.shape[2], q_BNSD.shape[1], k_BNKD.shape[1]
         scale = self.scale if self.scale is not None else q_BNSD.shape[-1] ** -0.5
         whole_sequence = q_pos_S is None and k_pos_K is None
         # SDPA's CPU flash kernel needs equal q/k and v head sizes (else it falls back to the quadratic math path)
         fused_kernel = q_BNSD.shape[-1] == v_BNKV.shape[-1] or q_BNSD.device.type != "cpu"
-        if whole_sequence and sinks_N is None and (self.window is None or self.window >= s) and fused_kernel:
+        plain = documents_BS is None and sinks_N is None and (self.window is None or self.window >= s)
+        if whole_sequence and plain and fused_kernel:
             return F.scaled_dot_product_attention(
                 q_BNSD, k_BNKD, v_BNKV, is_causal=True, scale=scale, enable_gqa=n_kv != n
             )
         if k_pos_K is None:
             k_pos_K = q_pos_S
         return blockwise_attention(
-            q_BNSD, k_BNKD, v_BNKV, scale, q_pos_S=q_pos_S, k_pos_K=k_pos_K, window=self.window, sinks_N=sinks_N
+            q_BNSD,
+            k_BNKD,
+            v_BNKV,
+            scale,
+            q_pos_S=q_pos_S,
+            k_pos_K=k_pos_K,
+            window=self.window,
+            sinks_N=sinks_N,
+            documents_BS=documents_BS,
         )
 
 
@@ -71,15 +84,22 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if c.softmax_type == "learnable" else None
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, positions_S: torch.Tensor | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SF: torch.Tensor,
+        sin_SF: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``positions_S``: where in the sequence the S tokens stand (None: 0..S-1), for the causal mask; ``cos_SF`` /
-        ``sin_SF`` are the rotary tables at those positions."""
+        ``sin_SF`` are the rotary tables at those positions (``[S, F]``, or per row ``[B, S, F]`` with documents);
+        ``document_ids_BS``: the whole sequences' document ids, each query then sees its own document alone."""
         b, s, _ = x_BSH.shape
         # head counts come from the projections' widths, so a tensor-parallel rank computes its share of the heads
         q = self.q_norm(self.q_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSH).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_SF, sin_SF, self.interleaved), apply_rotary(k, cos_SF, sin_SF, self.interleaved)
-        out_BNSD = self.core_attention(q, k, v, self.sinks, positions_S, positions_S)
+        documents = () if document_ids_BS is None else (document_ids_BS,)  # a 7th argument only with documents
+        out_BNSD = self.core_attention(q, k, v, self.sinks, positions_S, positions_S, *documents)
         return self.o_proj(out_BNSD.transpose(1, 2).reshape(b, s, -1))

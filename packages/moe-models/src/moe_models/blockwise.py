@@ -1,6 +1,7 @@
 """Exact softmax attention whose memory grows linearly with the sequence, for every attention variant the families
 use: causal by position (queries and keys may be any positions of the sequence, as a context-parallel rank's are),
-sliding windows, learned sinks, grouped-query heads and a value head size that differs from the query/key one (MLA).
+sliding windows, learned sinks, grouped-query heads and a value head size that differs from the query/key one (MLA),
+and packed documents (a query sees only the keys of its own document, per batch row).
 
 Queries are processed a block at a time against the range of keys that block may see; only the outputs and one
 log-sum-exp per query row are kept for the backward, which recomputes each block's probabilities (the flash-attention
@@ -69,9 +70,11 @@ def _scores(
     k_pos: torch.Tensor,
     window: int | None,
     scale: float,
+    q_docs_BQ: torch.Tensor | None = None,
+    k_docs_BK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked scores ``[B, Nkv, G, Q, K]`` of a query block against its keys (-inf where not allowed), in fp32 (fp64
-    for fp64 inputs)."""
+    for fp64 inputs). With the block's query and key document ids, a key of another document is not allowed."""
     b, n_kv, g, rows, d = q_BNGQD.shape
     s = (q_BNGQD.reshape(b, n_kv, g * rows, d) @ k_BNKD.transpose(-1, -2)).to(_acc(q_BNGQD)).mul_(scale)
     s = s.view(b, n_kv, g, rows, -1)
@@ -79,6 +82,9 @@ def _scores(
     allowed = delta_QK >= 0
     if window is not None:
         allowed &= delta_QK < window
+    if q_docs_BQ is not None:
+        same_BQK = q_docs_BQ[:, :, None] == k_docs_BK[:, None, :]
+        allowed = (allowed & same_BQK).view(b, 1, 1, rows, -1)
     return s.masked_fill_(~allowed, float("-inf"))
 
 
@@ -95,6 +101,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         window: int | None,
         scale: float,
         ranges: list[tuple[int, int, int, int]],
+        q_docs_BS: torch.Tensor | None = None,
+        k_docs_BK: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, n, s, d = q_BNSD.shape
         n_kv, dv = k_BNKD.shape[1], v_BNKV.shape[-1]
@@ -109,7 +117,10 @@ class _BlockwiseAttention(torch.autograd.Function):
                 out[:, :, :, q0:q1] = 0
                 lse_BNGS[..., q0:q1] = float("-inf") if sink_BNG11 is None else sink_BNG11.squeeze(-1)
                 continue
-            scores = _scores(q5[:, :, :, q0:q1], k_BNKD[:, :, k0:k1], q_pos_S[q0:q1], k_pos_K[k0:k1], window, scale)
+            docs = () if q_docs_BS is None else (q_docs_BS[:, q0:q1], k_docs_BK[:, k0:k1])
+            scores = _scores(
+                q5[:, :, :, q0:q1], k_BNKD[:, :, k0:k1], q_pos_S[q0:q1], k_pos_K[k0:k1], window, scale, *docs
+            )
             top = scores.amax(dim=-1, keepdim=True)
             if sink_BNG11 is not None:
                 top = torch.maximum(top, sink_BNG11)
@@ -126,6 +137,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         ctx.save_for_backward(q_BNSD, k_BNKD, v_BNKV, out_BNSV, lse_BNGS, sinks_N)
         # positions and block ranges are small and no outputs: kept on ctx, not counted among the saved activations
         ctx.q_pos, ctx.k_pos, ctx.ranges, ctx.window, ctx.scale = q_pos_S, k_pos_K, ranges, window, scale
+        ctx.q_docs, ctx.k_docs = q_docs_BS, k_docs_BK
         return out_BNSV
 
     @staticmethod
@@ -149,7 +161,8 @@ class _BlockwiseAttention(torch.autograd.Function):
                 continue
             q_blk = q5[:, :, :, q0:q1]
             k_blk, v_blk = k_BNKD[:, :, k0:k1], v_BNKV[:, :, k0:k1]
-            scores = _scores(q_blk, k_blk, ctx.q_pos[q0:q1], ctx.k_pos[k0:k1], ctx.window, ctx.scale)
+            docs = () if ctx.q_docs is None else (ctx.q_docs[:, q0:q1], ctx.k_docs[:, k0:k1])
+            scores = _scores(q_blk, k_blk, ctx.q_pos[q0:q1], ctx.k_pos[k0:k1], ctx.window, ctx.scale, *docs)
             probs = scores.sub_(lse[..., q0:q1, None]).exp_()  # [B, Nkv, G, Q, K]
             p_flat = probs.view(b, n_kv, g * rows, keys)
             g_flat = grad5[:, :, :, q0:q1].reshape(b, n_kv, g * rows, dv).to(acc)
@@ -173,6 +186,8 @@ class _BlockwiseAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
 
 
@@ -186,6 +201,7 @@ def blockwise_attention(
     k_pos_K: torch.Tensor | None = None,
     window: int | None = None,
     sinks_N: torch.Tensor | None = None,
+    documents_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask [+ sink]) v, ``[B, N, S, Dv]``, in memory linear in S.
 
@@ -193,7 +209,10 @@ def blockwise_attention(
     size may differ from q/k's. Query i may see key j when ``k_pos[j] <= q_pos[i]`` and, with a ``window``,
     ``q_pos[i] - k_pos[j] < window``; positions default to 0..S-1 and 0..K-1, and ``k_pos_K`` must be ascending.
     ``sinks_N``: one learned logit per query head joining every row's softmax. A row that sees no key and has no sink
-    gives zeros.
+    gives zeros. ``documents_BS``: the document id of every position of each batch row's whole sequence (int ``[B, L]``,
+    indexed by the positions); query i then sees key j only when also ``documents_BS[b, q_pos[i]] ==
+    documents_BS[b, k_pos[j]]``. The ids are only compared on the device (no block is skipped: that would need them
+    on the host), so the work is that of the causal / window mask alone.
     """
     b, n, seq, _ = q_BNSD.shape
     keys = k_BNKD.shape[2]
@@ -205,8 +224,22 @@ def blockwise_attention(
         ranges = _whole_sequence_key_ranges(seq, keys, window, rows)
     else:
         ranges = _key_ranges(q_pos_S, k_pos_K, window, rows)
+    q_docs_BS = k_docs_BK = None
+    if documents_BS is not None:  # each query's and key's document (slices for the default positions)
+        q_docs_BS = documents_BS[:, :seq] if whole_sequence else documents_BS[:, q_pos_S]
+        k_docs_BK = documents_BS[:, :keys] if whole_sequence else documents_BS[:, k_pos_K]
     return _BlockwiseAttention.apply(
-        q_BNSD.contiguous(), k_BNKD.contiguous(), v_BNKV.contiguous(), sinks_N, q_pos_S, k_pos_K, window, scale, ranges
+        q_BNSD.contiguous(),
+        k_BNKD.contiguous(),
+        v_BNKV.contiguous(),
+        sinks_N,
+        q_pos_S,
+        k_pos_K,
+        window,
+        scale,
+        ranges,
+        q_docs_BS,
+        k_docs_BK,
     )
 
 
@@ -220,6 +253,7 @@ def reference_attention(
     k_pos_K: torch.Tensor | None = None,
     window: int | None = None,
     sinks_N: torch.Tensor | None = None,
+    documents_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`blockwise_attention` written out: the whole ``[S, K]`` score matrix at once (quadratic memory), the
     independent reference the tests hold the kernel to."""
@@ -230,6 +264,10 @@ def reference_attention(
     k_pos = torch.arange(k_BNKD.shape[2]) if k_pos_K is None else k_pos_K
     delta = q_pos[:, None] - k_pos[None, :]
     allowed = (delta >= 0) & (delta < window) if window is not None else delta >= 0
+    if documents_BS is not None:  # [B, 1, S, K]: the same document in each batch row
+        docs = documents_BS.cpu()
+        same = docs[:, q_pos.cpu()][:, :, None] == docs[:, k_pos.cpu()][:, None, :]
+        allowed = (allowed.cpu() & same).unsqueeze(1)
     acc = torch.promote_types(q_BNSD.dtype, torch.float32)
     logits = (q_BNSD.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
     logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))

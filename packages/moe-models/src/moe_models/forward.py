@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from moe_models.documents import document_positions
+from moe_models.rope import rotary_cos_sin
+
 if TYPE_CHECKING:
     from moe_dispatch import RoutingResult
     from moe_models.config import ModelConfig
@@ -25,6 +28,25 @@ def positions_or_length(ids_BS: torch.Tensor, positions_S: torch.Tensor | None) 
     return ids_BS.shape[1] if positions_S is None else positions_S
 
 
+def rotary_tables(
+    config: ModelConfig,
+    input_ids_BS: torch.Tensor,
+    positions_S: torch.Tensor | None,
+    document_ids_BS: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary cos/sin tables of the positions computed: ``[S, F]`` at their sequence positions, or with packed
+    documents ``[B, S, F]`` at each token's position in its document (of the whole sequences, then those computed)."""
+    if document_ids_BS is None:
+        return rotary_cos_sin(config, positions_or_length(input_ids_BS, positions_S), device)
+    if document_ids_BS.shape != input_ids_BS.shape:
+        raise ValueError(
+            f"document_ids_BS has shape {tuple(document_ids_BS.shape)}, not the whole sequences' "
+            f"{tuple(input_ids_BS.shape)} (the ids of every position, also under context parallelism)"
+        )
+    return rotary_cos_sin(config, at_positions(document_positions(document_ids_BS), positions_S))
+
+
 def run_layers(
     layers: Iterable[nn.Module],
     x_BSH: torch.Tensor,
@@ -32,11 +54,13 @@ def run_layers(
     sin_SF: torch.Tensor,
     routings: list,
     positions_S: torch.Tensor | None = None,
+    document_ids_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x_BSH`` through decoder ``layers`` in order; each layer's routing (None for a dense one) goes to
-    ``routings``."""
+    ``routings``. ``document_ids_BS``: of the whole sequences (None: one document per row)."""
     for layer in layers:
-        x_BSH, routing = layer(x_BSH, cos_SF, sin_SF, positions_S)
+        documents = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
+        x_BSH, routing = layer(x_BSH, cos_SF, sin_SF, positions_S, **documents)
         routings.append(routing)
     return x_BSH
 
@@ -49,10 +73,12 @@ def run_head(
     sin_SF: torch.Tensor,
     routings: list,
     positions_S: torch.Tensor | None = None,
+    document_ids_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The logits and the MTP depths' logits from the last layer's output; ``parts`` holds ``norm``, ``lm_head``,
     ``mtp`` and (for MTP) ``embed_tokens``: the whole model, or the last pipeline stage. ``input_ids_BS`` is the
-    whole sequences, ``positions_S`` the positions computed."""
+    whole sequences, ``positions_S`` the positions computed; ``document_ids_BS`` (whole sequences) keeps the MTP
+    depths' attention within each document too (which of their positions have a label is the loss's business)."""
     logits_BSV = parts.lm_head(parts.norm(x_BSH))
     mtp_logits = []
     hidden_BSH, ids_BS = x_BSH, input_ids_BS
@@ -61,7 +87,8 @@ def run_head(
         # out of the loss
         ids_BS = torch.roll(ids_BS, -1, dims=1)
         next_embed_BSH = parts.embed_tokens(at_positions(ids_BS, positions_S))
-        hidden_BSH, routing = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S)
+        documents = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
+        hidden_BSH, routing = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S, **documents)
         routings.append(routing)
         mtp_logits.append(parts.lm_head(mtp.final_norm(hidden_BSH)))
     return logits_BSV, tuple(mtp_logits)

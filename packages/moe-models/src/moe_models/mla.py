@@ -72,7 +72,12 @@ class MultiLatentAttention(nn.Module):
         self.core_attention = CoreAttention(c.softmax_scale)
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, positions_S: torch.Tensor | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SF: torch.Tensor,
+        sin_SF: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As :meth:`moe_models.attention.Attention.forward`."""
         b, s, _ = x_BSH.shape
@@ -82,5 +87,6 @@ class MultiLatentAttention(nn.Module):
         q, k, v_BNSV = self.up_proj(
             q_up, self.kv_b_proj, q_in_BSQ, self.kv_a_norm(latent_BSC), k_rope_BSR, cos_SF, sin_SF
         )
-        out_BNSV = self.core_attention(q, k, v_BNSV, None, positions_S, positions_S)
+        documents = () if document_ids_BS is None else (document_ids_BS,)  # a 7th argument only with documents
+        out_BNSV = self.core_attention(q, k, v_BNSV, None, positions_S, positions_S, *documents)
         return self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, -1))

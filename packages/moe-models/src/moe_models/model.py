@@ -25,13 +25,12 @@ from torch import nn
 from moe_dispatch import RoutingResult, TopKRouter
 from moe_models.attention import Attention
 from moe_models.config import ModelConfig
-from moe_models.forward import at_positions, aux_loss_sum, positions_or_length, run_head, run_layers, tokens_per_expert
+from moe_models.forward import at_positions, aux_loss_sum, rotary_tables, run_head, run_layers, tokens_per_expert
 from moe_models.init import InitialWeights
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.mla import MultiLatentAttention
 from moe_models.module_kinds import module_kinds as kinds_of
 from moe_models.parallel_plan import parallel_plan as plan_of
-from moe_models.rope import rotary_cos_sin
 
 if TYPE_CHECKING:
     from moe_parallel.plan import ParallelPlan
@@ -77,10 +76,23 @@ class DecoderLayer(nn.Module):
         return isinstance(self.mlp, MoEBlock)
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, positions_S: torch.Tensor | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SF: torch.Tensor,
+        sin_SF: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoutingResult | None]:
-        x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos_SF, sin_SF, positions_S)
-        mlp_out, routing = self.mlp(self.post_attention_norm(x_BSH))
+        """``positions_S``: the positions of the sequences this layer computes (None: all); ``document_ids_BS``: the
+        whole sequences' document ids (packed rows; None: one document per row). Attention takes them whole; a MoE
+        mlp takes those of the tokens it computes (padding then weighs in no routing statistic)."""
+        # without documents both calls are exactly those of unpacked rows
+        attend = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
+        x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos_SF, sin_SF, positions_S, **attend)
+        route = {}
+        if document_ids_BS is not None and self.is_moe:
+            route = {"document_ids_BS": at_positions(document_ids_BS, positions_S)}
+        mlp_out, routing = self.mlp(self.post_attention_norm(x_BSH), **route)
         return x_BSH + mlp_out, routing
 
 
@@ -105,9 +117,12 @@ class MTPLayer(nn.Module):
         cos_SF: torch.Tensor,
         sin_SF: torch.Tensor,
         positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoutingResult | None]:
         x_BSH = self.eh_proj(torch.cat([self.enorm(next_embed_BSH), self.hnorm(hidden_BSH)], dim=-1))
-        return self.layer(x_BSH, cos_SF, sin_SF, positions_S)
+        if document_ids_BS is None:
+            return self.layer(x_BSH, cos_SF, sin_SF, positions_S)
+        return self.layer(x_BSH, cos_SF, sin_SF, positions_S, document_ids_BS=document_ids_BS)
 
 
 class MoETransformer(nn.Module):
@@ -165,15 +180,26 @@ class MoETransformer(nn.Module):
         """The router of every MoE layer, in :meth:`moe_layers` order (the rows of ``tokens_per_expert_LE``)."""
         return [layer.mlp.router for layer in self.moe_layers()]
 
-    def forward(self, input_ids_BS: torch.Tensor, positions_S: torch.Tensor | None = None) -> ModelOutput:
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+    ) -> ModelOutput:
         """Logits (and MTP logits) of the sequences ``input_ids_BS`` at ``positions_S`` (int64, ascending; None: every
         position). Attention sees the keys of the positions computed, causally by position: a context-parallel rank
-        computes its positions, and moe_parallel hands its attention the other ranks' keys and values."""
+        computes its positions, and moe_parallel hands its attention the other ranks' keys and values.
+
+        ``document_ids_BS`` (int64, the shape of ``input_ids_BS``: every position, also under context parallelism):
+        packed rows (:mod:`moe_models.documents`). A token then attends to its own document alone, its rotary
+        position is its position in the document, and MoE routing statistics leave out the padding (id -1)."""
         x_BSH = self.embed_tokens(at_positions(input_ids_BS, positions_S))
-        cos_SF, sin_SF = rotary_cos_sin(self.config, positions_or_length(input_ids_BS, positions_S), x_BSH.device)
+        cos_SF, sin_SF = rotary_tables(self.config, input_ids_BS, positions_S, document_ids_BS, x_BSH.device)
         routings: list[RoutingResult | None] = []
-        x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings, positions_S)
-        logits_BSV, mtp_logits = run_head(self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S)
+        x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS)
+        logits_BSV, mtp_logits = run_head(
+            self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS
+        )
         kept = [r for r in routings if r is not None]
         return ModelOutput(
             logits_BSV, aux_loss_sum(kept, x_BSH), tokens_per_expert(kept, self.config, x_BSH), mtp_logits

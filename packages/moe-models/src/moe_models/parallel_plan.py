@@ -16,13 +16,18 @@ embedding and the head both split the vocabulary (rows of the same ``[V, H]`` we
 parameter; the logits stay split over the vocabulary (the loss runs under torch's ``loss_parallel``).
 
 Context parallelism: every core attention is listed, to be handed the keys and values of the whole sequence.
+
+Packed documents (``document_ids_BS``): attention takes the whole sequences' ids unchanged (its input is all-gathered
+along the sequence, so it sees every position of the rank's); a MoE block routes its local chunk, so the ids of the
+tokens it computes are cut along the sequence like its input.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch.distributed.tensor import Replicate, Shard
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -35,8 +40,25 @@ from moe_models.pipeline import pipeline_plan
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from moe_models.config import ModelConfig
     from moe_models.model import DecoderLayer, MoETransformer
+
+
+class LocalSinks(ParallelStyle):
+    """Core attention's sinks (its 4th input, a DTensor parameter split with the heads) as this rank's piece, however
+    many inputs follow (the positions, and the documents' ids of packed rows): what ``PrepareModuleInput`` with a
+    ``Shard(0)`` layout for it does, without fixing the number of inputs."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_local_sinks)
+        return module
+
+
+def _local_sinks(module: nn.Module, args: tuple) -> tuple:
+    q, k, v, sinks, *rest = args
+    return (q, k, v, sinks.to_local() if isinstance(sinks, DTensor) else sinks, *rest)
 
 
 def _attention_styles(prefix: str, layer: DecoderLayer, mla: bool) -> dict[str, ParallelStyle]:
@@ -64,19 +86,19 @@ def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dic
     if getattr(layer.attention, "sinks", None) is not None:
         # one sink per head: split like the heads, and the core attention takes its local piece
         plan["tp_shard_parameters"][f"{prefix}.attention.sinks"] = 0
-        styles[f"{prefix}.attention.core_attention"] = PrepareModuleInput(  # (q, k, v, sinks, q_pos, k_pos)
-            input_layouts=(None, None, None, Shard(0), None, None),
-            desired_input_layouts=(None, None, None, Shard(0), None, None),
-            use_local_output=True,
-        )
+        styles[f"{prefix}.attention.core_attention"] = LocalSinks()  # (q, k, v, sinks, q_pos, k_pos[, documents])
     if config.multi_latent_attention:
         plan["tp_sum_grad_columns"][f"{prefix}.attention.kv_a_proj"] = config.kv_lora_rank
     else:  # per-head norms over this rank's heads
         partial.extend(f"{prefix}.attention.{n}" for n, _ in layer.attention.named_parameters() if "_norm." in n)
     mlp = f"{prefix}.mlp"
-    if layer.is_moe:  # route this rank's sequence chunk
+    if layer.is_moe:  # route this rank's sequence chunk (and take the documents' ids of its tokens)
         styles[mlp] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Shard(1),),
+            input_kwarg_layouts={"document_ids_BS": Replicate()},
+            desired_input_kwarg_layouts={"document_ids_BS": Shard(1)},
+            use_local_output=True,
         )
         partial.extend(f"{mlp}.{n}" for n, _ in layer.mlp.named_parameters() if n.startswith(("router.", "shared_")))
     else:

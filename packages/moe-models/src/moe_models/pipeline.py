@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from moe_models.flops import stage_costs
-from moe_models.forward import aux_loss_sum, positions_or_length, run_head, run_layers, tokens_per_expert
+from moe_models.forward import aux_loss_sum, rotary_tables, run_head, run_layers, tokens_per_expert
 from moe_models.module_kinds import module_kinds
-from moe_models.rope import rotary_cos_sin
 from moe_parallel.plan import PipelinePlan
 
 if TYPE_CHECKING:
@@ -57,13 +56,14 @@ class StageRouting:
 class ModelStage(nn.Module):
     """Decoder layers ``layers`` of ``model``, with the embedding (``first``) and the head and MTP (``last``).
 
-    ``forward(x, input_ids_BS, routing, positions_BS)``: ``x`` is the token ids the stage computes (at the positions
-    given, all of them by default) on the first stage and the previous stage's hidden states otherwise;
+    ``forward(x, input_ids_BS, routing, positions_BS, document_ids_BS)``: ``x`` is the token ids the stage computes (at
+    the positions given, all of them by default) on the first stage and the previous stage's hidden states otherwise;
     ``input_ids_BS`` (every stage gets it: the whole sequences) gives the sequence length for the rotary positions and
     the tokens MTP embeds; ``positions_BS`` (a context-parallel rank's positions, one row per sequence, all rows
-    equal: a pipeline schedule cuts keyword tensors into micro-batches along the first dimension); the MoE layers'
-    results go to ``routing``. Returns the hidden states, or on the last stage the logits (a tuple with the MTP
-    depths' logits after them when the model has MTP).
+    equal: a pipeline schedule cuts keyword tensors into micro-batches along the first dimension); ``document_ids_BS``
+    (packed rows: the whole sequences' document ids, as ``MoETransformer.forward`` takes them); the MoE layers' results
+    go to ``routing``. Returns the hidden states, or on the last stage the logits (a tuple with the MTP depths' logits
+    after them when the model has MTP).
     """
 
     def __init__(self, model: MoETransformer, index: int, layers: tuple[int, ...], first: bool, last: bool) -> None:
@@ -105,15 +105,18 @@ class ModelStage(nn.Module):
         input_ids_BS: torch.Tensor,
         routing: StageRouting | None = None,
         positions_BS: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         positions_S = None if positions_BS is None else positions_BS[0]
         x_BSH = self.embed_tokens(x) if self.first else x
-        cos_SF, sin_SF = rotary_cos_sin(self.config, positions_or_length(input_ids_BS, positions_S), x_BSH.device)
+        cos_SF, sin_SF = rotary_tables(self.config, input_ids_BS, positions_S, document_ids_BS, x_BSH.device)
         routings: list[RoutingResult | None] = []
-        x_BSH = run_layers(self.layers.values(), x_BSH, cos_SF, sin_SF, routings, positions_S)
+        x_BSH = run_layers(self.layers.values(), x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS)
         out: torch.Tensor | tuple[torch.Tensor, ...] = x_BSH
         if self.last:
-            logits_BSV, mtp_logits = run_head(self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S)
+            logits_BSV, mtp_logits = run_head(
+                self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS
+            )
             out = (logits_BSV, *mtp_logits) if mtp_logits else logits_BSV
         if routing is not None:
             routing.add(self.index, [r for r in routings if r is not None], self.config, x_BSH)

@@ -44,7 +44,8 @@ def rotary_cos_sin(
     c: ModelConfig, positions: int | torch.Tensor, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[S, D/2]`` (one column per frequency), D = ``c.rotary_dim``, for positions 0..S-1
-    (``positions`` an int S) or for the given positions of the sequence (an int tensor ``[S]``, on its device)."""
+    (``positions`` an int S) or for the given positions of the sequence (an int tensor ``[S]``, on its device); for
+    per-row positions (``[B, S]``: each token's position in its packed document) tables ``[B, S, D/2]``."""
     if isinstance(positions, torch.Tensor):
         device = positions.device
     dim = c.rotary_dim
@@ -54,14 +55,15 @@ def rotary_cos_sin(
         inv_freq = 1.0 / c.rotary_base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
         scale = 1.0
     pos_S = positions.float() if isinstance(positions, torch.Tensor) else torch.arange(positions, device=device).float()
-    angles_SF = torch.outer(pos_S, inv_freq)
+    angles_SF = torch.outer(pos_S, inv_freq) if pos_S.dim() == 1 else pos_S.unsqueeze(-1) * inv_freq
     return angles_SF.cos() * scale, angles_SF.sin() * scale
 
 
 def apply_rotary(
     x_BNSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor, interleaved: bool = False
 ) -> torch.Tensor:
-    """Rotate ``x`` (``[..., S, D]``) by the angles of ``[S, D/2]`` tables.
+    """Rotate ``x`` (``[..., S, D]``) by the angles of ``[S, D/2]`` tables, or of per-row ``[B, S, D/2]`` tables for
+    ``x`` of ``[B, N, S, D]`` (the same angles for every head).
 
     Rotate-half pairs dimension j with j + D/2 (HuggingFace Llama/Qwen/Mixtral/GPT-OSS); interleaved pairs 2j
     with 2j+1 (DeepSeek-V3 checkpoints) and returns the result in the rotate-half order: q and k are permuted
@@ -72,4 +74,6 @@ def apply_rotary(
     else:
         x1, x2 = x_BNSD.chunk(2, dim=-1)
     cos, sin = cos_SF.to(x_BNSD.dtype), sin_SF.to(x_BNSD.dtype)
+    if cos.dim() == 3:  # per-row tables [B, S, F]: broadcast over the heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -76,7 +76,8 @@ def ascending_runs(positions: torch.Tensor) -> list[tuple[int, int]]:
 
 
 class GatherKeysValues:
-    """Forward pre-hook of a core-attention module called as ``(q_BNSD, k_BNKD, v_BNKV, sinks, q_pos_S, k_pos_K)``:
+    """Forward pre-hook of a core-attention module called as ``(q_BNSD, k_BNKD, v_BNKV, sinks, q_pos_S, k_pos_K)``,
+    or with packed documents' ids ``documents_BS`` after them (of the whole sequences: passed through unchanged):
     replaces ``k``, ``v`` and ``k_pos`` by those of every cp rank, in ascending position order. One all-gather of
     keys and values together per call; the positions are gathered once for as long as the same positions tensor
     comes (every layer of every step of a run). What it keeps for the backward is nothing (the attention keeps the
@@ -98,11 +99,12 @@ class GatherKeysValues:
         return runs, pos_sorted
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if len(args) != 6 or kwargs:
+        if len(args) not in (6, 7) or kwargs:
             raise TypeError(
-                "context parallelism calls core attention as (q, k, v, sinks, q_positions, k_positions), positionally"
+                "context parallelism calls core attention as (q, k, v, sinks, q_positions, k_positions[, documents]), "
+                "positionally"
             )
-        q, k, v, sinks, q_pos, k_pos = args
+        q, k, v, sinks, q_pos, k_pos, *documents = args
         if q_pos is None or k_pos is None:
             raise ValueError(
                 "context parallelism needs the positions of the rank's tokens: call the model with positions_S "
@@ -114,7 +116,7 @@ class GatherKeysValues:
         # (an index_select would keep its index)
         kv_sorted = torch.cat([kv_all.narrow(2, start, length) for start, length in runs], dim=2)
         k_all, v_all = kv_sorted.split([k.shape[-1], v.shape[-1]], dim=-1)
-        return (q, k_all, v_all, sinks, q_pos, pos_sorted), kwargs
+        return (q, k_all, v_all, sinks, q_pos, pos_sorted, *documents), kwargs
 
 
 def apply_context_parallel(model: nn.Module, paths: tuple[str, ...], group: dist.ProcessGroup) -> None:
