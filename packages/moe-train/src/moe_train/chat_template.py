@@ -120,6 +120,12 @@ def render(template_source: str, messages: Sequence[Mapping[str, Any]], **contex
     return RenderedConversation(text, _spans_turn_by_turn(template, messages, text, context))
 
 
+def render_prompt(template_source: str, messages: Sequence[Mapping[str, Any]], **context: Any) -> str:
+    """``messages`` rendered with the generation prompt after them: the text a model continues with its answer."""
+    framed = _render_framed(compile_template(template_source), messages, add_generation_prompt=True, **context)
+    return _unframe(framed)[0]
+
+
 def _spans_turn_by_turn(
     template: jinja2.Template, messages: Sequence[Mapping[str, Any]], text: str, context: Mapping[str, Any]
 ) -> tuple[tuple[int, int], ...]:

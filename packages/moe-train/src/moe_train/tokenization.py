@@ -46,6 +46,8 @@ class Tokenizer:
     # without a fast (Rust) version, which has no offsets
     encode_offsets: Callable[[list[str]], list[tuple[Sequence[int], Sequence[tuple[int, int]]]]] | None = None
     directory: Path | None = None  # where its tokenizer_config.json (chat template, special tokens) would be
+    # ids to text, special tokens written out (``moe-train generate``)
+    decode: Callable[[Sequence[int]], str] = lambda ids: bytes(ids).decode("utf-8", errors="replace")
 
     @property
     def dtype(self) -> np.dtype:
@@ -220,7 +222,17 @@ def _load_tokenizers_file(name: str, file: Path, eos_token: str) -> Tokenizer:
         return [(e.ids, e.offsets) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     vocab = max(tokenizer.get_vocab_size(with_added_tokens=True), eos + 1)
-    return Tokenizer(name, vocab, eos, (eos,), _digest([file]), encode_batch, encode_offsets, file.parent)
+    return Tokenizer(
+        name,
+        vocab,
+        eos,
+        (eos,),
+        _digest([file]),
+        encode_batch,
+        encode_offsets,
+        file.parent,
+        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
+    )
 
 
 def _load_transformers(name: str, directory: Path, eos_token: str) -> Tokenizer:
@@ -255,4 +267,6 @@ def _load_transformers(name: str, directory: Path, eos_token: str) -> Tokenizer:
     vocab = max(len(tokenizer), eos + 1)
     offsets = encode_offsets if tokenizer.is_fast else None
     digest = _digest(list(dict.fromkeys(files)))
-    return Tokenizer(name, vocab, eos, (eos,), digest, encode_batch, offsets, directory)
+    return Tokenizer(
+        name, vocab, eos, (eos,), digest, encode_batch, offsets, directory, lambda ids: tokenizer.decode(list(ids))
+    )
