@@ -111,11 +111,51 @@ def test_what_cannot_be_adapted_says_which_field():
     with pytest.raises(ValueError, match="rank=4: grouped GEMMs"):
         add_expert_lora_(GroupedExperts(2, 16, 8, backend="torch"), rank=4, alpha=1.0)
     assert add_expert_lora_(GroupedExperts(2, 16, 8, backend="loop"), rank=4, alpha=1.0)
-    with pytest.raises(ValueError, match="etp_size=2"):
-        add_expert_lora_(GroupedExperts(2, 16, 8, etp_rank=0, etp_size=2), rank=8, alpha=1.0)
     with pytest.raises(ValueError, match="projections"):
         add_expert_lora_(GroupedExperts(2, 16, 8), rank=8, alpha=1.0, projections=("fc3",))
     experts = GroupedExperts(2, 16, 8)
     add_expert_lora_(experts, rank=8, alpha=1.0, projections=("fc1",))
     with pytest.raises(ValueError, match="fc1 already"):
         add_expert_lora_(experts, rank=8, alpha=1.0)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "squared_relu"])
+def test_an_etp_split_adapter_sums_to_the_whole_one(activation):
+    """Each etp rank's adapters split as the weights they adapt (adapter_local_slice): the ranks' outputs sum to the
+    whole experts' output, the split factors' gradients are slices of the whole one's and the whole factors'
+    (ETP_PARTIAL) gradients sum to it."""
+    from moe_experts.lora import ETP_PARTIAL, adapter_local_slice
+
+    # (sums over the FFN units split in two and added back: fp32 rounding of values of order 1 apart)
+
+    gen = torch.Generator().manual_seed(0)
+    whole = GroupedExperts(2, 16, 8, activation=activation, backend="loop", seed=1)
+    for module in add_expert_lora_(whole, rank=4, alpha=8.0):
+        _random_adapter(module, gen)
+    x, counts = torch.randn(7, 16, generator=gen), torch.tensor([3, 4])
+    grad = torch.randn(7, 16, generator=gen)
+    whole(x, counts).backward(grad)
+    wholes = dict(whole.named_parameters())
+    total, partial_grads = 0, {}
+    for rank in range(2):
+        part = GroupedExperts(2, 16, 8, activation=activation, backend="loop", seed=1, etp_rank=rank, etp_size=2)
+        add_expert_lora_(part, rank=4, alpha=8.0)
+        with torch.no_grad():
+            for name, param in part.named_parameters():
+                slicer = adapter_local_slice if "lora_" in name else GroupedExperts.local_slice
+                for e in range(2):
+                    param[e].copy_(slicer(part, name, wholes[name][e]))
+        out = part(x, counts)
+        out.backward(grad)
+        total = total + out.detach()
+        for name, param in part.named_parameters():
+            if "lora_" not in name:
+                continue
+            if name in ETP_PARTIAL:
+                partial_grads[name] = partial_grads.get(name, 0) + param.grad
+            else:
+                want = torch.stack([adapter_local_slice(part, name, g) for g in wholes[name].grad])
+                torch.testing.assert_close(param.grad, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(total, whole(x, counts).detach(), rtol=1e-4, atol=1e-4)
+    for name, value in partial_grads.items():
+        torch.testing.assert_close(value, wholes[name].grad, rtol=1e-4, atol=1e-4)

@@ -54,6 +54,8 @@ def test_adapted_model_equals_the_merged_model_and_trains_only_adapters(family):
     base_logits = model(ids[:, :-1]).logits.detach()
     names = add_lora_(model, rank=8, alpha=16.0)
     assert any(name.endswith("mlp.experts") for name in names) and any("attention" in name for name in names)
+    shared = [name for name, _ in model.named_modules() if name.endswith("mlp.shared_experts")]
+    assert all(name in names for name in shared)  # shared experts (DeepSeek-V3's) are adapted too
     torch.testing.assert_close(model(ids[:, :-1]).logits, base_logits, rtol=0, atol=0)  # B = 0: no change yet
 
     _randomise_adapters(model)
@@ -83,4 +85,32 @@ def test_targets_and_settings_that_cannot_be_adapted_name_the_field():
         add_lora_(model, rank=0, alpha=1.0)
     with pytest.raises(ValueError, match="dropout=1.0"):
         add_lora_(model, rank=8, alpha=1.0, dropout=1.0)
-    assert DEFAULT_TARGETS  # the default reaches attention, dense MLPs and experts (checked per family above)
+    assert DEFAULT_TARGETS  # the default reaches attention, dense MLPs, shared and routed experts (checked above)
+
+
+def test_a_shared_expert_adapter_is_one_update_per_huggingface_projection():
+    from moe_experts import SharedExperts
+    from moe_models.lora import LoRASharedExperts
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.shared_experts = SharedExperts(16, 24, gate=True)
+    add_lora_(holder, rank=4, alpha=8.0, targets=("shared_experts",))
+    module = holder.shared_experts
+    assert isinstance(module, LoRASharedExperts)
+    _randomise_adapters(holder)
+    x = torch.randn(5, 16)
+    w_gate, w_up = module.w_gate_up_H2F.detach().chunk(2, dim=1)  # [H, F] each
+
+    def update(adapter, inp):  # (alpha / r) B A x, by hand
+        return inp @ adapter.lora_A.detach().T @ adapter.lora_B.detach().T * 2.0
+
+    gate = x @ w_gate + update(module.lora_gate_proj, x)
+    up = x @ w_up + update(module.lora_up_proj, x)
+    h = torch.nn.functional.silu(gate) * up
+    down = h @ module.w_down_FH.detach() + update(module.lora_down_proj, h)
+    want = torch.sigmoid(x @ module.w_gate_H1.detach()) * down
+    torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-6)
+    merged = SharedExperts(16, 24, gate=True)
+    merged.load_state_dict({k.removeprefix("shared_experts."): v for k, v in merged_state_dict(holder).items()})
+    torch.testing.assert_close(merged(x), want, rtol=1e-5, atol=1e-6)

@@ -61,7 +61,7 @@ def test_shares_average_to_the_mean_over_labelled_tokens(
 
 
 def test_a_mean_per_micro_batch_is_not_the_mean_over_labelled_tokens() -> None:
-    """What the per-token loss fixes: two micro-batches with 1 and 8 labels weigh their tokens 8:1 in a mean of means."""
+    """What the per-token loss fixes: micro-batches with 1 and 8 labels weigh their tokens 8:1 in a mean of means."""
     logits, labels = _batch(0, 2, 8, 1.0)
     labels[0, 1:] = IGNORE_INDEX
     means = [F.cross_entropy(logits[i], labels[i]) for i in range(2)]  # the per-micro-batch mean, ignore_index -100
@@ -77,7 +77,8 @@ def test_a_mean_per_micro_batch_is_not_the_mean_over_labelled_tokens() -> None:
 def test_mtp_depths_take_the_labels_further_on() -> None:
     logits, labels = _batch(3, 2, 8, 0.6)
     mtp = (torch.randn_like(logits), torch.randn_like(logits))
-    loss = causal_lm_loss(ModelOutput(logits, torch.zeros(()), torch.zeros(0, 1), mtp), labels, 0.5, labelled_tokens=5.0)
+    output = ModelOutput(logits, torch.zeros(()), torch.zeros(0, 1), mtp)
+    loss = causal_lm_loss(output, labels, 0.5, labelled_tokens=5.0)
     for depth, depth_logits in enumerate(mtp, start=1):
         targets = torch.full_like(labels, IGNORE_INDEX)
         targets[:, :-depth] = labels[:, depth:]

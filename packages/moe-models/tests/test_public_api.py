@@ -70,7 +70,9 @@ HF_NAMES = [
     "config_from_hf",
     "config_to_hf",
     "load_pretrained",
+    "peft_adapter_state",
     "read_state_dict",
+    "save_peft_adapter",
     "save_pretrained",
 ]
 

@@ -15,6 +15,11 @@ slice is summed over tp in the backward. GPT-OSS's attention sinks (one per head
 embedding and the head both split the vocabulary (rows of the same ``[V, H]`` weight), so tied embeddings stay one
 parameter; the logits stay split over the vocabulary (the loss runs under torch's ``loss_parallel``).
 
+LoRA adapters (:mod:`moe_models.lora`) split as the weight they adapt: a column-parallel projection's ``lora_B``
+along its output rows (``lora_A`` whole), a row-parallel one's ``lora_A`` along its input columns (``lora_B`` whole);
+the adapters of shared experts are whole and summed over tp as their weights are; routed experts' adapters follow
+their experts (moe_parallel's expert parallelism).
+
 Context parallelism: every core attention is listed, to be handed the keys and values of the whole sequence.
 
 Packed documents (``document_ids_BS``): attention takes the whole sequences' ids unchanged (its input is all-gathered
@@ -36,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from moe_models.lora import LoRALinear
 from moe_models.pipeline import pipeline_plan
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan
 
@@ -138,6 +144,11 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
             f"mtp.{k}.{n}" for n, _ in mtp.named_parameters() if n.startswith(("enorm.", "hnorm.", "eh_proj."))
         )
         plan["tensor_parallel"][f"mtp.{k}.final_norm"] = SequenceParallel()
+    adapters: dict[str, int | None] = {}
+    for path, style in plan["tensor_parallel"].items():
+        if isinstance(model.get_submodule(path), LoRALinear) and isinstance(style, ColwiseParallel | RowwiseParallel):
+            column = isinstance(style, ColwiseParallel)
+            adapters.update({f"{path}.lora_A": None if column else 1, f"{path}.lora_B": 0 if column else None})
     tp_divides = {"num_attention_heads": c.num_attention_heads}
     if not c.multi_latent_attention:
         tp_divides["num_query_groups"] = c.num_query_groups
@@ -149,6 +160,7 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         tp_sum_grad_columns=plan["tp_sum_grad_columns"],
         tp_divides=tp_divides,
         tp_shard_parameters=plan["tp_shard_parameters"],
+        tp_adapter_parameters=adapters,
         # an MTP depth's final norm runs outside its forward (the model applies it before the shared head), so the
         # depth's decoder layer is the unit and its small input/output parts stay with the root
         fsdp_units=tuple(prefix for prefix, _ in layers + depths),

@@ -14,6 +14,9 @@ them as with tensor parallelism. An etp slice of a gated projection is two colum
 tensor, which no DTensor placement describes, so with ``etp > 1`` the parameters stay plain per-rank tensors;
 for checkpoints, :mod:`moe_parallel.checkpoint_layout` gives every expert tensor a global form (gate and up apart)
 that is the same under every layout, etp included.
+
+LoRA adapters on the experts (:mod:`moe_experts.lora`) go with them: this rank's experts, each adapter split over
+etp as the weight it adapts (:func:`moe_experts.lora.adapter_local_slice`); frozen parameters stay frozen.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moe_dispatch import TopKRouter, WireCodec, build_dispatcher
-from moe_experts import GroupedExperts
+from moe_experts import GroupedExperts, LoRAExpertLinear, add_expert_lora_
+from moe_experts.lora import adapter_local_slice
 from moe_parallel.mesh import ParallelMeshes
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan, submodule
 
@@ -89,11 +93,19 @@ def shard_experts(whole: GroupedExperts, ep_rank: int, ep: int, etp_rank: int, e
             etp_rank=etp_rank,
             etp_size=etp,
         )
+        for projection in ("fc1", "fc2"):
+            adapter = getattr(whole, projection)
+            if isinstance(adapter, LoRAExpertLinear):
+                dropout = getattr(adapter.dropout, "p", 0.0)
+                add_expert_lora_(part, adapter.rank, adapter.alpha, dropout, projections=(projection,))
     part = part.to_empty(device=whole.w_gate_up_EH2F.device).to(whole.w_gate_up_EH2F.dtype)
-    if not whole.w_gate_up_EH2F.is_meta:
-        for name, mine in part.named_parameters():
+    wholes = dict(whole.named_parameters())
+    for name, mine in part.named_parameters():
+        mine.requires_grad_(wholes[name].requires_grad)
+        if not whole.w_gate_up_EH2F.is_meta:
+            slicer = adapter_local_slice if "lora_" in name else GroupedExperts.local_slice
             for e in range(local):
-                mine[e].copy_(part.local_slice(name, getattr(whole, name)[first + e]))
+                mine[e].copy_(slicer(part, name, wholes[name][first + e]))
     return part
 
 
@@ -127,7 +139,9 @@ def apply_expert_parallel(
         if layout.etp == 1:
             for name, param in list(block.experts.named_parameters()):
                 sharded = DTensor.from_local(param.detach(), ep_mesh, [Shard(0)], run_check=False)
-                setattr(block.experts, name, nn.Parameter(sharded))
+                owner, _, attr = name.rpartition(".")
+                module = block.experts.get_submodule(owner) if owner else block.experts
+                setattr(module, attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
         block.dispatcher = build_dispatcher(
             dispatcher, block.router.config.num_experts, ep_group=ep_group, etp_group=etp_group, wire=wire, **extra
         )

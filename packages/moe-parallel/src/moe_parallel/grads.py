@@ -14,6 +14,9 @@ What remains (:class:`GradientSync`):
   the gradient of the mean loss; FSDP divided by ``edp``, so the gradient is scaled by ``edp / (dp cp)`` (as
   Megatron's expert gradient scaling and torchtitan's gradient divide factor).
 
+Frozen parameters (a LoRA run's base) never get a gradient: every reduction here and FSDP2's reduce-scatter pass
+over them, and they have no part in the norm.
+
 The global norm sums each rank's squared local gradients divided by how many ranks hold an identical copy of
 that shard (:func:`replica_count`), in one all-reduce: a parameter replicated over dp, tp or edp counts once, a
 sharded one once per shard.

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moe_experts import GroupedExperts
+from moe_experts.lora import adapter_local_slice
 from moe_parallel.plan import ParallelPlan, submodule
 
 
@@ -32,7 +33,8 @@ class ParameterSource(Protocol):
 
     def expert(self, path: str, index: int) -> dict[str, torch.Tensor]:
         """Global expert ``index`` of the grouped experts at module ``path``: its full-width (``etp_size = 1``)
-        value of each parameter, without the expert dimension, by parameter name."""
+        value of each parameter (adapters' included: ``fc1.lora_A_ERK``...), without the expert dimension, by
+        parameter name."""
         ...
 
 
@@ -46,10 +48,11 @@ def local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
 
 def _fill_experts(experts: GroupedExperts, path: str, source: ParameterSource) -> None:
-    pieces = {name: local_box(param) for name, param in experts.named_parameters()}
+    params = dict(experts.named_parameters())
+    pieces = {name: local_box(param) for name, param in params.items()}
     wanted: dict[int, list[tuple[str, int]]] = {}  # global expert -> (parameter, local row) that hold it
     for name, (_, box) in pieces.items():
-        param = getattr(experts, name)
+        param = params[name]
         # expert-parallel DTensors index the global experts; plain (or edp-only) ones this rank's, from first_expert
         first = experts.first_expert if param.shape[0] == experts.num_experts else 0
         for row in range(box[0].start, box[0].stop):
@@ -58,7 +61,9 @@ def _fill_experts(experts: GroupedExperts, path: str, source: ParameterSource) -
         whole = source.expert(path, index)
         for name, row in holders:
             local, box = pieces[name]
-            local[row].copy_(experts.local_slice(name, whole[name])[box[1:]])
+            # an adapter splits over etp as the weight it adapts, not as its own shape would suggest
+            slicer = adapter_local_slice if "lora_" in name else GroupedExperts.local_slice
+            local[row].copy_(slicer(experts, name, whole[name])[box[1:]])
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ def _check_plan_names(model: nn.Module, plan: ParallelPlan) -> None:
     for name in [
         *plan.tp_partial_grads,
         *plan.tp_shard_parameters,
+        *plan.tp_adapter_parameters,
         *(n for pair in plan.tied_parameters for n in pair),
     ]:
         if name not in params:

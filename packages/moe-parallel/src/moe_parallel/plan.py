@@ -101,6 +101,10 @@ class ParallelPlan:
     # parameter path -> dimension it is split along over tp (a per-head parameter beside column-parallel heads, such
     # as attention sinks): distributed as Shard(dim); the module using it takes its local piece
     tp_shard_parameters: Mapping[str, int] = field(default_factory=dict)
+    # low-rank adapter parameters of tensor-parallel linears -> the dimension each is split along over tp (None: whole
+    # on every rank): a column-parallel weight's adapter splits its output side, a row-parallel one its input side.
+    # Kept out of the styles' reach (a style splits every parameter of its linear alike)
+    tp_adapter_parameters: Mapping[str, int | None] = field(default_factory=dict)
     # core-attention modules called as (q, k, v, sinks, q_positions, k_positions): with cp > 1 each gets the keys
     # and values of the whole sequence (moe_parallel.context_parallel); empty: the model cannot take cp > 1
     context_parallel: tuple[str, ...] = ()

@@ -56,6 +56,7 @@ def restrict_plan(plan: ParallelPlan, module: nn.Module) -> ParallelPlan:
         tp_partial_grads=tuple(n for n in plan.tp_partial_grads if n in params),
         tp_sum_grad_columns={p: c for p, c in plan.tp_sum_grad_columns.items() if p in modules},
         tp_shard_parameters={n: d for n, d in plan.tp_shard_parameters.items() if n in params},
+        tp_adapter_parameters={n: d for n, d in plan.tp_adapter_parameters.items() if n in params},
         context_parallel=tuple(p for p in plan.context_parallel if p in modules),
         fsdp_units=tuple(p for p in plan.fsdp_units if p in modules),
         moe_blocks=tuple(b for b in plan.moe_blocks if b.path in modules),
@@ -182,7 +183,8 @@ class StagedModel:
 
     def _copies(self) -> list[nn.Parameter]:
         names = set(self.pipeline.last_stage_copies) if self.num_stages > 1 else set()
-        return [p for stage in self.stages for n, p in stage.named_parameters() if n in names]
+        # a frozen copy (LoRA's base) has no gradient to sum
+        return [p for stage in self.stages for n, p in stage.named_parameters() if n in names and p.requires_grad]
 
     @torch.no_grad()
     def finalize_grads(self) -> None:

@@ -9,7 +9,8 @@ input preparation); :func:`apply_tensor_parallel` applies them and the two thing
 - an output slice that every tp rank uses whole, computed by a module whose other columns feed split heads (MLA's
   rotary key beside the kv latent): the gradient of that slice is summed over tp in the backward;
 - per-head parameters outside a linear layer (attention sinks) are split along the plan's dimension
-  (``tp_shard_parameters``), and parameters the plan ties share one DTensor again after the styles split each.
+  (``tp_shard_parameters``), low-rank adapters of split linears along theirs (``tp_adapter_parameters``: the styles
+  would split them as the weight), and parameters the plan ties share one DTensor again after the styles split each.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from moe_parallel.layout import divisors
@@ -102,13 +103,27 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelP
         if name not in named:
             raise ValueError(f"the parallel plan names parameter {name!r}, which the model does not have")
         partial.append(named[name])
-    parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
-    for name, dim in plan.tp_shard_parameters.items():
+    adapters = {}
+    for name in plan.tp_adapter_parameters:
         owner, _, attr = name.rpartition(".")
         module = submodule(model, owner) if owner else model
-        param = getattr(module, attr)
+        adapters[name] = module._parameters.pop(attr)  # out of the style's partition, back below
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
+    for name, param in model.named_parameters():
+        # torch's SequenceParallel re-registers its norms' parameters trainable: a frozen base stays frozen
+        if name in frozen:
+            param.requires_grad_(False)
+    placements = {name: Shard(dim) for name, dim in plan.tp_shard_parameters.items()}
+    placements.update(
+        {name: Replicate() if dim is None else Shard(dim) for name, dim in plan.tp_adapter_parameters.items()}
+    )
+    for name, placement in placements.items():
+        owner, _, attr = name.rpartition(".")
+        module = submodule(model, owner) if owner else model
+        param = adapters[name] if name in adapters else getattr(module, attr)
         module.register_parameter(
-            attr, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(dim)]), requires_grad=param.requires_grad)
+            attr, nn.Parameter(distribute_tensor(param, tp_mesh, [placement]), requires_grad=param.requires_grad)
         )
     _retie(model, plan)
     group = tp_mesh.get_group()

@@ -14,6 +14,10 @@ sharded like its parameter. ``get_optimizer_state_dict`` initialises an optimize
 zero gradients and ``lr`` 0 (which counts a step); an optimizer that has ``init_state`` (ours) is initialised with it
 instead, so loading never runs an update and the loaded values replace zeros of the right dtypes and shapes.
 
+Frozen parameters (the base of a LoRA run, :mod:`moe_train.peft`) are not stored: they never change, and the run
+that resumes reads them from where the first run did (``model.from_hf``, whose identity ``meta.json`` records). Such
+a checkpoint holds the adapters, their optimizer state and the buffers.
+
 Routed experts are stored in moe_parallel's canonical form (:func:`moe_parallel.expert_checkpoint_pieces`: gate and
 up apart, each a global tensor), the same for every layout, expert-tensor-parallel ones included; the other tensors
 are the global tensors DCP sees (DTensors under FSDP, tensor and expert parallelism).
@@ -41,6 +45,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -57,6 +62,7 @@ from moe_parallel import (
     restore_expert_checkpoint_pieces,
 )
 from moe_train.faults import agree_on_failure
+from moe_train.peft import base_reference
 from moe_train.safe_dcp import DamagedCheckpointError, SafeFileSystemReader, UnsafeCheckpointError
 from moe_train.safe_dcp import read_metadata as read_dcp_metadata
 from moe_train.write_errors import OutputWriteError, interrupted, is_write_failure, write_failure
@@ -240,6 +246,12 @@ def _join(model_state: dict[str, Any], optim_state: dict[str, Any] | None, form:
 Aliases = list[tuple[Any, Any]]  # (state left out, the state of the same name that stands for it)
 
 
+def _without_frozen(model: nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:
+    """``model_state`` without the frozen parameters (module docstring)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {key: value for key, value in model_state.items() if key not in frozen} if frozen else model_state
+
+
 def _whole_model_names(state: dict[str, Any], parallel: Parallelised | None) -> tuple[dict[str, Any], Aliases]:
     """``state`` (DCP's state) under the whole model's names (``parallel.global_name``: a staged model's stages sit
     under ``<k>.`` in the rank's ``ModuleList``). A name two stages of one rank both hold (a copied embedding) is
@@ -330,10 +342,13 @@ class CheckpointWriter:
             torch.save(_rng_state(), staging / f"rng_rank{_rank()}.pt")
             _init_state(optimizer)  # an optimizer that never stepped: its zero state, not DCP's zero-gradient step
             model_state, optim_state = get_state_dict(model, optimizer)
+            model_state = _without_frozen(model, model_state)
             form = expert_form(model, self.parallel)
             state, _ = _whole_model_names(_canonical(model_state, optim_state, form, {}), self.parallel)
             state["step"] = torch.tensor(step)
             meta = {"format": FORMAT_VERSION, "step": step, **meta}
+            if "config" in meta and "peft_base" not in meta:  # adapters only: the base they adapt, for resuming
+                meta["peft_base"] = base_reference(meta["config"])
             with _quiet():
                 if self.async_save:
                     future = dcp.async_save(state, checkpoint_id=staging, process_group=self.process_group)
@@ -461,7 +476,8 @@ def load_checkpoint(
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata)")
-    model_state = get_model_state_dict(model)
+    whole_state = get_model_state_dict(model)
+    model_state = _without_frozen(model, whole_state)
     form = expert_form(model, parallel)
     optim_state = None
     if optimizer is not None:
@@ -481,7 +497,7 @@ def load_checkpoint(
     if form is not None:
         _join(model_state, optim_state, form, found)
     # DCP loaded into the state dicts' tensors in place; set_* also writes them into FSDP's and the optimizer's own
-    set_model_state_dict(model, model_state)
+    set_model_state_dict(model, model_state, options=StateDictOptions(strict=model_state is whole_state))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, optim_state)
     if restore_rng:

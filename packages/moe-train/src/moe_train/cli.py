@@ -7,6 +7,8 @@ moe-train plan [--world-size N] [--config ...] [--parallel.ep 4 ...]   # shard s
 moe-train plan ... --memory [--device-memory 80]   # and each rank's estimated memory
 moe-train env                      # capability table
 moe-train export CHECKPOINT --hf OUT [--dtype fp32|bf16] [--overwrite]   # a checkpoint (or a run's latest) as HF
+moe-train export CHECKPOINT --peft OUT [--dtype ...] [--overwrite]   # a LoRA run's adapters as a PEFT adapter
+moe-train generate CHECKPOINT --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--seed S]
 """
 
 from __future__ import annotations
@@ -96,12 +98,29 @@ def _parser() -> argparse.ArgumentParser:
         "export",
         help="write a checkpoint as a HuggingFace model directory (transformers' from_pretrained reads it)",
         description="CHECKPOINT: a checkpoint directory (step_N) or a run's output directory (its latest complete "
-        "checkpoint). Writes config.json + safetensors, and the run's local tokenizer.json, into OUT.",
+        "checkpoint). --hf writes config.json + safetensors, and the run's local tokenizer.json, into OUT (a LoRA "
+        "run's model merged); --peft writes a LoRA run's adapters as a PEFT adapter directory (adapter_config.json + "
+        "adapter_model.safetensors) for peft.PeftModel.from_pretrained on the transformers model of model.from_hf.",
     )
     export.add_argument("checkpoint", help="checkpoint directory (step_N) or run output directory")
     export.add_argument("--hf", metavar="OUT", default=None, help="HuggingFace directory to write")
+    export.add_argument("--peft", metavar="OUT", default=None, help="PEFT adapter directory to write (LoRA runs)")
     export.add_argument("--dtype", default=None, help="fp32 or bf16 (default: the dtype the run trained in)")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with a trained model (greedy, or sampled with --temperature), with a KV cache",
+        description="CHECKPOINT: a checkpoint directory (step_N) or a run's output directory (its latest complete "
+        "checkpoint), LoRA runs included. --chat renders the prompt as a user turn with the run's chat template and "
+        "its generation prompt (as apply_chat_template(..., add_generation_prompt=True) does); generation stops at the "
+        "tokenizer's end-of-text token or after --max-new-tokens.",
+    )
+    generate.add_argument("checkpoint", help="checkpoint directory (step_N) or run output directory")
+    generate.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    generate.add_argument("--chat", action="store_true", help="render the prompt with the run's chat template")
+    generate.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens (default 128)")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy; > 0 samples")
+    generate.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     quantize = commands.add_parser(
         "quantize",
         help="write a checkpoint as a quantised (FP8 or NVFP4) HuggingFace checkpoint, with NVIDIA Model Optimizer",
@@ -115,6 +134,34 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--calib-batches", type=int, default=8, help="calibration batches of the run's data")
     quantize.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
     return parser
+
+
+def _generate(args: argparse.Namespace, rest: list[str]) -> int:
+    from pathlib import Path
+
+    from moe_models.hf import HFCheckpointError
+    from moe_train.checkpoint import CheckpointError
+    from moe_train.generate import answer
+
+    if rest:
+        raise ConfigError(f"moe-train generate takes CHECKPOINT --prompt TEXT [options], got {' '.join(rest)}")
+    try:
+        said = answer(
+            Path(args.checkpoint),
+            args.prompt,
+            chat=args.chat,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
+    except (CheckpointError, HFCheckpointError) as err:
+        raise ConfigError(str(err)) from None
+    print(said.text)
+    how = (
+        "stopped at the end-of-text token" if said.stopped else f"stopped after --max-new-tokens {args.max_new_tokens}"
+    )
+    print(f"moe-train: {len(said.prompt_tokens)} prompt tokens, {len(said.tokens)} new ({how})", file=sys.stderr)
+    return 0
 
 
 def _quantize(checkpoint: str, recipe: str, out: str, calib_batches: int, overwrite: bool, rest: list[str]) -> int:
@@ -294,7 +341,7 @@ def _plan(
         raise ConfigError(f"--device-memory={device_memory:g}: give the memory of one device in GiB, > 0")
     param_dtype = torch.bfloat16 if getattr(cfg.train, "params_dtype", "fp32") == "bf16" else torch.float32
     report = plan_report(
-        cfg.model, p, world_size, param_dtype, cfg.run, cfg.data.seq_len
+        cfg.model, p, world_size, param_dtype, cfg.run, cfg.data.seq_len, cfg.peft
     )  # validates the layout against the model first
     report = with_microbatches(report, p.pp_schedule, plan_micro_batching(cfg, report.layout)[1])
     print(f"{world_size} ranks, {cfg.model.num_moe_experts} experts per MoE layer ({cfg.model.family})")
@@ -307,7 +354,9 @@ def _plan(
     return 0
 
 
-def _export(checkpoint: str, out: str | None, dtype: str | None, overwrite: bool, rest: list[str]) -> int:
+def _export(
+    checkpoint: str, out: str | None, dtype: str | None, overwrite: bool, rest: list[str], peft_out: str | None = None
+) -> int:
     import json
     import warnings
     from pathlib import Path
@@ -316,27 +365,50 @@ def _export(checkpoint: str, out: str | None, dtype: str | None, overwrite: bool
     from moe_models.hf import HFCheckpointError
     from moe_train.checkpoint import CheckpointError
     from moe_train.dtypes import short_name
-    from moe_train.export import EXPORT_DTYPES, export_hf, resolve_checkpoint, trained_model_config
+    from moe_train.export import (
+        EXPORT_DTYPES,
+        export_hf,
+        export_peft_checkpoint,
+        resolve_checkpoint,
+        trained_model_config,
+    )
     from moe_train.write_errors import describe
 
     if rest:
-        raise ConfigError(f"moe-train export takes CHECKPOINT --hf OUT [--dtype] [--overwrite], got {' '.join(rest)}")
-    if out is None:
-        raise ConfigError("moe-train export needs --hf OUT: the HuggingFace directory to write")
+        raise ConfigError(
+            f"moe-train export takes CHECKPOINT --hf OUT | --peft OUT [--dtype] [--overwrite], got {' '.join(rest)}"
+        )
+    if (out is None) == (peft_out is None):
+        raise ConfigError(
+            "moe-train export needs --hf OUT (a HuggingFace model directory) or --peft OUT (a PEFT adapter): one"
+        )
     if dtype is not None and short_name(dtype) not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose {' or '.join(EXPORT_DTYPES)}")
+    target = out if out is not None else peft_out
+    assert target is not None
     try:
         info = resolve_checkpoint(Path(checkpoint))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            written = export_hf(info.path, Path(out), dtype, overwrite=overwrite)
+            if peft_out is not None:
+                written = export_peft_checkpoint(info.path, Path(peft_out), dtype, overwrite=overwrite)
+            else:
+                written = export_hf(info.path, Path(target), dtype, overwrite=overwrite)
         config = trained_model_config(info.path)
     except (CheckpointError, HFCheckpointError, FileExistsError) as err:
         raise ConfigError(str(err)) from None
     except OSError as err:  # a full disk, a read-only directory
-        raise ConfigError(f"{describe(err, Path(out))}; nothing was written to {out}") from None
+        raise ConfigError(f"{describe(err, Path(target))}; nothing was written to {target}") from None
     for warning in caught:
         print(f"moe-train: warning: {warning.message}", file=sys.stderr)
+    if peft_out is not None:
+        adapter = json.loads((written / "adapter_config.json").read_text())
+        print(
+            f"exported the LoRA adapters of step {info.step} ({info.path}): {config.family}, r={adapter['r']}, "
+            f"{len(adapter['target_modules'])} modules and {len(adapter['target_parameters'] or [])} parameters "
+            f"adapted, base {adapter['base_model_name_or_path']} -> {written}"
+        )
+        return 0
     counts = count_parameters(config)
     mtp = f", {counts.mtp / 1e6:.2f}M of them in MTP layers (transformers skips them)" if counts.mtp else ""
     tokenizer = "; tokenizer.json copied" if (written / "tokenizer.json").is_file() else ""
@@ -370,7 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_table(capability_rows()))
             return 0
         if args.command == "export":
-            return _export(args.checkpoint, args.hf, args.dtype, args.overwrite, rest)
+            return _export(args.checkpoint, args.hf, args.dtype, args.overwrite, rest, args.peft)
+        if args.command == "generate":
+            return _generate(args, rest)
         if args.command == "quantize":
             return _quantize(args.checkpoint, args.recipe, args.out, args.calib_batches, args.overwrite, rest)
         if args.command == "plan":

@@ -10,6 +10,12 @@ The directory appears whole or not at all: everything is written into a hidden s
 Errors are one line: :class:`~moe_train.checkpoint.CheckpointError` (not a checkpoint, no checkpoint in a run
 directory, a ``meta.json`` that builds no model), :class:`~moe_models.hf.HFCheckpointError` (the family's HF
 layout cannot express the model) and :class:`FileExistsError` (a non-empty output directory without ``overwrite``).
+
+A LoRA run's checkpoint (``peft.method=lora``) holds the adapters only: :func:`load_trained_model` rebuilds the
+model as the trainer did (adapters added, base from ``model.from_hf``, or the initial weights of ``train.seed``) and
+loads the adapters onto it. :func:`export_hf` then writes the merged model (each adapter folded into its weight);
+:func:`export_peft_checkpoint` writes the adapters alone as a PEFT adapter directory (:func:`export_peft`,
+``moe_models.hf.save_peft_adapter``) for ``peft.PeftModel.from_pretrained`` on transformers' model of the base.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import torch
 from torch import nn
 
 from moe_models import ModelConfig, build_model
-from moe_models.hf import config_to_hf, save_pretrained
+from moe_models.hf import CheckpointSource, config_to_hf, save_peft_adapter, save_pretrained
 from moe_models.hf.files import resolve_inside
+from moe_models.lora import merged_state_dict
+from moe_parallel import materialize
 from moe_train.checkpoint import (
     META_FILE,
     CheckpointError,
@@ -36,7 +44,9 @@ from moe_train.checkpoint import (
     load_checkpoint,
     read_meta,
 )
+from moe_train.config import ConfigError, PeftConfig
 from moe_train.dtypes import short_name, torch_dtype
+from moe_train.peft import AdapterSource, add_adapters, weights_fingerprint
 
 EXPORT_DTYPES = ("fp32", "bf16")  # what a HuggingFace export is written in
 # the files of a tokenizer directory transformers reads, copied when present
@@ -93,12 +103,73 @@ def load_trained_model(checkpoint: Path) -> tuple[ModelConfig, nn.Module]:
     # model tensor (the routers' expert_bias buffers included), so nothing is left unwritten
     with torch.device("meta"):
         model = build_model(config)
+    lora = is_lora_checkpoint(meta)
+    if lora:
+        _add_trained_adapters(model, meta, info.path)
     if _train_section(meta).get("params_dtype") == "bf16":
         model.to(torch.bfloat16)  # as the trainer does; the routers' expert_bias stays fp32
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty replaces the shared parameter by two
+    if lora:  # the checkpoint holds no frozen tensor: the base comes from where the run read it
+        _materialize_base(model, config, meta, info.path)
+    else:
+        model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty replaces the shared parameter by two
     load_checkpoint(info.path, model)  # one process: routed experts come back from their canonical form
     return config, model.eval()
+
+
+def is_lora_checkpoint(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint's ``meta.json`` is a LoRA run's (adapters only, the base by reference)."""
+    return ((meta.get("config") or {}).get("peft") or {}).get("method", "none") == "lora"
+
+
+def _add_trained_adapters(model: nn.Module, meta: dict[str, Any], path: Path) -> None:
+    section = (meta.get("config") or {}).get("peft") or {}
+    try:
+        add_adapters(model, PeftConfig(**section))
+    except (TypeError, ValueError, ConfigError) as err:  # another version's fields, targets this model lacks
+        raise CheckpointError(f"{path}/{META_FILE}: config.peft does not adapt the model here ({err})") from None
+
+
+def _base_checkpoint(meta: dict[str, Any], path: Path) -> str | None:
+    """The run's ``model.from_hf`` (None: initial weights), checked to be the files the adapters were trained on."""
+    from_hf = (meta.get("config") or {}).get("model_from_hf") or None
+    if from_hf is None:
+        return None
+    if not Path(from_hf).is_dir():
+        raise CheckpointError(
+            f"{path} holds LoRA adapters of the base model.from_hf={from_hf}, which is not there; put the base "
+            "checkpoint back at that path"
+        )
+    saved = (meta.get("peft_base") or {}).get("fingerprint")
+    if saved is not None and saved != weights_fingerprint(from_hf):
+        raise CheckpointError(
+            f"{path} holds LoRA adapters of model.from_hf={from_hf} as it was when trained (files {saved}); its "
+            f"weight files have changed since ({weights_fingerprint(from_hf)}): restore the base they were trained on"
+        )
+    return str(from_hf)
+
+
+def _materialize_base(model: nn.Module, config: ModelConfig, meta: dict[str, Any], path: Path) -> None:
+    from_hf = _base_checkpoint(meta, path)
+    seed = int(_train_section(meta).get("seed", 0))
+    source = CheckpointSource(from_hf, config) if from_hf else None
+    base = source or model.initial_weights(seed)
+    try:  # the adapters' starting values too (overwritten by the checkpoint's): materialize fills every tensor
+        materialize(model, model.parallel_plan(), AdapterSource(base, model, seed), "cpu")
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _merged(model: nn.Module, config: ModelConfig) -> nn.Module:
+    """The model without adapters, holding ``model``'s adapted weights (each adapter folded in)."""
+    state = merged_state_dict(model)
+    with torch.device("meta"):
+        merged = build_model(config)
+    merged.to_empty(device="cpu")
+    merged.tie_weights()
+    merged.load_state_dict(state)
+    return merged.to(model.embed_tokens.weight.dtype).eval()
 
 
 def _train_section(meta: dict[str, Any]) -> dict[str, Any]:
@@ -198,7 +269,7 @@ def export_hf(
 ) -> Path:
     """Write the trained model of ``checkpoint`` (a ``step_N`` directory, or a run's output directory: its latest
     complete checkpoint) as a HuggingFace model directory ``out_dir`` (config.json + safetensors, and the run's
-    local tokenizer files); returns ``out_dir``.
+    local tokenizer files); returns ``out_dir``. A LoRA run's model is written merged (the adapters folded in).
 
     ``dtype``: ``"fp32"`` or ``"bf16"`` (or the torch dtype); ``None`` = the dtype the run trained its parameters
     in. DeepSeek-V3 MTP layers are written as DeepSeek's checkpoints hold them (transformers skips them).
@@ -211,7 +282,9 @@ def export_hf(
     _check_out_dir(out_dir, overwrite, info.path)
     config_to_hf(_model_config(meta, info.path))  # a model the family's HF layout cannot express fails before loading
     tokenizer = _tokenizer_files(meta)
-    _, model = load_trained_model(info.path)
+    config, model = load_trained_model(info.path)
+    if is_lora_checkpoint(meta):
+        model = _merged(model, config)
     model.to(torch_dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.export-{uuid.uuid4().hex[:8]}")
@@ -226,3 +299,43 @@ def export_hf(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def export_peft(
+    model: nn.Module, config: ModelConfig, out_dir: Path, base: str | None, *, overwrite: bool = False
+) -> Path:
+    """Write ``model``'s LoRA adapters as a PEFT adapter directory ``out_dir`` (``adapter_config.json`` naming
+    ``base``, ``adapter_model.safetensors``), whole or not at all; returns ``out_dir``. What PEFT's config cannot
+    express is a one-line :class:`~moe_train.checkpoint.CheckpointError`."""
+    try:
+        return save_peft_adapter(model, config, out_dir, base, overwrite=overwrite)
+    except ValueError as err:
+        raise CheckpointError(f"cannot write a PEFT adapter: {err}") from None
+
+
+def export_peft_checkpoint(
+    checkpoint: Path, out_dir: Path, dtype: str | torch.dtype | None = None, *, overwrite: bool = False
+) -> Path:
+    """Write the adapters of a LoRA run's ``checkpoint`` (or a run directory's latest) as a PEFT adapter directory
+    ``out_dir`` for transformers' model of the run's ``model.from_hf`` (recorded as the base); returns ``out_dir``.
+    ``dtype`` as :func:`export_hf`'s. A checkpoint without adapters, or of adapters on initial weights (no base
+    checkpoint for PEFT to load them onto), is a one-line :class:`~moe_train.checkpoint.CheckpointError`."""
+    info = resolve_checkpoint(checkpoint)
+    out_dir = Path(out_dir)
+    meta = read_meta(info.path)
+    torch_dtype = _torch_dtype(dtype, meta)
+    _check_out_dir(out_dir, overwrite, info.path)
+    if not is_lora_checkpoint(meta):
+        raise CheckpointError(
+            f"{info.path}: not a LoRA run's checkpoint (peft.method is not lora): export it with --hf"
+        )
+    base = _base_checkpoint(meta, info.path)
+    if base is None:
+        raise CheckpointError(
+            f"{info.path}: its adapters were trained on initial weights (no model.from_hf), which no base checkpoint "
+            "holds for PEFT to load them onto; export the merged model with --hf"
+        )
+    config, model = load_trained_model(info.path)
+    model.to(torch_dtype)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return export_peft(model, config, out_dir, str(Path(base).resolve()), overwrite=overwrite)

@@ -45,6 +45,7 @@ from moe_memory.estimate import (
     PipelineShare,
     estimate_memory,
     format_estimates,
+    optimizer_state_bytes,
 )
 from moe_models import ModelConfig, count_parameters
 from moe_models.memory import model_shape, run_shape
@@ -57,7 +58,7 @@ from moe_parallel import (
 )
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, FLATTENED_DIMS
 from moe_parallel.schedules import inflight_microbatches
-from moe_train.config import ConfigError, ExperimentConfig, RunConfig
+from moe_train.config import ConfigError, ExperimentConfig, PeftConfig, RunConfig
 from moe_train.dtypes import dtype_bytes
 from moe_train.setup import checked_meta_model, default_micro_batch_size, micro_batching
 
@@ -75,6 +76,8 @@ class RankKind:
     params: dict[tuple[str, torch.dtype], int]  # (part, dtype) -> elements on each of these ranks
     buffers: dict[torch.dtype, int]
     pp_rank: int | None = None  # with pipeline parallelism, the pipeline rank (its stages) these ranks are
+    # elements of trainable parameters on each of these ranks (peft.method=lora: the adapters'); None: every one
+    trainable: int | None = None
 
     def param_count(self, part: str | None = None) -> int:
         return sum(n for (p, _), n in self.params.items() if part in (None, p))
@@ -90,8 +93,10 @@ class PlanReport:
     num_experts: int
     kinds: list[RankKind]  # by first rank
     distinct_params: dict[str, int]  # part -> elements summed over ranks with replicated copies divided out
-    expected_params: int  # moe_models.count_parameters: total + MTP layers
+    expected_params: int  # moe_models.count_parameters: total + MTP layers (+ adapter_params)
     param_tensors: int = 0  # parameter tensors every rank holds (each, even an empty shard, gets optimizer state)
+    trainable_tensors: int | None = None  # of those, the trainable ones (None: every one)
+    adapter_params: int = 0  # peft.method=lora: the adapters' parameters, counted on the whole model
     # pipeline parallelism: moe_parallel.stage_map's rows, each pipeline rank's micro-batches in flight (None: unknown)
     # and the step's micro-batch count
     stages: list[dict] | None = None
@@ -183,20 +188,24 @@ def _rank_kinds(
     params: dict[tuple[str, torch.dtype], torch.Tensor],
     buffers: dict[torch.dtype, torch.Tensor],
     pp_of_rank: torch.Tensor | None = None,
+    trainable: torch.Tensor | None = None,
 ) -> list[RankKind]:
     columns = [*params, *buffers]
     if not columns:
         return [RankKind(tuple(range(world_size)), {}, {})]
     # ranks of different pipeline ranks are different kinds even when their sizes agree: they run other layers
     extra = [] if pp_of_rank is None else [pp_of_rank]
+    extra += [] if trainable is None else [trainable]
     table = torch.stack([*params.values(), *buffers.values(), *extra], dim=1)  # rank x (part, dtype)
     rows, kind_of_rank = torch.unique(table, dim=0, return_inverse=True)
     kinds = []
     for index, row in enumerate(rows.tolist()):
         ranks = tuple((kind_of_rank == index).nonzero().flatten().tolist())
         sizes = dict(zip(columns, row[: len(columns)], strict=True))
-        pp_rank = None if pp_of_rank is None else row[-1]
-        kinds.append(RankKind(ranks, {k: sizes[k] for k in params}, {k: sizes[k] for k in buffers}, pp_rank))
+        rest = row[len(columns) :]
+        pp_rank = None if pp_of_rank is None else rest[0]
+        mine = None if trainable is None else rest[-1]
+        kinds.append(RankKind(ranks, {k: sizes[k] for k in params}, {k: sizes[k] for k in buffers}, pp_rank, mine))
     return sorted(kinds, key=lambda kind: kind.ranks[0])
 
 
@@ -207,12 +216,16 @@ def plan_report(
     param_dtype: torch.dtype = torch.float32,
     run: RunConfig | None = None,
     seq_len: int | None = None,
+    peft: PeftConfig | None = None,
 ) -> PlanReport:
     """Every rank's parameter and buffer shard sizes when ``parallel_config`` splits the model over ``world_size``
     ranks (module docstring), its parameters in ``param_dtype`` as training casts them (``train.params_dtype``).
-    With ``run``, its recompute and offload settings are checked against the model too. Raises
-    :class:`ConfigError` for layouts that do not fit."""
-    layout, model, plan = checked_meta_model(model_config, parallel_config, world_size, run, seq_len)
+    With ``run``, its recompute and offload settings are checked against the model too; with ``peft``, the model
+    carries its adapters and each rank kind counts its trainable elements (gradients and optimizer states are kept
+    for those only). Raises :class:`ConfigError` for layouts that do not fit."""
+    layout, model, plan = checked_meta_model(model_config, parallel_config, world_size, run, seq_len, peft)
+    lora = peft is not None and peft.method == "lora"
+    adapter_params = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else 0
     if param_dtype != torch.float32:
         model.to(param_dtype)  # as the trainer does on the meta device; the routers' expert bias stays fp32
     _fake_world(world_size)
@@ -223,7 +236,9 @@ def plan_report(
         views = []
         for pp_rank in range(layout.pp):
             if pp_rank:
-                _, model, plan = checked_meta_model(model_config, parallel_config, world_size, seq_len=seq_len)
+                _, model, plan = checked_meta_model(
+                    model_config, parallel_config, world_size, seq_len=seq_len, peft=peft
+                )
                 if param_dtype != torch.float32:
                     model.to(param_dtype)
             views.append((parallelize_stages(model, meshes, parallel_config, plan, pp_rank=pp_rank), pp_rank))
@@ -233,6 +248,8 @@ def plan_report(
         buffers: dict[torch.dtype, torch.Tensor] = {}
         distinct = dict.fromkeys(PARTS, 0)
         param_tensors = 0
+        trainable = torch.zeros(world_size, dtype=torch.long)
+        trainable_tensors = 0
         for split, pp_rank in views:
             replicas = split.sync.replicas  # parameter id -> ranks holding each distinct piece of it
             mask = (pp_of_rank == pp_rank).long()  # the ranks holding these stages
@@ -245,7 +262,10 @@ def plan_report(
                 params[key] = params[key] + per_rank if key in params else per_rank
                 # each distinct piece is held by replicas[...] ranks (the count the gradient norm divides by)
                 distinct[part] += int(per_rank.sum()) // replicas[id(param)]
+                if param.requires_grad:
+                    trainable += per_rank
             param_tensors = max(param_tensors, sum(1 for _ in held.parameters()))
+            trainable_tensors = max(trainable_tensors, sum(1 for p in held.parameters() if p.requires_grad))
             for buffer in held.buffers():
                 per_rank = local_numels(buffer) * mask
                 buffers[buffer.dtype] = buffers[buffer.dtype] + per_rank if buffer.dtype in buffers else per_rank
@@ -257,10 +277,12 @@ def plan_report(
         layout=layout,
         family=model_config.family,
         num_experts=model_config.num_moe_experts,
-        kinds=_rank_kinds(world_size, params, buffers, pp_of_rank),
+        kinds=_rank_kinds(world_size, params, buffers, pp_of_rank, trainable if lora else None),
         distinct_params=distinct,
-        expected_params=counted.total + counted.mtp,
+        expected_params=counted.total + counted.mtp + (adapter_params if lora else 0),
         param_tensors=param_tensors,
+        trainable_tensors=trainable_tensors if lora else None,
+        adapter_params=adapter_params if lora else 0,
         stages=stages,
     )
 
@@ -340,7 +362,9 @@ def format_report(report: PlanReport) -> str:
     lines.append(
         f"over all ranks, each replicated copy once: {total:,} parameters ("
         + ", ".join(f"{part} {n:,}" for part, n in report.distinct_params.items())
-        + f"); {verdict} moe_models.count_parameters {report.expected_params:,} (MTP layers included)"
+        + f"); {verdict} moe_models.count_parameters {report.expected_params - report.adapter_params:,} (MTP "
+        + "layers included)"
+        + (f" + {report.adapter_params:,} LoRA adapter parameters" if report.adapter_params else "")
     )
     return "\n".join(lines)
 
@@ -483,6 +507,11 @@ def memory_estimates(
             offload_min_tensor_bytes=options.offload_min_tensor_bytes,
             pipeline=share,
         )
+        if kind.trainable is not None:  # a frozen base: gradients, AdamW states and master copies of adapters only
+            states, master = optimizer_state_bytes(kind.trainable, report.trainable_tensors or 0, run)
+            estimate = dataclasses.replace(
+                estimate, gradients=kind.trainable * param_bytes, optimizer_states=states, master_weights=master
+            )
         out.append((kind, estimate))
     return out
 
@@ -531,6 +560,12 @@ def format_memory(
     ]
     if o.skipped:
         lines.append(f"(not estimated: recompute/offload name patterns {', '.join(o.skipped)})")
+    for kind, _ in estimates:
+        if kind.trainable is not None:
+            lines.append(
+                f"ranks {rank_ranges(kind.ranks, most=2)}: LoRA, gradients and AdamW states for "
+                f"{kind.trainable:,} adapter elements of {kind.param_count():,} (the base is frozen)"
+            )
     columns = {f"ranks {rank_ranges(kind.ranks, most=2)}": estimate for kind, estimate in estimates}
     lines.append(format_estimates(columns, unit="GiB"))
     if device_memory_gib is not None:

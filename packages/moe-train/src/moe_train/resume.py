@@ -29,6 +29,7 @@ from moe_train.checkpoint import (
 )
 from moe_train.config import ConfigError, ExperimentConfig
 from moe_train.output_lock import LOCK_FILE, check_unlocked
+from moe_train.peft import check_base
 
 # model fields that choose how a step computes, not what the weights are: a checkpoint resumes under another value
 _RUNTIME_MODEL_FIELDS = frozenset({"moe_expert_backend", "moe_permute_backend"})
@@ -210,6 +211,7 @@ def check_compatible(cfg: ExperimentConfig, meta: dict[str, Any], found: Checkpo
             f"run.resume={cfg.run.resume!r}: {found.path} holds another model: {shown}{more}; resume with the "
             "checkpoint's model settings (its meta.json) or start a new run"
         )
+    check_base(cfg, meta, found.path)  # adapters resume onto the base they were trained on
     if found.step >= cfg.train.steps:
         raise ConfigError(
             f"run.resume={cfg.run.resume!r}: {found.path} is at step {found.step} and train.steps={cfg.train.steps}: "

@@ -28,10 +28,11 @@ from moe_parallel import (
     parallelize_stages,
 )
 from moe_train.compile import compile_problem
-from moe_train.config import ConfigError, ExperimentConfig, RunConfig, TrainConfig, config_error
+from moe_train.config import ConfigError, ExperimentConfig, PeftConfig, RunConfig, TrainConfig, config_error
 from moe_train.data import PreparedData, prepare_data
 from moe_train.dtypes import torch_dtype
 from moe_train.loggers import check_wandb_available
+from moe_train.peft import AdapterSource, add_adapters, check_layout_for_adapters
 from moe_train.precision import dispatch_wire
 from moe_train.resume import ResumePoint, check_output_dir, find_resume_point
 from moe_train.transforms import ModelTransforms, memory_settings
@@ -73,14 +74,18 @@ def checked_meta_model(
     world_size: int,
     run: RunConfig | None = None,
     seq_len: int | None = None,
+    peft: PeftConfig | None = None,
 ) -> tuple[ParallelLayout, nn.Module, ParallelPlan]:
     """The layout, the model built on the meta device and its plan, checked against each other (``check_plan``) and,
     with ``run``, against its recompute and offload settings, before anything is allocated; errors become
     :class:`ConfigError`. ``seq_len``: the run's sequence length, which the pipeline stages are balanced at (None:
-    the model's default). Shared by ``train`` and ``plan``."""
+    the model's default). ``peft``: adapters added and the base frozen before the plan is made, so that the plan
+    splits each adapter as the weight it adapts (:mod:`moe_train.peft`). Shared by ``train`` and ``plan``."""
     try:
         with torch.device("meta"):
             model = build_model(model_config)
+        if peft is not None:
+            add_adapters(model, peft)
         plan = model.parallel_plan(seq_len)
         # suggested values of a refused size pass every rule at once, the model's and the world's
         layout = check_layout(model, plan, parallel_config, world_size)
@@ -214,8 +219,11 @@ def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
         )
     source = _checkpoint_source(cfg) if cfg.model_from_hf else None  # names, shapes and file headers checked
     try:
-        layout, model, plan = checked_meta_model(cfg.model, cfg.parallel, world_size, cfg.run, cfg.data.seq_len)
+        layout, model, plan = checked_meta_model(
+            cfg.model, cfg.parallel, world_size, cfg.run, cfg.data.seq_len, cfg.peft
+        )
         _check_trainer_layout(cfg, layout)
+        check_layout_for_adapters(model, layout.etp)
         problem = compile_problem(cfg, layout)
         if problem is not None:
             raise ConfigError(problem)
@@ -279,8 +287,10 @@ def _build(cfg: ExperimentConfig, checked: RunChecks) -> Setup:
     parallel = parallelize_stages(
         model, meshes, cfg.parallel, plan, before_fsdp=transforms, dispatch_wire=dispatch_wire(cfg.precision)
     )
+    base = source or model.initial_weights(cfg.train.seed)
+    lora = cfg.peft.method == "lora"
     try:
-        parallel.materialize(source or model.initial_weights(cfg.train.seed), ctx.device)
+        parallel.materialize(AdapterSource(base, model, cfg.train.seed) if lora else base, ctx.device)
     finally:
         if source is not None:
             source.close()
