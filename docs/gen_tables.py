@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders beside this script
 
+import tables_finetuning  # noqa: F401  (registers its tables)
 import tables_layouts_precision  # noqa: F401  (registers its tables)
 import tables_speed_memory  # noqa: F401  (registers its tables)
 from table_format import FIGURES, ROOT, TABLES

@@ -182,8 +182,6 @@ def test_a_template_refusing_a_record_is_a_bad_record(tmp_path: Path) -> None:
         ({"data.loss_on": "answers"}, "data.loss_on='answers': is not a choice"),
         ({"data.truncation": "cut"}, "data.truncation='cut': choose error"),
         ({"data.bad_records": "drop"}, "data.bad_records='drop': choose error"),
-        ({"data.tokenizer": ""}, "data.tokenizer='': data.format=chat needs a tokenizer"),
-        ({"data.tokenizer": "bytes"}, "data.tokenizer='bytes': data.format=chat needs a tokenizer"),
         ({"data.source": "stdlib"}, "data.source='stdlib' is text, not chat records"),
         ({"data.format": "prompt_completion", "data.prompt_field": ""}, "data.prompt_field='': name the record"),
         ({"data.format": "prompt_completion", "data.completion_field": "prompt"}, "are both 'prompt'"),
@@ -196,6 +194,14 @@ def test_config_checks_that_read_no_files(overrides: dict[str, str], expected: s
     with pytest.raises(ConfigError) as err:
         load_config("tiny", {**base, **overrides})
     assert expected in _one_line(err)
+
+
+@pytest.mark.parametrize("tokenizer", ["", "bytes"])
+def test_conversations_need_a_tokenizer(tokenizer: str, tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "chat.jsonl", [GOOD])
+    with pytest.raises(ConfigError) as err:
+        prepare(source, Path("unused"), tmp_path / "cache", **{"data.tokenizer": tokenizer})
+    assert f"data.tokenizer={tokenizer!r}: data.format=chat needs a tokenizer" in _one_line(err)
 
 
 def test_a_text_source_is_not_records(tokenizer_dir: Path, tmp_path: Path) -> None:

@@ -475,7 +475,7 @@ def _validate_data_format(cfg: ExperimentConfig) -> None:
         # an MTP depth's targets lie further on in the window, in the next conversation at a document's end
         raise ConfigError(
             f"model.mtp_num_layers={cfg.model.mtp_num_layers}: multi-token prediction is not supported on packed "
-            f"conversations (data.format={data.format}) yet; set --model.mtp_num_layers 0 to fine-tune without it"
+            f"conversations (data.format={data.format}) yet; set --model.mtp_num_layers null to fine-tune without it"
         )
     if data.loss_on not in LOSS_ON[data.format]:
         known = ("", "assistant", "completion", "all")
@@ -495,11 +495,8 @@ def _validate_data_format(cfg: ExperimentConfig) -> None:
             f"data.source='stdlib' is text, not {data.format} records; name a .jsonl or .parquet file, a directory of "
             "them or a datasets save_to_disk directory"
         )
-    if data.tokenizer == "bytes" or not (data.tokenizer or cfg.model_from_hf):
-        raise ConfigError(
-            f"data.tokenizer={data.tokenizer!r}: data.format={data.format} needs a tokenizer (byte-level ids have no "
-            "chat template or special tokens); name a tokenizer.json or its directory with data.tokenizer"
-        )
+    # that conversations have a tokenizer is checked where the data is prepared (moe_train.conversation_data), not here:
+    # `moe-train plan --config` sizes a fine-tuning recipe whose checkpoint (and so tokenizer) is not on this machine
     if data.format == "prompt_completion":
         for key in ("prompt_field", "completion_field"):
             if not getattr(data, key):
