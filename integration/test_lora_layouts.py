@@ -1,7 +1,9 @@
 """LoRA (``peft.method=lora``) trains alike under every layout the trainer supports: the adapters follow each split
 (FSDP shards them, expert parallelism takes each rank's experts' adapters, tensor parallelism splits a
-column-parallel projection's ``lora_B`` and a row-parallel one's ``lora_A`` as their weights, pipeline stages carry
-their layers'), so losses, gradient norms and the trained adapters equal one process's (fp32, gloo, CPU).
+column-parallel projection's ``lora_B`` and a row-parallel one's ``lora_A`` as their weights, as expert tensor
+parallelism does the experts' ``fc1`` ``lora_B`` and ``fc2`` ``lora_A``, pipeline stages carry their layers'), so
+losses, gradient norms and the trained adapters equal one process's (fp32, gloo, CPU); an etp=2 checkpoint resumes in
+one process.
 
 The model is the 4-layer DeepSeek-V3 proxy (MLA attention, a dense first layer, shared experts, MTP: every kind of
 adapter the default targets make); 4 steps of a global batch of 8 sequences in micro-batches of 2, as in
@@ -26,11 +28,15 @@ WORKER = Path(__file__).with_name("_lora_worker.py")
 PRESET = "tiny-deepseek-v3"
 STEPS = 4
 TOLERANCE = 1e-4
+ETP = "etp=2 x tp=2"
 LAYOUTS: dict[str, dict[str, str]] = {
     "dp_shard=2": {},
     "ep=2": {"parallel.ep": "2"},
     "tp=2 x ep=2 (etp=1)": {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"},
     "pp=2": {"parallel.pp": "2"},
+    # the experts' adapters split over etp as their weights, their whole factors' gradients summed over etp; its
+    # step-2 checkpoint is resumed in one process (test_etp_checkpoint_resumes_in_one_process)
+    ETP: {"parallel.tp": "2", "parallel.etp": "2", "run.save_checkpoint": "true", "run.checkpoint_interval": "2"},
 }
 
 
@@ -113,3 +119,21 @@ def test_lora_layout_equals_single_process(layout: str, single_process, parallel
     # the adapters trained: every lora_B left zero
     assert all(ref.norm() > 0 for ref in ref_adapters.values())
     assert reference[-1]["loss"] < reference[0]["loss"]
+
+
+def test_etp_checkpoint_resumes_in_one_process(
+    data_cache: Path, tmp_path: Path, single_process, parallel_runs: dict
+) -> None:
+    """The etp=2 run's step-2 checkpoint holds global adapters (the experts' in their canonical form): one process
+    resumed from it trains steps 3 and 4 as the uninterrupted one-process run."""
+    parallel_runs["outcomes"][_case_dir(ETP)]
+    checkpoint = parallel_runs["out"] / _case_dir(ETP) / "checkpoints" / "step_2"
+    out = tmp_path / "resumed"
+    overrides = {**_overrides(data_cache), "run.output_dir": str(out), "run.resume": str(checkpoint)}
+    train(prepare(load_config(PRESET, overrides), 1))
+    reference, _ = single_process
+    resumed = _records(out)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for ours, theirs in zip(resumed, reference[2:], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(ours[key] - theirs[key]) / abs(theirs[key]) < TOLERANCE, (key, ours, theirs)

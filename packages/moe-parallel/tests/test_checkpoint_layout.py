@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from _rank_scenarios import Outcomes, Scenarios
+from moe_experts import add_expert_lora_
 from moe_parallel import ParallelConfig, expert_checkpoint_pieces, parallelize, restore_expert_checkpoint_pieces
 
 WORKER = Path(__file__).with_name("_checkpoint_worker.py")
@@ -171,6 +172,34 @@ def test_restore_writes_the_pieces_back_in_place() -> None:
             piece.copy_(saved[key])
         restore_expert_checkpoint_pieces(parallel, fqn, state, pieces)
         assert torch.equal(state, want), fqn
+
+
+def test_one_process_adapter_pieces_follow_the_weight_they_adapt() -> None:
+    """fc1's lora_B rows are the first projection's columns (gate and up apart, along dim 1, in either column
+    layout), fc2's lora_A and the factors whole on every etp rank keep their own name; each comes back in place."""
+    model, parallel = _one_process("main")
+    for experts in (model.moe.a.experts, model.moe.b.experts):
+        add_expert_lora_(experts, rank=8, alpha=16)
+    rows = {"a": (slice(0, 8), slice(8, 16)), "b": (slice(0, None, 2), slice(1, None, 2))}  # halves, interleaved
+    for block, (gate, up) in rows.items():
+        experts = model.moe.get_submodule(block).experts
+        for name, param in experts.named_parameters():
+            if "lora_" not in name:
+                continue
+            fqn = f"moe.{block}.experts.{name}"
+            state = torch.randn(param.shape)
+            want = state.clone()
+            pieces = expert_checkpoint_pieces(parallel, fqn, state)
+            if name == "fc1.lora_B_EMR":
+                assert torch.equal(pieces[".gate"], want[:, gate]) and torch.equal(pieces[".up"], want[:, up]), fqn
+            else:
+                assert list(pieces) == [""] and torch.equal(pieces[""], want), fqn
+            saved = {k: v.clone() for k, v in pieces.items()}
+            state.zero_()
+            for key, piece in pieces.items():
+                piece.copy_(saved[key])
+            restore_expert_checkpoint_pieces(parallel, fqn, state, pieces)
+            assert torch.equal(state, want), fqn
 
 
 def test_what_is_not_a_routed_expert_tensor() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_experts import LoRAExpertLinear
 from moe_models.lora import ADAPTER_MARK
 from moe_train.checkpoint import read_checked_metadata
 from moe_train.config import ConfigError, load_config
@@ -88,6 +89,10 @@ def test_checkpoints_hold_the_adapters_only(run) -> None:
     params = {name(n): p for n, p in setup.model.named_parameters()}
     adapters = {n for n in params if ADAPTER_MARK in n}
     buffers = {name(n) for n, _ in setup.model.named_buffers() if n in setup.model.state_dict()}
+    # the experts' fc1 lora_B as its gate and up rows, as the first projection they adapt (moe_parallel's form)
+    gated = {k for k in keys if k.endswith((".gate", ".up"))}
+    assert gated and all(".experts.fc1.lora_B_EMR" in k for k in gated)
+    keys = {k.rsplit(".", 1)[0] if k in gated else k for k in keys}
     model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     assert model_keys == adapters | buffers
     optim_params = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in keys if k.startswith("optim.")}
@@ -180,15 +185,22 @@ def test_plan_memory_counts_gradients_and_states_of_the_adapters_only() -> None:
     assert f"gradients and AdamW states for {adapters:,} adapter elements of {kind.param_count():,}" in text
 
 
-def test_adapted_experts_under_etp_are_refused_before_any_group(
-    micro_overrides: dict[str, str], tmp_path: Path
-) -> None:
+def test_adapted_experts_split_over_etp(micro_overrides: dict[str, str], tmp_path: Path) -> None:
+    """Expert tensor parallelism takes the experts' adapters (their equality with one process:
+    integration/test_lora_layouts.py); the run checks pass with the experts adapted and split over etp."""
     from moe_train.setup import check_run
 
-    cfg = _cfg(micro_overrides, tmp_path / "run", 2, **{"parallel.etp": "2"})
-    with pytest.raises(ConfigError, match=r"^parallel\.etp=2: LoRA on routed experts .* peft\.targets$"):
-        check_run(cfg, 2)
-    extra = {"parallel.etp": "2", "peft.targets": '["*_proj"]', "train.micro_batch_size": "2"}
-    attention_only = _cfg(micro_overrides, tmp_path / "run", 2, **extra)
-    # attention adapters only: the frozen experts split over etp as in any run
-    assert check_run(attention_only, 2).layout.etp == 2
+    cfg = _cfg(micro_overrides, tmp_path / "run", 2, **{"parallel.etp": "2", "train.micro_batch_size": "2"})
+    checked = check_run(cfg, 2)
+    assert checked.layout.etp == 2
+    assert any(isinstance(m, LoRAExpertLinear) for m in checked.model.modules())
+
+
+def test_a_precision_recipe_with_lora_names_both_keys(micro_overrides: dict[str, str], tmp_path: Path) -> None:
+    from moe_train.setup import check_run
+
+    extra = {"precision.recipe": "fp8_tensorwise", "precision.emulate": "true"}
+    cfg = _cfg(micro_overrides, tmp_path / "run", 2, **extra)
+    with pytest.raises(ConfigError, match=r"^precision\.recipe='fp8_tensorwise': .*peft\.method='lora'.*"):
+        check_run(cfg, 1)
+    assert not (tmp_path / "run").exists()  # refused before anything is written

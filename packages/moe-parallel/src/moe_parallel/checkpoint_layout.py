@@ -6,7 +6,10 @@ with ``E`` = all experts of the layer and ``F`` = the full expert FFN width, wha
 projection ``w_gate_up_EH2F`` as ``.gate`` and ``.up`` (``[E, H, F]`` each; ``swiglu`` / ``geglu`` keep them in
 halves, ``swiglu_oai`` interleaved, the pieces are the same), a gated ``b_gate_up_E2F`` as ``.gate`` and ``.up``
 (``[E, F]``), and under their own name (suffix ``""``) a non-gated ``w_gate_up_EH2F`` ``[E, H, F]``, ``w_down_EFH``
-``[E, F, H]``, ``b_gate_up_E2F`` ``[E, F]`` and ``b_down_EH`` ``[E, H]``. In one process the pieces are plain
+``[E, F, H]``, ``b_gate_up_E2F`` ``[E, F]`` and ``b_down_EH`` ``[E, H]``. LoRA adapters on the experts
+(:mod:`moe_experts.lora`) follow the weight they adapt: a gated ``fc1.lora_B_EMR`` as ``.gate`` and ``.up``
+(``[E, F, r]``, its rows the first projection's columns), ``fc2.lora_A_ERK`` ``[E, r, F]``, and ``fc1.lora_A_ERK`` and
+``fc2.lora_B_EMR``, whole on every etp rank, under their own names. In one process the pieces are plain
 tensors; in a layout they are DTensors over the expert mesh ``(edp, ep, etp)``: ``Shard(0)`` over ep, ``Shard`` of
 the FFN dim over etp (``Replicate`` for the down bias, which every etp rank holds whole), and over edp the shard
 FSDP2 keeps on this rank (``_StridedShard`` where it splits a dim ep or etp already splits, as FSDP2 does over
@@ -27,9 +30,18 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from moe_experts import GroupedExperts
 from moe_parallel.parallelize import ParallelModel
 
-# parameter -> dim of the FFN units (None: the down bias, whole on every etp rank)
-_UNIT_DIM = {"w_gate_up_EH2F": 2, "b_gate_up_E2F": 1, "w_down_EFH": 1, "b_down_EH": None}
-_FIRST_PROJECTION = ("w_gate_up_EH2F", "b_gate_up_E2F")
+# parameter -> dim of the FFN units (None: whole on every etp rank); LoRA adapters split as the weight they adapt
+_UNIT_DIM = {
+    "w_gate_up_EH2F": 2,
+    "b_gate_up_E2F": 1,
+    "w_down_EFH": 1,
+    "b_down_EH": None,
+    "fc1.lora_A_ERK": None,
+    "fc1.lora_B_EMR": 1,
+    "fc2.lora_A_ERK": 2,
+    "fc2.lora_B_EMR": None,
+}
+_FIRST_PROJECTION = ("w_gate_up_EH2F", "b_gate_up_E2F", "fc1.lora_B_EMR")
 GATED_SUFFIXES = (".gate", ".up")
 
 
@@ -74,22 +86,34 @@ def _find(parallel: ParallelModel, fqn: str) -> tuple[GroupedExperts, str] | Non
         name = fqn[len(prefix) :]
         if fqn.startswith(prefix) and name in _UNIT_DIM:
             experts = parallel.model.get_submodule(path)
-            if isinstance(experts, GroupedExperts) and getattr(experts, name) is not None:
+            if isinstance(experts, GroupedExperts) and _parameter(experts, name) is not None:
                 return experts, name
     return None
+
+
+def _parameter(experts: GroupedExperts, name: str) -> torch.Tensor | None:
+    """``experts``' parameter ``name`` (dotted for an adapter's), None where it has none (no bias, no adapter)."""
+    try:
+        return experts.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _columns(layout: str, width: int, suffix: str) -> slice:
-    """The local columns of the gate or up piece in a gated first projection's last dim of ``width`` columns (whole,
-    or for the interleaved layout any run of whole column pairs)."""
-    if layout == "interleaved":
-        return slice(0, None, 2) if suffix == ".gate" else slice(1, None, 2)
-    half = width // 2
-    return slice(0, half) if suffix == ".gate" else slice(half, width)
+def _columns(spec: _Layout, data: torch.Tensor, suffix: str) -> torch.Tensor:
+    """The gate or up piece of a gated first projection's local ``data``: its columns along the unit dim (whole, or
+    for the interleaved layout any run of whole column pairs); ``data`` itself for a tensor saved whole."""
+    if not suffix:
+        return data
+    dim, width = spec.unit_dim, data.shape[spec.unit_dim]
+    if spec.layout == "interleaved":
+        columns = slice(0, None, 2) if suffix == ".gate" else slice(1, None, 2)
+    else:
+        columns = slice(0, width // 2) if suffix == ".gate" else slice(width // 2, width)
+    return data[(slice(None),) * dim + (columns,)]
 
 
 def _describe(parallel: ParallelModel, fqn: str, tensor: torch.Tensor) -> _Layout | None:
@@ -97,7 +121,7 @@ def _describe(parallel: ParallelModel, fqn: str, tensor: torch.Tensor) -> _Layou
     if found is None or tensor.ndim == 0:  # not a routed expert, or an optimizer's scalar step
         return None
     experts, name = found
-    param = getattr(experts, name)
+    param = experts.get_parameter(name)
     if isinstance(tensor, DTensor) != isinstance(param, DTensor) or tensor.shape != param.shape:
         raise ValueError(
             f"{fqn}: expected a tensor laid out as the parameter ({type(param).__name__} {tuple(param.shape)}), got "
@@ -228,8 +252,7 @@ def expert_checkpoint_pieces(parallel: ParallelModel, fqn: str, tensor: torch.Te
         data, box = _local(tensor).detach(), _shard_box(spec, tensor)
     pieces = {}
     for suffix in spec.suffixes:
-        local = data[..., _columns(spec.layout, data.shape[-1], suffix)] if suffix else data
-        local = local.contiguous()
+        local = _columns(spec, data, suffix).contiguous()
         if spec.mesh is None:
             pieces[suffix] = local
             continue
@@ -270,7 +293,7 @@ def restore_expert_checkpoint_pieces(
         target = local
     for suffix in spec.suffixes:
         value = _local(pieces[suffix])
-        dest = target[..., _columns(spec.layout, target.shape[-1], suffix)] if suffix else target
+        dest = _columns(spec, target, suffix)
         if dest.shape != value.shape:
             raise ValueError(
                 f"{fqn}{suffix}: a piece of local shape {tuple(value.shape)}, expected {tuple(dest.shape)}"

@@ -8,7 +8,8 @@ What remains (:class:`GradientSync`):
 
 - parameters that stay whole on every tp rank but saw only its tokens or heads (routers, shared experts, q/k norms):
   their gradients are summed over tp;
-- the experts' down bias, added by etp rank 0 only: summed over etp;
+- the experts' down bias, added by etp rank 0 only, and the LoRA factors whole on every etp rank (``fc1``'s ``A``,
+  ``fc2``'s ``B``), each rank's through its own FFN slice: summed over etp;
 - routed experts: every token of every data-parallel replica (and context-parallel rank: each holds the mean loss of
   its own tokens) reaches some copy of each expert, so the sum over an expert's ``edp`` copies is ``dp x cp`` times
   the gradient of the mean loss; FSDP divided by ``edp``, so the gradient is scaled by ``edp / (dp cp)`` (as

@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_dispatch import RouterGroups, WireCodec
+from moe_experts import GroupedExperts
+from moe_experts.lora import ETP_PARTIAL
 from moe_parallel.config import ParallelConfig
 from moe_parallel.context_parallel import apply_context_parallel, load_balanced_positions
 from moe_parallel.expert_parallel import apply_expert_parallel, moe_blocks
@@ -133,24 +135,33 @@ def split_module(
     return ParallelModel(model, meshes, plan, config, tuple(tp_partial))
 
 
+def _etp_whole(experts: GroupedExperts) -> list[nn.Parameter]:
+    """The experts' parameters whole on every etp rank, each rank holding a part of their gradient: the down bias
+    (added by etp rank 0 only) and the trainable adapter factors of :data:`~moe_experts.lora.ETP_PARTIAL`."""
+    whole = [] if experts.b_down_EH is None else [experts.b_down_EH]
+    named = dict(experts.named_parameters())
+    return whole + [named[n] for n in ETP_PARTIAL if n in named and named[n].requires_grad]
+
+
 def _gradient_sync(parallel: ParallelModel) -> GradientSync:
     model, meshes, plan = parallel.model, parallel.meshes, parallel.plan
     layout = meshes.layout
     named = dict(model.named_parameters())
     experts = [b.experts for b in moe_blocks(model, plan)]
-    down_biases = {id(e.b_down_EH) for e in experts if e.b_down_EH is not None}
+    etp_whole = [p for e in experts for p in _etp_whole(e)] if layout.etp > 1 else []
+    whole_ids = {id(p) for p in etp_whole}
     world = layout.world_size // layout.pp
     replicas = {id(p): replica_count(p, world) for p in named.values()}
     for param in (p for e in experts for p in e.parameters()):
         if isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ()):
             continue  # the placements already say how the experts are split
-        # plain per-rank experts (etp > 1): distinct on every ep x etp rank, the down bias on every ep rank
-        shards = layout.ep * (1 if id(param) in down_biases else layout.etp)
+        # plain per-rank experts (etp > 1): distinct on every ep x etp rank, those whole per etp rank on every ep rank
+        shards = layout.ep * (1 if id(param) in whole_ids else layout.etp)
         replicas[id(param)] = replica_count(param, world, shards)
     return GradientSync(
         tp_partial=[named[n] for n in parallel.tp_partial],
         tp_group=meshes.group("tp") if layout.tp > 1 else None,
-        etp_partial=[e.b_down_EH for e in experts if e.b_down_EH is not None] if layout.etp > 1 else [],
+        etp_partial=etp_whole,
         etp_group=meshes.group("etp") if layout.etp > 1 else None,
         experts=[p for e in experts for p in e.parameters()],
         expert_scale=layout.edp / layout.dp_cp,

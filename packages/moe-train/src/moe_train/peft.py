@@ -29,13 +29,12 @@ from moe_train.config import ConfigError, ExperimentConfig, PeftConfig
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
 
 
-def check_layout_for_adapters(model: nn.Module, etp: int) -> None:
-    """Adapters on routed experts under expert tensor parallelism: computed, but not yet summed over etp nor stored
-    in the experts' layout-independent checkpoint form, so refused."""
-    if etp > 1 and any(isinstance(m, LoRAExpertLinear) for m in model.modules()):
+def check_precision_for_adapters(cfg: ExperimentConfig) -> None:
+    """A precision recipe swaps the linears for quantised ones, which take no adapter: refused in one line."""
+    if cfg.peft.method == "lora" and cfg.precision.enabled:
         raise ConfigError(
-            f"parallel.etp={etp}: LoRA on routed experts does not run under expert tensor parallelism yet; set "
-            "parallel.etp=1, or leave the experts out of peft.targets"
+            f"precision.recipe={cfg.precision.recipe!r}: quantised linears take no LoRA adapters "
+            "(peft.method='lora'); set precision.recipe=none, or peft.method=none"
         )
 
 

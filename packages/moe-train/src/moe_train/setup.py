@@ -32,7 +32,7 @@ from moe_train.config import ConfigError, ExperimentConfig, PeftConfig, RunConfi
 from moe_train.data import PreparedData, prepare_data
 from moe_train.dtypes import torch_dtype
 from moe_train.loggers import check_wandb_available
-from moe_train.peft import AdapterSource, add_adapters, check_layout_for_adapters
+from moe_train.peft import AdapterSource, add_adapters, check_precision_for_adapters
 from moe_train.precision import dispatch_wire
 from moe_train.resume import ResumePoint, check_output_dir, find_resume_point
 from moe_train.transforms import ModelTransforms, memory_settings
@@ -193,6 +193,7 @@ def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
     to the output directory (the token cache aside): ``ConfigError`` for the first that fails. Each rank runs it
     before joining the group, and ``moe-train launch`` runs it once before starting any."""
     device_type = _resolve_device(cfg)
+    check_precision_for_adapters(cfg)
     try:
         native_precision = cfg.precision.native_on(device_type)
     except ValueError as err:  # PrecisionConfigError
@@ -223,7 +224,6 @@ def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
             cfg.model, cfg.parallel, world_size, cfg.run, cfg.data.seq_len, cfg.peft
         )
         _check_trainer_layout(cfg, layout)
-        check_layout_for_adapters(model, layout.etp)
         problem = compile_problem(cfg, layout)
         if problem is not None:
             raise ConfigError(problem)
