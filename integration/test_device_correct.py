@@ -9,7 +9,9 @@ The device (:func:`on_device`): torch's PrivateUse1 backend renamed ``fakegpu`` 
 module the Python stand-ins of ``torch.utils.backend_registration``), whose tensors (:class:`OnDevice`) are wrapper
 subclasses holding real CPU data. A dispatch mode runs every op on the CPU data and checks the devices first, with
 CUDA's rules: tensors of one device, or CPU 0-dim tensors (scalars) and CPU indices; copies between devices; a
-generator of the output's device. The renaming holds for the rest of the process (torch allows one name).
+generator of the output's device. The renaming holds for the rest of the process (torch allows one name), which
+is why the nox integration session runs this module in a process of its own: transformers' loading and DCP's writer
+behave differently once a backend is registered (NaN logits, a stream query the stand-in cannot answer).
 
 Not "cuda" itself: a ``device="cuda"`` argument initialises CUDA and indexing takes CUDA's device guard, both of which
 need a driver. Not fake CUDA tensors (FakeTensorMode) either: they hold no data (the expert counts' ``.tolist()``, the
@@ -50,10 +52,26 @@ _CPU_INDICES_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.de
 
 
 class _BackendModule(backend_registration._DummyBackendModule):
-    """``torch.fakegpu``: what autocast asks a backend module for, on top of the stand-in's device queries."""
+    """``torch.fakegpu``: what autocast asks a backend module for, on top of the stand-in's device queries. Available
+    only while this module's tests run: the registration outlives them (one name per process), and later tests of
+    the process must not find a device that is not there (DCP's file writer, seeing one, asks it for streams)."""
+
+    available = False
+
+    def is_available(self) -> bool:
+        return _BackendModule.available
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _device_available() -> Iterator[None]:
+    _BackendModule.available = True
+    try:
+        yield
+    finally:
+        _BackendModule.available = False
 
 
 def _register_device() -> None:
