@@ -192,29 +192,18 @@ def apply_default_modes(directory: Path) -> None:
             path.chmod(mode)
 
 
-def save_pretrained(
-    model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB", overwrite: bool = False
-) -> None:
-    """Writes ``model`` as a HuggingFace checkpoint (config.json + safetensors, sharded above ``max_shard_size``),
-    atomically: on error nothing is left at ``path``."""
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
-        raise FileExistsError(f"{path} exists and is not empty: pass overwrite=True or choose another path")
-    config: ModelConfig = model.config
-    hf_config = config_to_hf(config)
-    hf_config["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-    plan = build_plan(config)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+@contextlib.contextmanager
+def written_whole(path: Path, tag: str) -> Iterator[Path]:
+    """A hidden sibling directory of ``path`` to fill; once filled it takes ``path``'s place (an existing ``path``,
+    empty or one the caller may overwrite, is moved aside first and removed after), so ``path`` is never half-written.
+    On an error the sibling is removed and ``path`` left as it was."""
+    tmp = path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     old = None
     try:
-        writer = ShardWriter(tmp, parse_size(max_shard_size))
-        for key, tensor in _hf_tensors(model, plan):
-            writer.add(key, tensor)
-        writer.finish()
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        yield tmp
         apply_default_modes(tmp)
-        if path.exists():  # an empty directory, or overwrite=True: move it aside so `path` is never half-written
+        if path.exists():
             old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
             path.rename(old)
         tmp.rename(path)
@@ -227,3 +216,23 @@ def save_pretrained(
         shutil.rmtree(old)
     elif old is not None:
         old.unlink()
+
+
+def save_pretrained(
+    model: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB", overwrite: bool = False
+) -> None:
+    """Writes ``model`` as a HuggingFace checkpoint (config.json + safetensors, sharded above ``max_shard_size``),
+    atomically: on error nothing is left at ``path``."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty: pass overwrite=True or choose another path")
+    config: ModelConfig = model.config
+    hf_config = config_to_hf(config)
+    hf_config["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    plan = build_plan(config)
+    with written_whole(path, "tmp") as tmp:
+        writer = ShardWriter(tmp, parse_size(max_shard_size))
+        for key, tensor in _hf_tensors(model, plan):
+            writer.add(key, tensor)
+        writer.finish()
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -29,8 +29,6 @@ Adapters on DeepSeek-V3 MTP layers are left out with a warning: transformers' mo
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ from torch import nn
 
 from moe_experts import GroupedExperts, LoRAExpertLinear
 from moe_models.config import ModelConfig
-from moe_models.hf.io import apply_default_modes
+from moe_models.hf.io import written_whole
 from moe_models.hf.state_dict_map import build_plan, stored_as_is
 from moe_models.lora import ADAPTER_MARK, LoRALinear, LoRASharedExperts
 
@@ -230,26 +228,8 @@ def save_peft_adapter(
     adapter_config["base_model_name_or_path"] = (
         None if base_model_name_or_path is None else str(base_model_name_or_path)
     )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.peft-{uuid.uuid4().hex[:8]}")
-    staging.mkdir()
-    old = None
-    try:
+    with written_whole(out_dir, "peft") as staging:
         # safetensors refuses views of one storage (lora_A reshapes) and non-contiguous ones: own copies
         save_file({k: v.contiguous().clone() for k, v in tensors.items()}, staging / WEIGHTS_FILE, {"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-        apply_default_modes(staging)
-        if out_dir.exists():  # empty, or overwrite: moved aside so out_dir is never half-written
-            old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-            out_dir.rename(old)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if old is not None and not out_dir.exists():
-            old.rename(out_dir)
-        raise
-    if old is not None and old.is_dir():
-        shutil.rmtree(old)
-    elif old is not None:
-        old.unlink()
     return out_dir
