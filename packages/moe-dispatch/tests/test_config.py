@@ -96,6 +96,9 @@ def test_combined_types_and_per_type_coefficients():
         ({"num_groups": 4, "group_topk": 1, "topk": 3}, "topk"),
         ({"num_groups": 2, "group_topk": 3}, "group_topk"),
         ({"num_groups": 4, "group_topk": 4, "topk": 2}, "topk"),
+        ({"group_score_topk": 1}, "group_score_topk"),  # no groups to score
+        ({"num_experts": 8, "num_groups": 4, "group_topk": 2, "group_score_topk": 3}, "group_score_topk"),
+        ({"num_experts": 8, "num_groups": 4, "group_topk": 2, "group_score_topk": 0}, "group_score_topk"),
         ({"topk_scaling_factor": 0.0}, "topk_scaling_factor"),
         ({"topk_scaling_factor": float("nan")}, "topk_scaling_factor"),
         ({"load_balancing_type": ("aux_loss", "bogus")}, "load_balancing_type"),

@@ -35,7 +35,7 @@ def naive_route(row, cfg, bias=None):
     if cfg.num_groups is not None:
         per = num_experts // cfg.num_groups
         group_score = [
-            sum(sorted(sel[g * per : (g + 1) * per], reverse=True)[: topk // cfg.group_topk])
+            sum(sorted(sel[g * per : (g + 1) * per], reverse=True)[: cfg.group_score_topk or topk // cfg.group_topk])
             for g in range(cfg.num_groups)
         ]
         ranked = sorted(range(cfg.num_groups), key=lambda g: -group_score[g])
@@ -96,6 +96,7 @@ def configs(draw):
     pre_softmax = score_function == "softmax" and draw(st.booleans())
     sigmoid_norm_topk = score_function == "softmax" or draw(st.booleans())
     scale = draw(st.sampled_from([None, 2.5, 0.5]))
+    group_score_topk = draw(st.sampled_from([None, *range(1, per_group + 1)])) if num_groups else None
     return RouterConfig(
         num_experts=num_experts,
         topk=topk,
@@ -104,6 +105,7 @@ def configs(draw):
         sigmoid_norm_topk=sigmoid_norm_topk,
         num_groups=num_groups,
         group_topk=group_topk,
+        group_score_topk=group_score_topk,
         topk_scaling_factor=scale,
         router_dtype=draw(st.sampled_from(["fp32", "fp64"])),
     )

@@ -66,6 +66,9 @@ class RouterConfig:
     sigmoid_norm_topk: bool = True
     num_groups: int | None = None
     group_topk: int | None = None
+    # a group's score: the sum of its top-n expert scores; None: n = topk // group_topk (Megatron-Core), 1: the
+    # group's best expert (DeepSeek-V2), 2: transformers' DeepSeek-V3 whatever the top-k
+    group_score_topk: int | None = None
     topk_scaling_factor: float | None = None
     load_balancing_type: str | tuple[str, ...] = "aux_loss"
     aux_loss_coeff: float | tuple[float, ...] = 1e-2
@@ -148,6 +151,11 @@ class RouterConfig:
             raise RouterConfigError("group_topk", group_topk, "needs the number of groups too: set both or neither")
         if groups is not None and group_topk is None:
             raise RouterConfigError("num_groups", groups, "needs the groups chosen per token too: set both or neither")
+        score_topk = self.group_score_topk
+        if score_topk is not None and (not _is_int(score_topk) or score_topk < 1):
+            raise RouterConfigError("group_score_topk", score_topk, "must be None or an int >= 1")
+        if score_topk is not None and groups is None:
+            raise RouterConfigError("group_score_topk", score_topk, "scores groups: set num_groups and group_topk")
         if groups is None or group_topk is None:
             return
         if self.num_experts % groups:
@@ -167,6 +175,10 @@ class RouterConfig:
                 "topk",
                 self.topk,
                 f"fewer than the {group_topk} groups chosen per token: each chosen group must provide an expert",
+            )
+        if score_topk is not None and score_topk > per_group:
+            raise RouterConfigError(
+                "group_score_topk", score_topk, f"more than the {per_group} experts of a group; at most {per_group}"
             )
 
     def _check_losses(self) -> None:

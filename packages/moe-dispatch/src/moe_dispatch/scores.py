@@ -26,16 +26,20 @@ def selection_scores(logits_TE: torch.Tensor, config: RouterConfig) -> torch.Ten
     return logits_TE
 
 
-def group_limited_topk(scores_TE: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> torch.Tensor:
+def group_limited_topk(
+    scores_TE: torch.Tensor, topk: int, num_groups: int, group_topk: int, group_score_topk: int | None = None
+) -> torch.Tensor:
     """Top-k restricted to the best ``group_topk`` of ``num_groups`` equal, contiguous expert groups.
 
-    A group's score is the sum of its top-(topk // group_topk) expert scores (DeepSeek-V3). With groups
-    laid out as devices or nodes this is device/node-limited routing. Returns int64 ids [T, topk].
+    A group's score is the sum of its top-``group_score_topk`` expert scores, by default top-(topk // group_topk)
+    (Megatron-Core, DeepSeek-V3); 1 scores a group by its best expert (DeepSeek-V2). With groups laid out as devices
+    or nodes this is device/node-limited routing. Returns int64 ids [T, topk].
     """
     num_tokens, num_experts = scores_TE.shape
     per_group = num_experts // num_groups
     grouped_TGP = scores_TE.view(num_tokens, num_groups, per_group)
-    group_scores_TG = grouped_TGP.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    score_topk = topk // group_topk if group_score_topk is None else group_score_topk
+    group_scores_TG = grouped_TGP.topk(score_topk, dim=-1).values.sum(dim=-1)
     best_groups_TG = group_scores_TG.topk(group_topk, dim=-1).indices
     group_mask_TG = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores_TE.device)
     group_mask_TG.scatter_(1, best_groups_TG, True)
@@ -47,7 +51,9 @@ def group_limited_topk(scores_TE: torch.Tensor, topk: int, num_groups: int, grou
 def select_experts(scores_TE: torch.Tensor, config: RouterConfig) -> torch.Tensor:
     """int64 expert ids [T, topk] of the largest scores, group-limited when ``num_groups`` is set."""
     if config.num_groups is not None and config.group_topk is not None:
-        return group_limited_topk(scores_TE, config.topk, config.num_groups, config.group_topk)
+        return group_limited_topk(
+            scores_TE, config.topk, config.num_groups, config.group_topk, config.group_score_topk
+        )
     return scores_TE.topk(config.topk, dim=-1).indices
 
 

@@ -1,4 +1,5 @@
-"""Causal grouped-query attention: QK-norm (Qwen3), biases and learned attention sinks (GPT-OSS), sliding windows
+"""Causal grouped-query attention: QK-norm per head (Qwen3) or across heads (OLMoE, MiniMax-M2), q/k/v clamps
+(OLMoE), partial rotary embeddings (GLM-4.5), biases and learned attention sinks (GPT-OSS), sliding windows
 (GPT-OSS, Mixtral). Plain causal attention over a whole sequence goes to SDPA's fused kernels; sinks, windows, a
 value head size other than q/k's on CPU (MLA), queries and keys at given positions (a context-parallel rank's) and
 packed documents (:mod:`moe_models.documents`) go to :func:`~moe_models.blockwise.blockwise_attention`. Both keep
@@ -73,14 +74,17 @@ class Attention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_query_groups, c.kv_channels
         self.core_attention = CoreAttention(c.softmax_scale, None if full_attention else c.window_size)
-        self.interleaved = c.rotary_interleaved
+        self.interleaved, self.rotary_dim, self.clip_qkv = c.rotary_interleaved, c.rotary_dim, c.clip_qkv
         h, q_width, kv_width = c.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, q_width, bias=c.add_qkv_bias)
         self.k_proj = nn.Linear(h, kv_width, bias=c.add_qkv_bias)
         self.v_proj = nn.Linear(h, kv_width, bias=c.add_qkv_bias)
         self.o_proj = nn.Linear(q_width, h, bias=c.add_bias_linear)
-        self.q_norm = RMSNorm(self.head_dim, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
-        self.k_norm = RMSNorm(self.head_dim, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
+        # across heads: one norm over the projection's whole width, before the heads are split
+        self.qk_norm_across_heads = c.qk_layernorm_across_heads
+        q_norm_width, k_norm_width = (q_width, kv_width) if self.qk_norm_across_heads else (self.head_dim,) * 2
+        self.q_norm = RMSNorm(q_norm_width, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
+        self.k_norm = RMSNorm(k_norm_width, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if c.softmax_type == "learnable" else None
 
     def forward(
@@ -96,10 +100,30 @@ class Attention(nn.Module):
         ``document_ids_BS``: the whole sequences' document ids, each query then sees its own document alone."""
         b, s, _ = x_BSH.shape
         # head counts come from the projections' widths, so a tensor-parallel rank computes its share of the heads
-        q = self.q_norm(self.q_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x_BSH).view(b, s, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x_BSH).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos_SF, sin_SF, self.interleaved), apply_rotary(k, cos_SF, sin_SF, self.interleaved)
+        q, k, v = self._qkv(x_BSH)
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = self._rotate(q, cos_SF, sin_SF), self._rotate(k, cos_SF, sin_SF)
         documents = () if document_ids_BS is None else (document_ids_BS,)  # a 7th argument only with documents
         out_BNSD = self.core_attention(q, k, v, self.sinks, positions_S, positions_S, *documents)
         return self.o_proj(out_BNSD.transpose(1, 2).reshape(b, s, -1))
+
+    def _qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[B, S, heads x head dim]`` after the projections, the q/k norms and the clamp."""
+        q, k, v = self.q_proj(x_BSH), self.k_proj(x_BSH), self.v_proj(x_BSH)
+        if self.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        return q, k, v
+
+    def _rotate(self, x_BNSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
+        """Rotary embeddings on the first ``rotary_dim`` dimensions of each head; the others pass through."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x_BNSD, cos_SF, sin_SF, self.interleaved)
+        rotated = apply_rotary(x_BNSD[..., : self.rotary_dim], cos_SF, sin_SF, self.interleaved)
+        return torch.cat([rotated, x_BNSD[..., self.rotary_dim :]], dim=-1)

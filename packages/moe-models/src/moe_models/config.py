@@ -12,7 +12,19 @@ from moe_dispatch import RouterConfig, RouterConfigError
 from moe_experts import ACTIVATIONS, BACKENDS
 
 # Kimi-K2 is a deepseek_v3 configuration (its checkpoints use DeepseekV3ForCausalLM)
-FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral")
+FAMILIES = (
+    "qwen3_moe",
+    "deepseek_v3",
+    "gpt_oss",
+    "mixtral",
+    "dots1",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "qwen2_moe",
+    "olmoe",
+    "deepseek_v2",
+    "minimax_m2",
+)
 
 # ModelConfig field (Megatron flag) -> RouterConfig field
 ROUTER_FIELDS = {
@@ -23,6 +35,7 @@ ROUTER_FIELDS = {
     "moe_router_sigmoid_norm_topk": "sigmoid_norm_topk",
     "moe_router_num_groups": "num_groups",
     "moe_router_group_topk": "group_topk",
+    "moe_router_group_score_topk": "group_score_topk",
     "moe_router_topk_scaling_factor": "topk_scaling_factor",
     "moe_router_load_balancing_type": "load_balancing_type",
     "moe_aux_loss_coeff": "aux_loss_coeff",
@@ -93,6 +106,10 @@ class ModelConfig:
     num_query_groups: int = 2  # key/value heads (GQA)
     kv_channels: int = 32  # head dimension
     qk_layernorm: bool = True  # per-head RMSNorm of q and k (Qwen3)
+    # with qk_layernorm: one RMSNorm over all heads' q (width heads x head dim) and one over all k, applied before
+    # the heads are split (OLMoE, MiniMax-M2), instead of one per head
+    qk_layernorm_across_heads: bool = False
+    clip_qkv: float | None = None  # clamp q, k and v to [-clip_qkv, clip_qkv] after projections and norms (OLMoE)
     add_qkv_bias: bool = False  # biases of q/k/v projections (GPT-OSS)
     add_bias_linear: bool = False  # biases of the attention output, the routed experts and the router (GPT-OSS)
     softmax_type: str = "vanilla"  # vanilla | learnable (one learned attention-sink logit per head, GPT-OSS)
@@ -110,6 +127,7 @@ class ModelConfig:
     # --- rotary embeddings ---
     rope_type: str = "rope"  # rope | yarn
     rotary_base: float = 1_000_000.0
+    rotary_percent: float = 1.0  # share of each head's dimensions (the first ones) that rotate (GLM-4.5: 0.5)
     rotary_interleaved: bool = False  # rotate (x0, x1), (x2, x3)... pairs (DeepSeek-V3) instead of the two halves
     max_position_embeddings: int = 4096
     rotary_scaling_factor: float = 1.0  # yarn: context extension factor
@@ -125,6 +143,7 @@ class ModelConfig:
     # which layers are MoE: int N = every N-th layer, or one 0/1 per layer (DeepSeek-V3: [0]*3 + [1]*58)
     moe_layer_freq: int | list[int] = 1
     moe_shared_expert_intermediate_size: int | None = None  # shared expert width (DeepSeek-V3), None = none
+    moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x . w), per token (Qwen2-MoE)
     # --- routed experts and router ---
     num_moe_experts: int = 8
     moe_router_topk: int = 2
@@ -136,6 +155,9 @@ class ModelConfig:
     moe_router_sigmoid_norm_topk: bool = True
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
+    # a group's score is the sum of its top-n expert scores: None = topk // group_topk (Megatron-Core), 1 = the best
+    # expert's (DeepSeek-V2's group_limited_greedy), 2 = transformers' DeepSeek-V3 / GLM-4.5 (noaux_tc)
+    moe_router_group_score_topk: int | None = None
     moe_router_topk_scaling_factor: float | None = None
     # one or several of aux_loss | seq_aux_loss | global_aux_loss | none, one coefficient each (or one for all)
     moe_router_load_balancing_type: list[str] = field(default_factory=lambda: ["aux_loss"])
@@ -200,13 +222,32 @@ class ModelConfig:
             raise ModelConfigError(
                 "moe_shared_expert_intermediate_size", shared, "must be at least 1, or null for no shared expert"
             )
+        if self.moe_shared_expert_gate and shared is None:
+            raise ModelConfigError(
+                "moe_shared_expert_gate", True, "gates a shared expert: set moe_shared_expert_intermediate_size"
+            )
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ModelConfigError("clip_qkv", self.clip_qkv, "must be positive, or null for no clamp")
+        if self.qk_layernorm_across_heads and not self.qk_layernorm:
+            raise ModelConfigError(
+                "qk_layernorm_across_heads", True, "chooses the shape of the q/k norms: set qk_layernorm true"
+            )
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             raise ModelConfigError("mtp_num_layers", self.mtp_num_layers, "must be at least 1, or null for no MTP")
         self.router_config()  # validates the fields of ROUTER_FIELDS
 
     def _validate_gqa(self) -> None:
-        if self.kv_channels % 2:
+        if not 0 < self.rotary_percent <= 1:
+            raise ModelConfigError("rotary_percent", self.rotary_percent, "must be in (0, 1]")
+        if self.rotary_percent == 1 and self.kv_channels % 2:
             raise ModelConfigError("kv_channels", self.kv_channels, "rotary embeddings need an even head dimension")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ModelConfigError(
+                "rotary_percent",
+                self.rotary_percent,
+                f"rotates {self.rotary_dim} of kv_channels={self.kv_channels} dimensions: rotary embeddings need an "
+                "even number, at least 2",
+            )
         if self.num_attention_heads % self.num_query_groups:
             raise ModelConfigError(
                 "num_attention_heads",
@@ -228,6 +269,11 @@ class ModelConfig:
             raise ModelConfigError(
                 "softmax_type", self.softmax_type, "multi_latent_attention supports only 'vanilla': unset it"
             )
+        for name, plain in (("rotary_percent", 1.0), ("qk_layernorm_across_heads", False), ("clip_qkv", None)):
+            if getattr(self, name) != plain:
+                raise ModelConfigError(
+                    name, getattr(self, name), f"multi_latent_attention has its own q/k layout: set it to {plain}"
+                )
         if self.window_size is not None:
             raise ModelConfigError(
                 "window_size", self.window_size, "multi_latent_attention has no sliding window: set it to null"
@@ -235,8 +281,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dimensions per head that get rotary embeddings."""
-        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
+        """Dimensions per head that get rotary embeddings (the first ones of each head)."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else int(self.kv_channels * self.rotary_percent)
 
     @property
     def softmax_scale(self) -> float:

@@ -51,7 +51,7 @@ def moe_compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class MoEBlock(nn.Module):
     """Router -> dispatcher -> grouped experts -> combine on a flat view of the tokens, plus an optional shared
-    expert every token goes through (DeepSeek-V3)."""
+    expert every token goes through (DeepSeek-V3), optionally behind a sigmoid gate (Qwen2-MoE)."""
 
     def __init__(
         self,
@@ -62,6 +62,7 @@ class MoEBlock(nn.Module):
         activation: str = "swiglu",
         shared_expert_size: int | None = None,
         bias: bool = False,
+        shared_expert_gate: bool = False,
     ) -> None:
         super().__init__()
         self.router = TopKRouter(hidden_size, router)
@@ -70,7 +71,8 @@ class MoEBlock(nn.Module):
         self.experts = GroupedExperts(
             router.num_experts, hidden_size, ffn_hidden_size, activation=activation, backend=expert_backend, bias=bias
         )
-        self.shared_experts = SharedExperts(hidden_size, shared_expert_size) if shared_expert_size else None
+        shared = SharedExperts(hidden_size, shared_expert_size, gate=shared_expert_gate) if shared_expert_size else None
+        self.shared_experts = shared
 
     def forward(
         self, x_BSH: torch.Tensor, document_ids_BS: torch.Tensor | None = None

@@ -67,6 +67,7 @@ class DecoderLayer(nn.Module):
                 activation=c.activation_func,
                 shared_expert_size=c.moe_shared_expert_intermediate_size,
                 bias=c.add_bias_linear,
+                shared_expert_gate=c.moe_shared_expert_gate,
             )
         else:
             self.mlp = DenseMLP(c.hidden_size, c.ffn_hidden_size)

@@ -1,29 +1,37 @@
-"""config.json (HuggingFace transformers) <-> ModelConfig for the four supported families.
+"""config.json (HuggingFace transformers) <-> ModelConfig for every supported family.
 
 Every HF feature without an equivalent here raises ``HFCheckpointError`` naming the config.json field, rather than
-loading a model that silently computes something else.
+loading a model that silently computes something else: a family's mapping reads config.json through
+:class:`~moe_models.hf.family.ReadFields`, and a key it never read (and does not list as inert) is refused. A written
+config.json is read back and must give the same architecture, so an export cannot drop a feature either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moe_models.config import ModelConfig
 from moe_models.hf.errors import HFCheckpointError
+from moe_models.hf.families import FAMILY_MODULES
+from moe_models.hf.family import (
+    GENERIC_INERT,
+    CheckpointNames,
+    HFFamily,
+    ReadFields,
+    compact,
+    refuse_unless,
+    required,
+    unsupported,
+)
 
-# family -> (architectures[0], model_type) written on save
-HF_NAMES = {
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
-    "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
-    "mixtral": ("MixtralForCausalLM", "mixtral"),
-}
-# Kimi-K2 checkpoints are DeepSeek-V3 models under their own model_type
-MODEL_TYPES = {family: family for family in HF_NAMES} | {"kimi_k2": "deepseek_v3"}
-ARCHITECTURES = {arch: family for family, (arch, _) in HF_NAMES.items()}
+_get, _unsupported, _compact, _REQUIRED = required, unsupported, compact, object()
+
+
 # transformers' rope_theta default when config.json omits it
 _DEFAULT_THETA = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
-_REQUIRED = object()
+# keys the common mapping reads for every family, or that never change the logits
+_COMMON_INERT = frozenset({"attention_dropout", "router_aux_loss_coef", "rope_scaling", "rope_theta"})
 
 
 def family_of(hf: dict[str, Any]) -> str:
@@ -40,27 +48,6 @@ def family_of(hf: dict[str, Any]) -> str:
     )
 
 
-def _get(hf: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
-    value = hf.get(key, default)
-    if value is _REQUIRED:
-        raise HFCheckpointError(f"config.json has no {key!r}: add it (see the model's transformers config class)")
-    return value
-
-
-def _unsupported(field: str, value: Any, why: str) -> HFCheckpointError:
-    return HFCheckpointError(f"config.json {field}={value!r} is not supported: {why}")
-
-
-def _compact(pattern: list[int]) -> int | list[int]:
-    """A per-layer 0/1 list as Megatron's int N (every N-th layer is 1) when it is one, else the list."""
-    if not any(pattern):
-        return pattern
-    for n in range(1, len(pattern) + 1):
-        if pattern == [int((i + 1) % n == 0) for i in range(len(pattern))]:
-            return n
-    return pattern
-
-
 def _rope_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if any(isinstance(v, dict) for v in params.values()):
@@ -68,9 +55,11 @@ def _rope_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     theta = params.get("rope_theta", hf.get("rope_theta")) or _DEFAULT_THETA.get(family, 10_000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise _unsupported("partial_rotary_factor", partial, "only full-width rotary embeddings (1.0)")
     out: dict[str, Any] = {"rotary_base": float(theta)}
+    if partial not in (None, 1, 1.0):
+        if FAMILIES[family].mla:
+            raise _unsupported("partial_rotary_factor", partial, "MLA rotates qk_rope_head_dim: remove it")
+        out["rotary_percent"] = float(partial)
     if rope_type == "default":
         return out | {"rope_type": "rope"}
     if rope_type != "yarn":
@@ -80,8 +69,8 @@ def _rope_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     max_pos = _get(hf, "max_position_embeddings")
     original = params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_pos
     mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
-    if mscale_all_dim and family != "deepseek_v3":
-        # only DeepSeek's attention multiplies its softmax scale by mscale(factor, mscale_all_dim)**2
+    if mscale_all_dim and not FAMILIES[family].mla:
+        # only DeepSeek's (MLA) attention multiplies its softmax scale by mscale(factor, mscale_all_dim)**2
         raise _unsupported("rope_parameters.mscale_all_dim", mscale_all_dim, f"{family} ignores it; remove it")
     return out | {
         "rope_type": "yarn",
@@ -145,6 +134,7 @@ def _qwen3_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    refuse_unless(hf, "router_jitter_noise", (0, 0.0, None), 0.0, "routing without noise only: set it to 0")
     width = _get(hf, "intermediate_size")
     return {
         "num_moe_experts": _get(hf, "num_local_experts"),
@@ -183,6 +173,8 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     shared = hf.get("n_shared_experts") or 0
     mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or None
     nope, rope = _get(hf, "qk_nope_head_dim"), _get(hf, "qk_rope_head_dim")
+    refuse_unless(hf, "qk_head_dim", (nope + rope, None), None, "it is qk_nope_head_dim + qk_rope_head_dim")
+    refuse_unless(hf, "pretraining_tp", (1, None), 1, "set it to 1 (one output projection)")
     return {
         "multi_latent_attention": True,
         "num_query_groups": hf["num_attention_heads"],
@@ -238,18 +230,19 @@ def _gpt_oss_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-_FROM_HF = {
-    "qwen3_moe": _qwen3_from_hf,
-    "mixtral": _mixtral_from_hf,
-    "deepseek_v3": _deepseek_from_hf,
-    "gpt_oss": _gpt_oss_from_hf,
-}
-
-
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """The ModelConfig of a HuggingFace config.json dict (raises HFCheckpointError for unsupported features)."""
-    family = family_of(hf)
-    fields = _common_from_hf(hf, family) | _FROM_HF[family](hf)
+    family = FAMILIES[family_of(hf)]
+    fields_read = ReadFields(hf)
+    fields = _common_from_hf(fields_read, family.name) | family.from_hf(fields_read)
+    unread = set(hf) - fields_read.read - GENERIC_INERT - _COMMON_INERT - family.inert
+    if unread:
+        key = sorted(unread)[0]
+        raise _unsupported(
+            key,
+            hf[key],
+            f"the {family.name} mapping does not know this field; remove it if it does not change the model",
+        )
     try:
         return ModelConfig(**fields)
     except ValueError as err:
@@ -266,6 +259,7 @@ def _require(ok: bool, field: str, value: Any, family: str, why: str) -> None:
 
 def _rope_to_hf(c: ModelConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_theta": c.rotary_base, "rope_type": "default"}
+    rope |= {"partial_rotary_factor": c.rotary_percent} if c.rotary_percent != 1 else {}
     if c.rope_type == "yarn":
         rope |= {
             "rope_type": "yarn",
@@ -281,6 +275,7 @@ def _rope_to_hf(c: ModelConfig) -> dict[str, Any]:
 
 
 def _check_common(c: ModelConfig) -> None:
+    """The four first families' limits, with the reason for each (later families rely on the read-back check)."""
     f = c.family
     mla, sinks, gpt = c.multi_latent_attention, c.softmax_type == "learnable", f == "gpt_oss"
     _require(mla == (f == "deepseek_v3"), "multi_latent_attention", mla, f, "only deepseek_v3 uses MLA")
@@ -310,6 +305,7 @@ def _check_common(c: ModelConfig) -> None:
 
 def _common_to_hf(c: ModelConfig) -> dict[str, Any]:
     arch, model_type = HF_NAMES[c.family]
+    _require(c.clip_qkv is None or c.family == "olmoe", "clip_qkv", c.clip_qkv, c.family, "olmoe only")
     return {
         "architectures": [arch],
         "model_type": model_type,
@@ -409,15 +405,93 @@ def _gpt_oss_to_hf(c: ModelConfig) -> dict[str, Any]:
     }
 
 
-_TO_HF = {
-    "qwen3_moe": _qwen3_to_hf,
-    "mixtral": _mixtral_to_hf,
-    "deepseek_v3": _deepseek_to_hf,
-    "gpt_oss": _gpt_oss_to_hf,
-}
+_LEGACY = (
+    # without use_sliding_window (refused when true) the window fields change nothing
+    HFFamily(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        _qwen3_from_hf,
+        _qwen3_to_hf,
+        inert=frozenset({"sliding_window", "max_window_layers"}),
+    ),
+    # the original DeepSeek code's training settings (aux-loss weight and kind, expert-parallel size)
+    HFFamily(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        _deepseek_from_hf,
+        _deepseek_to_hf,
+        names=CheckpointNames(expert_bias_always=True),
+        inert=frozenset({"aux_loss_alpha", "seq_aux", "ep_size"}),
+        mla=True,
+    ),
+    HFFamily(
+        "gpt_oss", "GptOssForCausalLM", "gpt_oss", _gpt_oss_from_hf, _gpt_oss_to_hf, CheckpointNames(router="router")
+    ),
+    HFFamily(
+        "mixtral",
+        "MixtralForCausalLM",
+        "mixtral",
+        _mixtral_from_hf,
+        _mixtral_to_hf,
+        CheckpointNames(moe_block="block_sparse_moe", expert_projections=("w1", "w3", "w2")),
+    ),
+)
+FAMILIES: dict[str, HFFamily] = {f.name: f for f in _LEGACY + tuple(m.FAMILY for m in FAMILY_MODULES)}
+# family -> (architectures[0], model_type) written on save
+HF_NAMES = {name: (f.architecture, f.model_type) for name, f in FAMILIES.items()}
+# Kimi-K2 checkpoints are DeepSeek-V3 models under their own model_type
+MODEL_TYPES = {f.model_type: f.name for f in FAMILIES.values()} | {"kimi_k2": "deepseek_v3"}
+ARCHITECTURES = {f.architecture: f.name for f in FAMILIES.values()}
+# ModelConfig fields that a checkpoint does not record (training choices): not compared when a written config.json is
+# read back
+_TRAINING_FIELDS = frozenset(
+    {
+        "moe_router_load_balancing_type",
+        "moe_aux_loss_coeff",
+        "moe_z_loss_coeff",
+        "moe_router_bias_update_rate",
+        "moe_expert_capacity_factor",
+        "moe_token_drop_policy",
+        "moe_pad_expert_input_to_capacity",
+        "moe_router_force_load_balancing",
+        "moe_router_dtype",
+        "moe_expert_backend",
+        "moe_permute_backend",
+        "mtp_loss_scaling_factor",
+    }
+)
+
+
+def _architecture(c: ModelConfig) -> dict[str, Any]:
+    """The fields of ``c`` that decide the logits and the checkpoint's tensors (those its config.json holds)."""
+    values = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in _TRAINING_FIELDS}
+    values["moe_layer_freq"] = c.moe_layer_pattern()
+    values["window_attn_skip_freq"] = c.full_attention_pattern()
+    if c.multi_latent_attention:  # unused by MLA
+        for name in ("kv_channels", "num_query_groups", "qk_layernorm"):
+            values.pop(name)
+    if FAMILIES[c.family].names.expert_bias_always:  # a bias of zeros computes what no bias does
+        values.pop("moe_router_enable_expert_bias")
+    if c.moe_router_topk == 1:  # one weight is never renormalised (Megatron-Core)
+        values["moe_router_sigmoid_norm_topk"] = True
+    if all(c.moe_layer_pattern()):  # no dense layer
+        values.pop("ffn_hidden_size")
+    if c.moe_router_num_groups is None or c.moe_router_group_score_topk == (
+        c.moe_router_topk // (c.moe_router_group_topk or 1)
+    ):
+        values["moe_router_group_score_topk"] = None  # the default is that value
+    return values
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The config.json dict of a ModelConfig (raises HFCheckpointError if the family cannot express it)."""
-    _check_common(config)
-    return _common_to_hf(config) | _TO_HF[config.family](config)
+    family = FAMILIES[config.family]
+    if family in _LEGACY:
+        _check_common(config)
+    out = _common_to_hf(config) | family.to_hf(config)
+    ours, back = _architecture(config), _architecture(config_from_hf(out))
+    for name, value in ours.items():
+        _require(back[name] == value, name, value, config.family, f"its config.json holds {back[name]!r} instead")
+    return out

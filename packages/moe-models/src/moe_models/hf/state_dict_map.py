@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_models.config import ModelConfig
+from moe_models.hf.config_map import FAMILIES
 
 Tensor = torch.Tensor
 
@@ -108,8 +109,10 @@ def _gqa_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
     if c.add_bias_linear:
         _copy(plan, f"{ours}.o_proj.bias", f"{hf}.o_proj.bias", (h,))
     if c.qk_layernorm:
-        _copy(plan, f"{ours}.q_norm.weight", f"{hf}.q_norm.weight", (c.kv_channels,))
-        _copy(plan, f"{ours}.k_norm.weight", f"{hf}.k_norm.weight", (c.kv_channels,))
+        names = FAMILIES[c.family].names
+        q_norm, k_norm = (q_width, kv_width) if c.qk_layernorm_across_heads else (c.kv_channels, c.kv_channels)
+        _copy(plan, f"{ours}.q_norm.weight", f"{hf}.{names.q_norm}.weight", (q_norm,))
+        _copy(plan, f"{ours}.k_norm.weight", f"{hf}.{names.k_norm}.weight", (k_norm,))
     if c.softmax_type == "learnable":
         _copy(plan, f"{ours}.sinks", f"{hf}.sinks", (c.num_attention_heads,))
 
@@ -136,13 +139,6 @@ def _dense_mlp(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
         _copy(plan, f"{ours}.{name}.weight", f"{hf}.{name}.weight", shape)
 
 
-def _moe_names(c: ModelConfig) -> tuple[str, str, tuple[str, str, str]]:
-    """(MoE block, router, (gate, up, down) expert projections) as the family's checkpoints name them."""
-    if c.family == "mixtral":
-        return "block_sparse_moe", "gate", ("w1", "w3", "w2")
-    return "mlp", "router" if c.family == "gpt_oss" else "gate", ("gate_proj", "up_proj", "down_proj")
-
-
 def _routed_experts(
     plan: Plan, c: ModelConfig, ours: str, hf: str, experts: tuple[int, ...], available: set[str] | None
 ) -> None:
@@ -161,7 +157,7 @@ def _routed_experts(
         down = Source(f"{hf}.down_proj", (e, h, f), rows)
         plan.entries.append(Entry(f"{ours}.w_down_EFH", (down,), _transpose, None))
         return
-    gate, up, down = _moe_names(c)[2]
+    gate, up, down = FAMILIES[c.family].names.expert_projections
     gate_up = tuple(Source(f"{hf}.{i}.{p}.weight", (f, h)) for i in experts for p in (gate, up))
     plan.entries.append(Entry(f"{ours}.w_gate_up_EH2F", gate_up, _gate_up_to_ours, _gate_up_to_hf))
     downs = tuple(Source(f"{hf}.{i}.{down}.weight", (h, f)) for i in experts)
@@ -171,24 +167,27 @@ def _routed_experts(
 def _moe_mlp(
     plan: Plan, c: ModelConfig, ours: str, hf: str, experts: tuple[int, ...], available: set[str] | None
 ) -> None:
-    block, router, _ = _moe_names(c)
-    hf, e, h = f"{hf}.{block}", c.num_moe_experts, c.hidden_size
-    _copy(plan, f"{ours}.router.weight", f"{hf}.{router}.weight", (e, h))
+    names = FAMILIES[c.family].names
+    block, e, h = f"{hf}.{names.moe_block}", c.num_moe_experts, c.hidden_size
+    _copy(plan, f"{ours}.router.weight", f"{block}.{names.router}.weight", (e, h))
     if c.add_bias_linear:
-        _copy(plan, f"{ours}.router.bias", f"{hf}.{router}.bias", (e,))
+        _copy(plan, f"{ours}.router.bias", f"{block}.{names.router}.bias", (e,))
     if c.moe_router_enable_expert_bias:
-        _copy(plan, f"{ours}.router.expert_bias", f"{hf}.{router}.e_score_correction_bias", (e,))
-    elif c.family == "deepseek_v3":  # transformers' DeepSeek router always has the bias: zeros are ours
-        plan.zeros[f"{hf}.{router}.e_score_correction_bias"] = (e,)
-        plan.ignored.add(f"{hf}.{router}.e_score_correction_bias")
-    _routed_experts(plan, c, f"{ours}.experts", f"{hf}.experts", experts, available)
+        _copy(plan, f"{ours}.router.expert_bias", f"{block}.{names.expert_bias}", (e,))
+    elif names.expert_bias_always:  # transformers' router always has the bias: zeros are ours
+        plan.zeros[f"{block}.{names.expert_bias}"] = (e,)
+        plan.ignored.add(f"{block}.{names.expert_bias}")
+    _routed_experts(plan, c, f"{ours}.experts", f"{block}.experts", experts, available)
     if c.moe_shared_expert_intermediate_size is not None:
-        f, shared = c.moe_shared_expert_intermediate_size, f"{hf}.shared_experts"
+        f, shared = c.moe_shared_expert_intermediate_size, f"{block}.{names.shared_experts}"
         sources = (Source(f"{shared}.gate_proj.weight", (f, h)), Source(f"{shared}.up_proj.weight", (f, h)))
         entry = Entry(f"{ours}.shared_experts.w_gate_up_H2F", sources, _shared_gate_up_to_ours, _shared_gate_up_to_hf)
         plan.entries.append(entry)
         down = (Source(f"{shared}.down_proj.weight", (h, f)),)
         plan.entries.append(Entry(f"{ours}.shared_experts.w_down_FH", down, _transpose, _transpose_back))
+        if c.moe_shared_expert_gate:  # [1, H] in the checkpoint, [H, 1] ours
+            gate = (Source(f"{block}.{names.shared_expert_gate}.weight", (1, h)),)
+            plan.entries.append(Entry(f"{ours}.shared_experts.w_gate_H1", gate, _transpose, _transpose_back))
 
 
 def _decoder_layer(

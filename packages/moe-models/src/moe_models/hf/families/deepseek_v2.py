@@ -1,0 +1,19 @@
+"""DeepSeek-V2 / V2-Lite: transformers' ``deepseek_v2`` model type (not mapped yet)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_models.config import ModelConfig
+from moe_models.hf.family import HFFamily, ReadFields, unsupported
+
+
+def _from_hf(hf: ReadFields) -> dict[str, Any]:
+    raise unsupported("model_type", "deepseek_v2", "not mapped yet")
+
+
+def _to_hf(c: ModelConfig) -> dict[str, Any]:
+    raise unsupported("model_type", "deepseek_v2", "not mapped yet")
+
+
+FAMILY = HFFamily("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2", _from_hf, _to_hf)

@@ -1,0 +1,19 @@
+"""GLM-4.7-Flash: transformers' ``glm4_moe_lite`` model type (not mapped yet)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_models.config import ModelConfig
+from moe_models.hf.family import HFFamily, ReadFields, unsupported
+
+
+def _from_hf(hf: ReadFields) -> dict[str, Any]:
+    raise unsupported("model_type", "glm4_moe_lite", "not mapped yet")
+
+
+def _to_hf(c: ModelConfig) -> dict[str, Any]:
+    raise unsupported("model_type", "glm4_moe_lite", "not mapped yet")
+
+
+FAMILY = HFFamily("glm4_moe_lite", "Glm4MoeLiteForCausalLM", "glm4_moe_lite", _from_hf, _to_hf)
