@@ -6,7 +6,8 @@ global batch of 8 sequences: loss, gradient norm and balancing loss at every ste
 validation loss) must equal the single-process run's to a relative 1e-4. Context parallelism is checked on those two
 and on the GPT-OSS proxy (learned sinks; sliding windows of 8 tokens, so that windows cross the cp chunks of a
 32-token sequence; one micro-batch of 4 sequences a step, against one process run alike), and tensor parallelism
-also on GPT-OSS and on a model with tied embeddings.
+also on GPT-OSS and on a model with tied embeddings. The GLM-4.5 proxy (partial rotary, q/k norms and biases, sigmoid
+routing with an expert bias, a shared expert, MTP) runs cp=2, tp=2 x ep=2 and pp=2 the same way.
 
 Every other run uses micro-batches of 2 sequences, so the single process accumulates 4 of them per step and each
 layout as many as its data-parallel size leaves (a pipeline schedule runs those same micro-batches): the
@@ -108,9 +109,18 @@ CONTEXT_MODELS: dict[str, tuple[str, dict[str, str]]] = {
     "tiny-gpt-oss": ("tiny-gpt-oss", {"model.window_size": "8"}),
     # with seed 7 this model's routing has a near-tie at step 6 that even ep=2 feels (2e-5); seed 3 has none
     "tiny-qwen3-moe tied": ("tiny-qwen3-moe", {"model.share_embeddings_and_output_weights": "true", "train.seed": "3"}),
+    # GLM-4.5: partial rotary, q/k norms, q/k/v biases, a dense first layer, a shared expert, sigmoid routing with an
+    # expert bias, MTP
+    "tiny-glm4-moe": ("tiny-glm4-moe", {}),
+    # two micro-batches of 2 a step, for the pipeline
+    "tiny-glm4-moe 2 micro-batches": ("tiny-glm4-moe", {"train.micro_batch_size": "2"}),
+    # OLMoE: q/k norms across heads, whose mean square tp all-reduces (and their weights split with the heads)
+    "tiny-olmoe": ("tiny-olmoe", {}),
 }
 CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # + the models each runs on
-    "cp=2": (2, {"parallel.cp": "2"}, ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")),
+    "cp=2": (2, {"parallel.cp": "2"}, ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-glm4-moe")),
+    "tp=2 x ep=2 (etp=1)": (2, {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"}, ("tiny-glm4-moe",)),
+    "pp=2": (2, {"parallel.pp": "2"}, ("tiny-glm4-moe 2 micro-batches",)),
     # the experts over the cp ranks (parallel folding: ep borrows them)
     "cp=2 x ep=2": (
         2,
@@ -124,7 +134,7 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
     ),
     "cp=4": (4, {"parallel.cp": "4"}, ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")),
     # attention sinks split with the heads; tied embeddings stay one vocabulary-parallel parameter
-    "tp=2": (2, {"parallel.tp": "2"}, ("tiny-gpt-oss", "tiny-qwen3-moe tied")),
+    "tp=2": (2, {"parallel.tp": "2"}, ("tiny-gpt-oss", "tiny-qwen3-moe tied", "tiny-olmoe")),
 }
 CONTEXT_CASES = [(model, layout) for layout, (_, _, models) in CONTEXT_LAYOUTS.items() for model in models]
 # one micro-batch of 4 sequences a step (against references run alike): the context-parallel rows check attention
@@ -201,7 +211,7 @@ def single_process(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
     out = tmp_path_factory.mktemp("single")
     runs = {}
     for name, (preset, model) in CONTEXT_MODELS.items():
-        overrides = {**_overrides(data_cache), **model, **CONTEXT_BATCH, "run.output_dir": str(out / f"{name} context")}
+        overrides = {**_overrides(data_cache), **CONTEXT_BATCH, **model, "run.output_dir": str(out / f"{name} context")}
         train(prepare(load_config(preset, overrides), 1))
         runs[f"{name} context"] = _records(out / f"{name} context")
     for preset in PRESETS:
@@ -249,7 +259,7 @@ def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, la
             {
                 "name": _case_dir(model, name),
                 "preset": CONTEXT_MODELS[model][0],
-                "overrides": {**_overrides(data_cache), **CONTEXT_MODELS[model][1], **CONTEXT_BATCH, **extra},
+                "overrides": {**_overrides(data_cache), **CONTEXT_BATCH, **CONTEXT_MODELS[model][1], **extra},
             }
             for name, (size, extra, models) in CONTEXT_LAYOUTS.items()
             if size == world

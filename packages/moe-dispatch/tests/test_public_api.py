@@ -59,7 +59,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_dispatch.__version__ == "0.5.0"
+    assert moe_dispatch.__version__ == "0.6.0"
     assert importlib.metadata.version("moe-dispatch") == moe_dispatch.__version__
 
 

@@ -66,13 +66,14 @@ def test_grouped_experts_save_what_they_declare(counts, activation, bias, gather
     assert measured_by_module == {module: n for module, n in _declared_by_module(declared).items() if n}
 
 
+@pytest.mark.parametrize("gate", [False, True], ids=["no gate", "gate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_shared_experts_save_what_they_declare(dtype: torch.dtype) -> None:
-    shared = SharedExperts(HIDDEN, FFN).to(dtype)
+def test_shared_experts_save_what_they_declare(dtype: torch.dtype, gate: bool) -> None:
+    shared = SharedExperts(HIDDEN, FFN, gate=gate).to(dtype)
     x_TH = torch.randn(6, HIDDEN, dtype=dtype, requires_grad=True)
     with SavedTensorBytes(model=shared) as measured:
         shared(x_TH)
     declared = shared_experts_saved_bytes(
-        input_tensor="x", tokens=6, hidden=HIDDEN, ffn_hidden=FFN, activation_bytes=dtype.itemsize
+        input_tensor="x", tokens=6, hidden=HIDDEN, ffn_hidden=FFN, activation_bytes=dtype.itemsize, gate=gate
     )
     assert measured.by_module == {"": sum(save.nbytes for save in declared)}

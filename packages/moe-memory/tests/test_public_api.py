@@ -36,7 +36,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_memory.__version__ == "0.4.1"
+    assert moe_memory.__version__ == "0.5.0"
     assert importlib.metadata.version("moe-memory") == moe_memory.__version__
 
 

@@ -1,15 +1,33 @@
 """Tiny transformers reference models of the four families, with every parameter and buffer randomised (HF init
-leaves norms at one and biases, sinks and DeepSeek's expert bias at zero, which would hide mapping mistakes)."""
+leaves norms at one and biases, sinks and DeepSeek's expert bias at zero, which would hide mapping mistakes), and the
+parity harness every family's tests share: ``both_ways`` (transformers -> ours -> transformers), ``moves_logits`` (a
+config change that must move the logits, so a case exercises its feature) and ``mtp_round_trip``."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 SEQ_LEN = 16
 WINDOW = 6  # sliding window smaller than SEQ_LEN, so the mask matters
+# DeepSeek-style YaRN (with both mscales), as the multi-latent-attention families' tiny configs use it
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.9,
+    "mscale_all_dim": 1.1,
+}
 
 
 def _small(**overrides):
@@ -59,7 +77,7 @@ def hf_config(case: str):
             first_k_dense_replace=1,
             n_routed_experts=16,
             n_shared_experts=2,
-            num_experts_per_tok=4,
+            num_experts_per_tok=2 if case.endswith("top2") else 4,
             n_group=4,
             topk_group=2,
             routed_scaling_factor=2.5,
@@ -70,16 +88,7 @@ def hf_config(case: str):
             qk_rope_head_dim=8,
             v_head_dim=8,
             rope_interleave=True,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 0.9,
-                "mscale_all_dim": 1.1,
-            },
+            rope_parameters=dict(YARN_ROPE),
             num_nextn_predict_layers=0,
         )
     if case == "gpt_oss":
@@ -117,14 +126,29 @@ def randomize_(module: nn.Module, seed: int) -> None:
         t.copy_(value.to(t.dtype))
 
 
-def hf_model(case: str, seed: int = 0):
-    """A randomised transformers model of the case, in eval mode, eager attention."""
+def hf_from_config(config, seed: int = 0):
+    """A randomised transformers model of a transformers config, in eval mode, eager attention, fp32."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(case), attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     randomize_(model, seed)
     return model.eval()
+
+
+def hf_model(case: str, seed: int = 0):
+    """A randomised transformers model of the case, in eval mode, eager attention."""
+    return hf_from_config(hf_config(case), seed)
+
+
+def hf_from_pretrained(path):
+    """transformers' model of a checkpoint (eager attention, fp32, eval mode) and its loading info."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True
+    )
+    return model.eval(), info
 
 
 def input_ids(vocab_size: int = 64, seed: int = 0) -> torch.Tensor:
@@ -134,6 +158,193 @@ def input_ids(vocab_size: int = 64, seed: int = 0) -> torch.Tensor:
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref|."""
     return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The model's (main) logits for ``ids``, without autograd."""
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@dataclasses.dataclass
+class BothWays:
+    """What ``both_ways`` found: our model, the inputs, transformers' logits and the two relative errors."""
+
+    ours: nn.Module
+    ids: torch.Tensor
+    ref_logits: torch.Tensor
+    load_err: float  # our model loaded from transformers' checkpoint
+    trip_err: float  # transformers' model loaded from our checkpoint
+
+
+def both_ways(
+    reference,
+    tmp_dir: Path,
+    seed: int = 0,
+    *,
+    label: str | None = None,
+    edit_config_json: Callable[[dict], dict] | None = None,
+    unexpected_keys_ok: bool = False,
+    worst: dict[str, float] | None = None,
+) -> BothWays:
+    """Logit parity with transformers both ways: transformers' model -> its checkpoint -> ``load_pretrained``, and
+    ours -> ``save_pretrained`` -> transformers' ``from_pretrained``.
+
+    ``reference``: a transformers config (a randomised model of it is built, ``hf_from_config(reference, seed)``) or
+    an already randomised transformers model. ``edit_config_json`` rewrites transformers' config.json before we read
+    it. Asserts that transformers loads our checkpoint with no missing, mismatched or (unless ``unexpected_keys_ok``)
+    unexpected keys, and that our config.json, read back directly and through transformers' config, is our config.
+    The tolerance on the two errors is the caller's to assert. ``label``: prints the errors under it; ``worst``: a
+    record of the largest errors so far ("load", "round trip"), updated here."""
+    from moe_models.hf import config_from_hf, load_pretrained, save_pretrained
+
+    tmp_dir = Path(tmp_dir)
+    ref = reference if isinstance(reference, nn.Module) else hf_from_config(reference, seed)
+    ids = input_ids(ref.config.vocab_size, seed)
+    ref_logits = logits(ref, ids)
+    ref.save_pretrained(tmp_dir / "hf")
+    if edit_config_json is not None:
+        config_json = tmp_dir / "hf" / "config.json"
+        config_json.write_text(json.dumps(edit_config_json(json.loads(config_json.read_text()))))
+    ours = load_pretrained(tmp_dir / "hf")
+    load_err = rel_err(logits(ours, ids), ref_logits)
+
+    save_pretrained(ours, tmp_dir / "ours")
+    back, info = hf_from_pretrained(tmp_dir / "ours")
+    bad_keys = ("missing_keys", "mismatched_keys") + (() if unexpected_keys_ok else ("unexpected_keys",))
+    assert not any(info[k] for k in bad_keys), info
+    trip_err = rel_err(logits(back, ids), ref_logits)
+    assert config_from_hf(json.loads((tmp_dir / "ours" / "config.json").read_text())) == ours.config
+    assert config_from_hf(back.config.to_dict()) == ours.config
+
+    if worst is not None:
+        for name, err in (("load", load_err), ("round trip", trip_err)):
+            worst[name] = max(worst.get(name, 0.0), err)
+    if label is not None:
+        so_far = "" if worst is None else f" (worst so far {worst})"
+        print(f"\nHF parity {label}: load {load_err:.2e}, round trip {trip_err:.2e}{so_far}")
+    return BothWays(ours, ids, ref_logits, load_err, trip_err)
+
+
+def moves_logits(ours, ids: torch.Tensor, ref_logits: torch.Tensor, *, strict: bool = True, **change) -> float:
+    """The error against ``ref_logits`` once ``change`` is applied to our model's config, with its weights loaded
+    (``strict``: the changed model has exactly the same weights; else those that fit). A feature a case exercises
+    moves it far off (> 1e-3)."""
+    from moe_models import build_model
+
+    altered = build_model(dataclasses.replace(ours.config, **change))
+    altered.load_state_dict(ours.state_dict(), strict=strict)
+    return rel_err(logits(altered.eval(), ids), ref_logits)
+
+
+def draw_expert_groups(draw, topk: int, experts: int = 8) -> tuple[int, int] | None:
+    """For a hypothesis strategy: maybe (groups, group_topk), 2 or 4 groups of ``experts`` with enough chosen to hold
+    ``topk`` experts; None when grouping is not drawn or no group_topk fits."""
+    from hypothesis import strategies as st
+
+    if not draw(st.booleans()):
+        return None
+    groups = draw(st.sampled_from([2, 4]))  # 4 or 2 experts a group: transformers scores a group by its top 2
+    low = max(1, -(-topk // (experts // groups)))
+    if low > min(groups, topk):
+        return None
+    return groups, draw(st.integers(low, min(groups, topk)))
+
+
+def draw_rope_parameters(draw, **yarn_extra) -> dict:
+    """For a hypothesis strategy: transformers' rope_parameters, theta 1e4 or 1e6, default or YaRN (factor 2 or 4 over
+    64 original positions, truncated or not, plus ``yarn_extra``: field name -> strategy of its value)."""
+    from hypothesis import strategies as st
+
+    theta = draw(st.sampled_from([10_000.0, 1_000_000.0]))
+    if not draw(st.booleans()):
+        return {"rope_theta": theta, "rope_type": "default"}
+    factor = draw(st.sampled_from([2.0, 4.0]))
+    yarn = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 64}
+    yarn["truncate"] = draw(st.booleans())
+    return {"rope_theta": theta, **yarn} | {name: draw(value) for name, value in yarn_extra.items()}
+
+
+def draw_mla_dims(draw) -> dict:
+    """For a hypothesis strategy: a tiny multi-latent-attention shape (transformers' DeepSeek-V2/V3 field names)."""
+    from hypothesis import strategies as st
+
+    return {
+        "q_lora_rank": draw(st.sampled_from([None, 16])),
+        "kv_lora_rank": draw(st.sampled_from([8, 12])),
+        "qk_nope_head_dim": draw(st.sampled_from([4, 8])),
+        "qk_rope_head_dim": draw(st.sampled_from([4, 8])),
+        "v_head_dim": draw(st.sampled_from([4, 12])),
+    }
+
+
+# tensors of an MTP layer in DeepSeek-V3's layout (a decoder layer with a sigmoid-routed MoE, plus the MTP parts)
+MTP_LAYER_KEYS = (
+    "enorm.weight",
+    "hnorm.weight",
+    "eh_proj.weight",
+    "shared_head.norm.weight",
+    "shared_head.head.weight",
+    "embed_tokens.weight",
+    "input_layernorm.weight",
+    "mlp.gate.e_score_correction_bias",
+    "mlp.experts.0.gate_proj.weight",
+    "mlp.shared_experts.down_proj.weight",
+)
+
+
+@dataclasses.dataclass
+class MtpRoundTrip:
+    """What ``mtp_round_trip`` found: the randomised model, the inputs, its output and transformers' error."""
+
+    ours: nn.Module
+    ids: torch.Tensor
+    out: object  # our model's output on ids: logits and mtp_logits
+    hf_err: float  # transformers' main logits from our checkpoint, against ours
+
+
+def mtp_round_trip(config, tmp_dir: Path, mtp_keys: Iterable[str], label: str) -> MtpRoundTrip:
+    """A randomised model of ``config`` (one MTP layer) saved to ``tmp_dir / "ckpt"``: the MTP layer is written as
+    layer ``num_layers`` (each of ``mtp_keys`` under it) with ``num_nextn_predict_layers`` 1; it loads back as the same
+    config, weights, logits and MTP logits; and transformers, which ignores the MTP layer, loads it without missing
+    keys (the error of its main logits is returned, for the caller's tolerance)."""
+    from safetensors import safe_open
+
+    from moe_models import build_model
+    from moe_models.hf import load_pretrained, save_pretrained
+
+    torch.manual_seed(0)
+    ours = build_model(config)
+    randomize_(ours, seed=1)
+    ours.eval()
+    ckpt = Path(tmp_dir) / "ckpt"
+    save_pretrained(ours, ckpt)
+
+    with safe_open(ckpt / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+    for name in mtp_keys:
+        assert f"model.layers.{config.num_layers}.{name}" in keys
+    assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    back = load_pretrained(ckpt)
+    assert back.config == config
+    state, back_state = ours.state_dict(), back.state_dict()
+    assert state.keys() == back_state.keys()
+    assert all(torch.equal(state[k], back_state[k]) for k in state)
+    ids = input_ids()
+    with torch.no_grad():
+        out, back_out = ours(ids), back(ids)
+    assert torch.equal(out.logits, back_out.logits)
+    assert len(out.mtp_logits) == 1 and torch.equal(out.mtp_logits[0], back_out.mtp_logits[0])
+
+    # transformers ignores the MTP layer and still computes the main logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf, info = hf_from_pretrained(ckpt)
+    assert not info["missing_keys"], info
+    hf_err = rel_err(logits(hf, ids), out.logits)
+    print(f"\nHF parity {label} with MTP (main logits through transformers): {hf_err:.2e}")
+    return MtpRoundTrip(ours, ids, out, hf_err)
 
 
 def tiny_config(family: str, **overrides):

@@ -117,6 +117,12 @@ def _built_counts(cfg: ModelConfig) -> tuple[int, int, int]:
         {"moe_layer_freq": [0, 1], "ffn_hidden_size": 40, "moe_shared_expert_intermediate_size": 24},
         {**_MLA, "q_lora_rank": 16, "mtp_num_layers": 2},
         {**_MLA, "moe_layer_freq": 2, "share_embeddings_and_output_weights": True, "mtp_num_layers": 1},
+        {"rotary_percent": 0.5},  # GLM-4.5: rotates half of each head, no parameter of its own
+        {"qk_layernorm_across_heads": True},  # OLMoE / MiniMax-M2: q norm of heads x head dim, k of groups x head dim
+        {"qk_layernorm_across_heads": True, "clip_qkv": 8.0, "num_query_groups": 1, "rotary_percent": 0.25},
+        {"moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True},  # Qwen2-MoE: + H for the gate
+        {"moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True, "mtp_num_layers": 1},
+        {"moe_router_num_groups": 4, "moe_router_group_topk": 2, "moe_router_group_score_topk": 1},  # DeepSeek-V2
     ],
 )
 def test_count_parameters_matches_the_built_model(overrides):
@@ -143,6 +149,37 @@ def test_active_parameters_by_hand():
     assert per_layer_active == 25_248 and per_layer_total == 62_112
     assert counted.active == 2 * embed + 64 + 2 * per_layer_active == 83_328
     assert counted.total == 2 * embed + 64 + 2 * per_layer_total == 157_056
+
+
+# SMALL with OLMoE's q/k norms across heads and clamp, GLM-4.5's partial rotary and Qwen2-MoE's gated shared expert
+NEW_BLOCKS = {
+    **SMALL,
+    "qk_layernorm_across_heads": True,
+    "clip_qkv": 8.0,
+    "rotary_percent": 0.5,
+    "moe_shared_expert_intermediate_size": 24,
+    "moe_shared_expert_gate": True,
+}
+
+
+def test_new_blocks_parameters_and_flops_by_hand():
+    cfg = ModelConfig(**NEW_BLOCKS)
+    # q/k norms over q's 4 x 16 and k's 2 x 16 channels instead of one head's 16 each; clamp and rotary: none
+    attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + (64 + 32)  # 12384
+    shared = 3 * 64 * 24 + 64  # gate|up, down and the [H, 1] sigmoid gate: 4672
+    per_layer_active = attention + 2 * 64 + 8 * 64 + 2 * 3 * 64 * 32 + shared  # 29984
+    per_layer_total = attention + 2 * 64 + 8 * 64 + 8 * 3 * 64 * 32 + shared  # 66848
+    outside = 2 * 256 * 64 + 64  # 32832
+    assert (attention, shared, per_layer_active, per_layer_total) == (12_384, 4672, 29_984, 66_848)
+    counted = count_parameters(cfg)
+    assert counted.total == outside + 2 * per_layer_total == 166_528
+    assert counted.active == outside + 2 * per_layer_active == 92_800
+    assert (counted.total, counted.active, counted.mtp) == _built_counts(cfg)
+    # Megatron: SMALL's 405504 plus the shared expert's 3 GEMMs and the gate's H MACs, 6 FLOPs each, in 2 layers
+    assert training_flops_per_token(cfg, seq_len=16) == 405_504 + 2 * 6 * shared == 461_568
+    # torchtitan: 6 x active non-embedding parameters (the norms' and the gate's too) + SMALL's attention term
+    torchtitan = 6 * (92_800 - 256 * 64) + 24_576
+    assert training_flops_per_token(cfg, 16, convention="torchtitan") == torchtitan == 483_072
 
 
 def test_megatron_flops_by_hand():

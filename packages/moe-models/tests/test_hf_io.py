@@ -195,7 +195,7 @@ def test_unknown_architecture_lists_supported(qwen_ckpt):
         ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
         # transformers renormalises a single weight to 1, Megatron-Core keeps its sigmoid score
         ("deepseek_v3", {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "norm_topk_prob"),
-        ("deepseek_v3", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "topk_group"),
+        ("deepseek_v3", {"n_routed_experts": 8, "n_group": 8, "topk_group": 2, "num_experts_per_tok": 2}, "n_group"),
         ("gpt_oss", {"swiglu_limit": 8.0}, "swiglu_limit"),
         ("mixtral", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "mscale_all_dim": 1.0}}, "mscale_all_dim"),
     ],

@@ -1,7 +1,8 @@
 """moe_memory's per-rank estimate against a real forward + backward of every family's tiny model (one process, CPU):
-the activations it says are saved for backward against the bytes ``SavedTensorBytes`` counts (within 10%, in total
-and per module), and the parameter, gradient and AdamW state bytes against what the step allocates (exactly).
-Layouts over several ranks (ep, tp) are checked in integration/test_memory_estimate.py."""
+the activations it says are saved for backward against the bytes ``SavedTensorBytes`` counts (module by module, byte
+for byte where no token is dropped, within 10% where tokens are dropped or under recompute and offload), and the
+parameter, gradient and AdamW state bytes against what the step allocates (exactly). Layouts over several ranks (ep,
+tp) are checked in integration/test_memory_estimate.py."""
 
 from __future__ import annotations
 
@@ -52,7 +53,28 @@ CASES = {
         32,
         {"moe_router_pre_softmax": True, "moe_router_load_balancing_type": ["seq_aux_loss"]},
     ),
+    # the building blocks of the other families, on the Qwen3 proxy
+    "partial rotary (GLM-4.5)": ("tiny-qwen3-moe", 2, 64, {"rotary_percent": 0.5}),
+    "q/k norms across heads, clip_qkv (OLMoE)": (
+        "tiny-qwen3-moe",
+        2,
+        64,
+        {"qk_layernorm_across_heads": True, "clip_qkv": 8.0},
+    ),
+    "gated shared expert (Qwen2-MoE)": (
+        "tiny-qwen3-moe",
+        2,
+        64,
+        {"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True},
+    ),
+    "deepseek-v3, group score of the best expert (DeepSeek-V2)": (
+        "tiny-deepseek-v3",
+        2,
+        32,
+        {"moe_router_group_score_topk": 1},
+    ),
 }
+BLOCKS = ["partial rotary (GLM-4.5)", "q/k norms across heads, clip_qkv (OLMoE)", "gated shared expert (Qwen2-MoE)"]
 
 
 @dataclasses.dataclass
@@ -118,9 +140,11 @@ def test_estimated_activations_match_the_measured_forward(name: str) -> None:
         assert abs(by_estimate[module] - n) <= TOLERANCE * n, f"{name}, {module}: {by_estimate[module]} vs {n}"
     if "worst case" in name:  # tokens were dropped: the capacity bound is an upper bound
         assert estimated >= measured
+    else:  # nothing dropped: every saved tensor is declared, byte for byte
+        assert by_estimate == by_measure
 
 
-@pytest.mark.parametrize("name", list(CASES)[:5])
+@pytest.mark.parametrize("name", list(CASES)[:5] + BLOCKS)
 def test_parameter_gradient_and_optimizer_bytes_are_what_the_step_allocates(name: str) -> None:
     step = _step(name)
     params = list(step.model.parameters())
@@ -135,7 +159,7 @@ def test_parameter_gradient_and_optimizer_bytes_are_what_the_step_allocates(name
 def test_bf16_parameters_and_activations_match_too() -> None:
     """2-byte activations as with bf16 parameters: the norms' fp32 internals, the fp32 router, the fp32 math path of
     CPU attention with unequal head dims and the weight casts the router keeps."""
-    for name in ("qwen3-moe", "deepseek-v3 (MLA, shared expert, dense layer, MTP)"):
+    for name in ("qwen3-moe", "deepseek-v3 (MLA, shared expert, dense layer, MTP)", *BLOCKS):
         step = _step(name, torch.bfloat16)
         estimated, measured = step.estimate.activation_bytes, step.measured.total
         assert abs(estimated - measured) <= TOLERANCE * measured, f"{name}: estimated {estimated}, measured {measured}"
@@ -148,6 +172,8 @@ def test_bf16_parameters_and_activations_match_too() -> None:
         ("qwen3-moe", {"core_attn", "moe_act", "layernorm"}, set()),
         ("qwen3-moe", set(), {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1"}),
         ("deepseek-v3 (MLA, shared expert, dense layer, MTP)", {"moe", "mlp", "mla_up_proj"}, {"core_attn"}),
+        ("q/k norms across heads, clip_qkv (OLMoE)", {"core_attn", "layernorm"}, {"qkv_linear", "attn_proj"}),
+        ("gated shared expert (Qwen2-MoE)", {"shared_experts", "moe_act"}, {"mlp_norm", "expert_fc1"}),
     ],
 )
 def test_recompute_and_offload_match_moe_memory_policies(name: str, recompute: set, offload: set) -> None:

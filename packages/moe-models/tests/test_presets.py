@@ -22,6 +22,18 @@ EXACT_TOTAL_ACTIVE_MTP = {
     "gpt-oss-20b": (20_914_757_184, 4_187_440_704, 0),
     "gpt-oss-120b": (116_829_156_672, 5_711_982_912, 0),
     "mixtral-8x7b": (46_702_792_704, 12_879_925_248, 0),
+    "glm-4.5-355b-a32b": (352_797_814_784, 33_632_251_904, 3_988_069_632),
+    "glm-4.5-air": (106_852_245_504, 13_424_123_904, 2_375_059_456),
+    "glm-4.6": (352_797_814_784, 33_632_251_904, 3_988_069_632),
+    "glm-4.7": (352_797_814_784, 33_632_251_904, 3_988_069_632),
+    "glm-4.7-flash": (29_943_390_976, 3_896_763_136, 643_706_112),
+    "dots.llm1": (142_774_373_888, 14_016_581_120, 0),
+    "minimax-m2": (228_689_748_992, 11_030_537_216, 0),
+    "qwen1.5-moe-a2.7b": (14_315_784_192, 2_689_173_504, 0),
+    "qwen2-57b-a14b": (57_408_658_944, 14_249_270_784, 0),
+    "olmoe-1b-7b": (6_919_161_856, 1_282_017_280, 0),
+    "deepseek-v2": (235_741_434_880, 21_375_800_320, 0),
+    "deepseek-v2-lite": (15_706_484_224, 2_661_150_208, 0),
 }
 
 # each tiny proxy and the published model whose features it keeps
@@ -31,6 +43,13 @@ TINY_OF = {
     "tiny-kimi-k2": "kimi-k2",
     "tiny-gpt-oss": "gpt-oss-20b",
     "tiny-mixtral": "mixtral-8x7b",
+    "tiny-glm4-moe": "glm-4.5-355b-a32b",
+    "tiny-glm4-moe-lite": "glm-4.7-flash",
+    "tiny-dots1": "dots.llm1",
+    "tiny-minimax-m2": "minimax-m2",
+    "tiny-qwen2-moe": "qwen1.5-moe-a2.7b",
+    "tiny-olmoe": "olmoe-1b-7b",
+    "tiny-deepseek-v2": "deepseek-v2",
 }
 # fields that choose a feature rather than a size: a proxy must agree with its published model on all of them
 FEATURE_FIELDS = (
@@ -49,6 +68,10 @@ FEATURE_FIELDS = (
     "moe_router_load_balancing_type",
     "moe_router_enable_expert_bias",
     "share_embeddings_and_output_weights",
+    "qk_layernorm_across_heads",
+    "rotary_percent",
+    "moe_shared_expert_gate",
+    "moe_router_group_score_topk",
 )
 
 

@@ -51,7 +51,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_models.__version__ == "0.8.0"
+    assert moe_models.__version__ == "0.9.0"
     assert importlib.metadata.version("moe-models") == moe_models.__version__
 
 
@@ -67,6 +67,7 @@ def test_every_public_name_resolves() -> None:
 HF_NAMES = [
     "CheckpointSource",
     "HFCheckpointError",
+    "checkpoint_config",
     "config_from_hf",
     "config_to_hf",
     "load_pretrained",

@@ -14,16 +14,24 @@ from moe_models.memory import estimate_module, local_parameters, model_shape, ru
 from moe_models.presets import TINY_PRESETS, preset
 from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 
-CASES = [(name, torch.float32) for name in TINY_PRESETS] + [
-    ("tiny-qwen3-moe", torch.bfloat16),
-    ("tiny-deepseek-v3", torch.bfloat16),
-    ("tiny-gpt-oss", torch.bfloat16),
+# the families' building blocks on a tiny preset: (preset, ModelConfig overrides), each in fp32 and bf16
+BLOCKS = [
+    ("tiny-qwen3-moe", {"rotary_percent": 0.5}),  # GQA, half of each head rotates: narrower rotary tables
+    ("tiny-qwen3-moe", {"qk_layernorm_across_heads": True, "clip_qkv": 8.0}),  # one rsqrt per token; clamp inputs
+    ("tiny-gpt-oss", {"clip_qkv": 4.0, "rotary_percent": 0.25}),  # clamp without q/k norms, blockwise attention
+    ("tiny-qwen3-moe", {"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True}),
+    ("tiny-deepseek-v3", {"moe_shared_expert_gate": True, "moe_router_group_score_topk": 1}),  # MLA, MTP
 ]
+CASES = (
+    [(name, torch.float32, {}) for name in TINY_PRESETS]
+    + [(name, torch.bfloat16, {}) for name in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")]
+    + [(name, dtype, overrides) for name, overrides in BLOCKS for dtype in (torch.float32, torch.bfloat16)]
+)
 
 
-@pytest.mark.parametrize(("name", "dtype"), CASES, ids=lambda case: str(case))
-def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype) -> None:
-    config = preset(name)
+@pytest.mark.parametrize(("name", "dtype", "overrides"), CASES, ids=lambda case: str(case))
+def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype, overrides: dict) -> None:
+    config = preset(name, **overrides)
     batch, seq_len = 2, 32
     model = build_model(config, seed=0).to(dtype)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))

@@ -1,7 +1,7 @@
 """On 2 gloo ranks (one process group for the module): packed rows of documents through moe_models' model under
 context parallelism (cp=2), under tensor + sequence parallelism (tp=2) and over two pipeline stages (pp=2) give one
-process's logits (relative 1e-4), for GQA with QK-norm, sinks with a sliding window, and MLA with MTP
-(_packed_documents_worker.py)."""
+process's logits (relative 1e-4), for GQA with QK-norm, sinks with a sliding window, MLA with MTP, partial rotary
+(GLM-4.5) and q/k norms across heads (OLMoE) (_packed_documents_worker.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,20 @@ import pytest
 from moe_train.config import load_config, preset_names
 from moe_train.trainer import prepare, train
 
-FAMILY_PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-k2", "tiny-gpt-oss", "tiny-mixtral"]
+FAMILY_PRESETS = [
+    "tiny-qwen3-moe",
+    "tiny-deepseek-v3",
+    "tiny-kimi-k2",
+    "tiny-gpt-oss",
+    "tiny-mixtral",
+    "tiny-glm4-moe",
+    "tiny-glm4-moe-lite",
+    "tiny-dots1",
+    "tiny-minimax-m2",
+    "tiny-qwen2-moe",
+    "tiny-olmoe",
+    "tiny-deepseek-v2",
+]
 
 
 def test_every_family_has_a_tiny_preset() -> None:

@@ -120,6 +120,18 @@ OTHER_PRESET_LAYOUTS = {
     "gpt-oss-20b": (96, ParallelConfig(ep=16)),  # attention sinks: no tp yet
     "gpt-oss-120b": (64, ParallelConfig(ep=64)),
     "mixtral-8x7b": (64, ParallelConfig(ep=8, tp=8)),  # etp = tp = 8: experts as plain per-rank tensors
+    "glm-4.5-355b-a32b": (128, ParallelConfig(ep=32, tp=4)),
+    "glm-4.5-air": (64, ParallelConfig(ep=16, tp=2)),
+    "glm-4.6": (256, ParallelConfig(ep=32, tp=8, etp=1)),
+    "glm-4.7": (96, ParallelConfig(ep=32, tp=2, etp=1)),
+    "glm-4.7-flash": (16, ParallelConfig(ep=8, tp=2, etp=1)),
+    "dots.llm1": (128, ParallelConfig(ep=32, tp=4)),
+    "minimax-m2": (64, ParallelConfig(ep=32, tp=2, etp=1)),  # q/k norms across heads split with the heads
+    "qwen1.5-moe-a2.7b": (8, ParallelConfig(ep=4, tp=2)),
+    "qwen2-57b-a14b": (32, ParallelConfig(ep=8, tp=4)),
+    "olmoe-1b-7b": (16, ParallelConfig(ep=8, tp=2, etp=1)),
+    "deepseek-v2": (128, ParallelConfig(ep=16, tp=8)),
+    "deepseek-v2-lite": (16, ParallelConfig(ep=16)),
 }
 
 

@@ -51,9 +51,7 @@ def group_limited_topk(
 def select_experts(scores_TE: torch.Tensor, config: RouterConfig) -> torch.Tensor:
     """int64 expert ids [T, topk] of the largest scores, group-limited when ``num_groups`` is set."""
     if config.num_groups is not None and config.group_topk is not None:
-        return group_limited_topk(
-            scores_TE, config.topk, config.num_groups, config.group_topk, config.group_score_topk
-        )
+        return group_limited_topk(scores_TE, config.topk, config.num_groups, config.group_topk, config.group_score_topk)
     return scores_TE.topk(config.topk, dim=-1).indices
 
 

@@ -16,7 +16,8 @@ such as the experts' input, carry the name the caller gives), its bytes and a de
   (:data:`ACTIVATION_OUTPUT`); with biases, the down-bias rows. Other back ends are not declared (Transformer
   Engine saves a transposed weight copy).
 - :class:`~moe_experts.shared.SharedExperts` (SwiGLU) saves its input, the gate|up projection, ``silu(gate)`` and
-  the product.
+  the product; with its sigmoid gate also the gate's ``[tokens, 1]`` sigmoid and the MLP's output it scales (the gate's
+  own projection saves the input, already counted).
 """
 
 from __future__ import annotations
@@ -88,17 +89,23 @@ def grouped_experts_saved_bytes(
 
 
 def shared_experts_saved_bytes(
-    *, input_tensor: str, tokens: int, hidden: int, ffn_hidden: int, activation_bytes: int
+    *, input_tensor: str, tokens: int, hidden: int, ffn_hidden: int, activation_bytes: int, gate: bool = False
 ) -> list[SavedBytes]:
-    """What :class:`~moe_experts.shared.SharedExperts` (``ffn_hidden`` wide, no gate) saves for ``tokens`` rows of
-    ``input_tensor`` (``[tokens, hidden]``): module docstring."""
+    """What :class:`~moe_experts.shared.SharedExperts` (``ffn_hidden`` wide, with the sigmoid gate or not) saves for
+    ``tokens`` rows of ``input_tensor`` (``[tokens, hidden]``): module docstring."""
 
     def shared(tensor: str, width: int, description: str) -> SavedBytes:
         return SavedBytes("shared_experts", tensor, tokens * width * activation_bytes, description)
 
-    return [
+    saves = [
         shared(input_tensor, hidden, "shared expert input"),
         shared("shared.gate_up", 2 * ffn_hidden, "shared expert gate|up"),  # [tokens, 2 x ffn]
         shared("shared.silu", ffn_hidden, "shared expert silu(gate)"),
         shared("shared.product", ffn_hidden, "shared expert silu(gate) * up"),
     ]
+    if gate:  # sigmoid saves its output, and the product both factors
+        saves += [
+            shared("shared.gate", 1, "shared expert sigmoid gate"),
+            shared("shared.mlp_out", hidden, "shared expert output before the gate"),
+        ]
+    return saves

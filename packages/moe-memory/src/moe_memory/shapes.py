@@ -20,7 +20,8 @@ DEFAULT_OFFLOAD_MIN_TENSOR_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class GQAShape:
-    """Grouped-query attention of one layer. ``window``: this layer's sliding window (None: full causal)."""
+    """Grouped-query attention of one layer. ``window``: this layer's sliding window (None: full causal);
+    ``rotary_dim``: the dimensions of each head that rotate (None: all of ``head_dim``)."""
 
     heads: int
     kv_heads: int
@@ -28,6 +29,9 @@ class GQAShape:
     window: int | None = None
     sinks: bool = False  # learned attention-sink logits (GPT-OSS): the explicit softmax path
     qk_norm: bool = False
+    qk_norm_across_heads: bool = False  # one norm over all heads' q (and k) per token instead of one per head
+    clip_qkv: bool = False  # q, k and v clamped after the norms: the clamp saves its inputs
+    rotary_dim: int | None = None
     qkv_bias: bool = False  # biases change no saved tensor; kept for completeness
     out_bias: bool = False
 
@@ -75,6 +79,7 @@ class ModelShape:
     layers: tuple[LayerShape, ...]
     experts: ExpertsShape | None = None
     shared_expert_ffn: int | None = None
+    shared_expert_gate: bool = False  # the shared expert's output times a per-token sigmoid (Qwen2-MoE)
     dense_ffn: int = 0
     mtp_depth: int = 0
     tied_embeddings: bool = False  # changes no activation; the parameters are given

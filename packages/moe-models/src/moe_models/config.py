@@ -124,6 +124,9 @@ class ModelConfig:
     qk_head_dim: int = 128  # per-head q/k dimension without rotary embedding ("nope")
     qk_pos_emb_head_dim: int = 64  # per-head q/k dimension with rotary embedding (k shared over heads)
     v_head_dim: int = 128
+    # the q and kv latents' RMSNorms: transformers' DeepSeek-V2/V3 and GLM-4.7-Flash build them with 1e-6 whatever
+    # rms_norm_eps says
+    mla_latent_norm_epsilon: float = 1e-6
     # --- rotary embeddings ---
     rope_type: str = "rope"  # rope | yarn
     rotary_base: float = 1_000_000.0

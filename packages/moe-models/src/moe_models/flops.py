@@ -8,7 +8,8 @@ or d_v (MLA).
 
 Parameters (:func:`count_parameters`): embedding, final norm and lm_head (once when tied), and per layer two
 norms, the attention (projections with their biases, q/k norms, sinks; MLA's latent norms), and the MLP: dense
-3 H F_d, or MoE = router E H (+ E bias) + E experts of a H F + F H (+ a F + H biases) + shared 3 H F_s. ``active``
+3 H F_d, or MoE = router E H (+ E bias) + E experts of a H F + F H (+ a F + H biases) + shared 3 H F_s (+ H for
+its gate). ``active``
 counts k of the E routed experts; ``total`` and ``active`` leave the MTP layers out, as published figures do,
 ``mtp`` counts them: per depth enorm, hnorm, final_norm (3 H), eh_proj 2 H^2, one MoE decoder layer.
 
@@ -75,7 +76,8 @@ def _attention_params(c: ModelConfig) -> int:
         return params + c.kv_lora_rank + (c.q_lora_rank or 0)  # the latents' norms
     q, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
     params += (q + 2 * kv) * c.add_qkv_bias + c.hidden_size * c.add_bias_linear
-    params += 2 * c.kv_channels * c.qk_layernorm + c.num_attention_heads * (c.softmax_type == "learnable")
+    qk_norms = q + kv if c.qk_layernorm_across_heads else 2 * c.kv_channels  # one weight per q/k channel normed
+    params += qk_norms * c.qk_layernorm + c.num_attention_heads * (c.softmax_type == "learnable")
     return params
 
 
@@ -94,7 +96,7 @@ def _mlp(c: ModelConfig, moe: bool) -> _MLP:
     a, f, e = ACTIVATIONS[c.activation_func].width_factor, c.moe_ffn_hidden_size, c.num_moe_experts
     expert_macs = (a + 1) * h * f
     expert = expert_macs + (a * f + h) * c.add_bias_linear
-    shared = 3 * h * (c.moe_shared_expert_intermediate_size or 0)
+    shared = 3 * h * (c.moe_shared_expert_intermediate_size or 0) + h * c.moe_shared_expert_gate
     router = e * h + e * c.add_bias_linear
     topk = c.moe_router_topk
     return _MLP(router + e * expert + shared, router + topk * expert + shared, topk * expert_macs + shared)

@@ -55,6 +55,9 @@ def _attention(config: ModelConfig, full: bool) -> GQAShape | MLAShape:
         window=None if full else c.window_size,
         sinks=c.softmax_type == "learnable",
         qk_norm=c.qk_layernorm,
+        qk_norm_across_heads=c.qk_layernorm_across_heads,
+        clip_qkv=c.clip_qkv is not None,
+        rotary_dim=c.rotary_dim,
         qkv_bias=c.add_qkv_bias,
         out_bias=c.add_bias_linear,
     )
@@ -86,6 +89,7 @@ def model_shape(config: ModelConfig) -> ModelShape:
         layers=layers,
         experts=experts if any(moe) or c.mtp_num_layers else None,
         shared_expert_ffn=c.moe_shared_expert_intermediate_size,
+        shared_expert_gate=c.moe_shared_expert_gate,
         dense_ffn=c.ffn_hidden_size,
         mtp_depth=c.mtp_num_layers or 0,
         tied_embeddings=c.share_embeddings_and_output_weights,

@@ -62,10 +62,10 @@ class MultiLatentAttention(nn.Module):
             self.q_proj = nn.Linear(h, self.num_heads * qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(c.q_lora_rank, c.norm_epsilon)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, c.mla_latent_norm_epsilon)
             self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * qk_dim, bias=False)
         self.kv_a_proj = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_a_norm = RMSNorm(self.kv_lora_rank, c.norm_epsilon)
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, c.mla_latent_norm_epsilon)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
         self.up_proj = MLAUpProjection(self.nope_dim, self.rope_dim, self.v_dim, c.rotary_interleaved)

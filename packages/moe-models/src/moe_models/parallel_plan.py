@@ -11,7 +11,8 @@ Parameters that stay whole but see only part of the data get part of their gradi
 tp after the backward: routers and shared experts of MoE blocks (local tokens), Qwen3's q/k norms (local heads),
 the MTP input projections (local tokens). MLA's ``kv_a_proj`` output feeds both the column-parallel ``kv_b_proj``
 (whose input gradient DTensor already sums) and the rotary key every local head shares: the gradient of that rotary
-slice is summed over tp in the backward. GPT-OSS's attention sinks (one per head) are split with the heads. The
+slice is summed over tp in the backward. GPT-OSS's attention sinks (one per head) are split with the heads, and so
+are the weights of q/k norms across heads (OLMoE, MiniMax-M2), whose mean square is all-reduced over tp. The
 embedding and the head both split the vocabulary (rows of the same ``[V, H]`` weight), so tied embeddings stay one
 parameter; the logits stay split over the vocabulary (the loss runs under torch's ``loss_parallel``).
 
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -41,6 +44,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from moe_models.layers import RMSNorm
 from moe_models.lora import LoRALinear
 from moe_models.pipeline import pipeline_plan
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan
@@ -65,6 +69,31 @@ class LocalSinks(ParallelStyle):
 def _local_sinks(module: nn.Module, args: tuple) -> tuple:
     q, k, v, sinks, *rest = args
     return (q, k, v, sinks.to_local() if isinstance(sinks, DTensor) else sinks, *rest)
+
+
+class AcrossHeadsNorm(ParallelStyle):
+    """A q or k RMSNorm over all heads (OLMoE, MiniMax-M2) on a rank that holds some of the heads: the mean square is
+    summed over the tp ranks before it normalises (an all-reduce whose backward sums the gradients alike), and the
+    weight is split with the heads (``tp_shard_parameters``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.__class__ = _AcrossHeadsRMSNormShard
+        module.tp_group, module.tp_size = device_mesh.get_group(), device_mesh.size()
+        return module
+
+
+class _AcrossHeadsRMSNormShard(RMSNorm):
+    """:class:`~moe_models.layers.RMSNorm` over this rank's heads with the mean square of every rank's."""
+
+    tp_group: torch.distributed.ProcessGroup
+    tp_size: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        sum_sq = dist_nn.all_reduce(x32.pow(2).sum(-1, keepdim=True), group=self.tp_group)
+        x32 = x32 * torch.rsqrt(sum_sq / (x.shape[-1] * self.tp_size) + self.eps)
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return weight * x32.to(x.dtype)
 
 
 def _attention_styles(prefix: str, layer: DecoderLayer, mla: bool) -> dict[str, ParallelStyle]:
@@ -95,6 +124,10 @@ def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dic
         styles[f"{prefix}.attention.core_attention"] = LocalSinks()  # (q, k, v, sinks, q_pos, k_pos[, documents])
     if config.multi_latent_attention:
         plan["tp_sum_grad_columns"][f"{prefix}.attention.kv_a_proj"] = config.kv_lora_rank
+    elif config.qk_layernorm_across_heads:  # one weight per channel: split with the heads
+        for norm in ("q_norm", "k_norm"):
+            styles[f"{prefix}.attention.{norm}"] = AcrossHeadsNorm()
+            plan["tp_shard_parameters"][f"{prefix}.attention.{norm}.weight"] = 0
     else:  # per-head norms over this rank's heads
         partial.extend(f"{prefix}.attention.{n}" for n, _ in layer.attention.named_parameters() if "_norm." in n)
     mlp = f"{prefix}.mlp"

@@ -190,6 +190,40 @@ def _mixtral_8x7b() -> ModelConfig:
     )
 
 
+def _published(name: str, **training: Any) -> ModelConfig:
+    """The published config.json of ``name`` (:mod:`moe_models.published_configs`) mapped by the HF family's own
+    mapping, with the training choices its config.json does not record."""
+    from moe_models.hf.config_map import config_from_hf  # the HF layer builds on this module's package
+    from moe_models.published_configs import PUBLISHED_HF_CONFIGS
+
+    return replace(config_from_hf(PUBLISHED_HF_CONFIGS[name]), **training)
+
+
+# sigmoid routers with an expert bias: DeepSeek-V3's aux-loss-free recipe (Megatron-Core's too)
+_BIAS_BALANCED: dict[str, Any] = {
+    "moe_router_load_balancing_type": ["seq_aux_loss"],
+    "moe_aux_loss_coeff": [1e-4],
+    "moe_router_bias_update_rate": 1e-3,
+}
+# HF families added in issue 34: preset name -> published config.json key and training choices; softmax routers keep
+# the Switch aux loss, with the coefficient their config.json gives (router_aux_loss_coef) where it gives one
+_HF_PUBLISHED: dict[str, dict[str, Any]] = {
+    "glm-4.5-355b-a32b": _BIAS_BALANCED,
+    "glm-4.5-air": _BIAS_BALANCED,
+    "glm-4.6": _BIAS_BALANCED,
+    "glm-4.7": _BIAS_BALANCED,
+    "glm-4.7-flash": _BIAS_BALANCED,
+    "dots.llm1": _BIAS_BALANCED,
+    "minimax-m2": _BIAS_BALANCED,
+    "qwen1.5-moe-a2.7b": {},
+    "qwen2-57b-a14b": {},
+    "olmoe-1b-7b": {},
+    # DeepSeek-V2 paper: expert-level balance loss 0.003 (V2), 0.001 (V2-Lite)
+    "deepseek-v2": {"moe_router_load_balancing_type": ["aux_loss"], "moe_aux_loss_coeff": [3e-3]},
+    "deepseek-v2-lite": {"moe_router_load_balancing_type": ["aux_loss"], "moe_aux_loss_coeff": [1e-3]},
+}
+
+
 # --- tiny proxies ----------------------------------------------------------------------------------------------
 
 _TINY_COMMON: dict[str, Any] = {"vocab_size": 256, "max_position_embeddings": 512}
@@ -287,6 +321,37 @@ def _tiny_mixtral() -> ModelConfig:
     )
 
 
+# the GQA families added in issue 34 at the tiny proxies' sizes (their features come from the published config)
+_TINY_GQA: dict[str, Any] = {
+    **_TINY_COMMON,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 32,
+    "ffn_hidden_size": 256,
+    "num_moe_experts": 8,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 64,
+}
+
+
+def _tiny_hf(name: str, *, mla: bool = False, dense_first: bool = False, **fields: Any) -> ModelConfig:
+    """A tiny proxy of published preset ``name``: two or three layers (the first dense if the model's is), the tiny
+    sizes, a 64-wide shared expert where it has one."""
+    big = preset(name)
+    mla_sizes = {**_TINY_COMMON, **_TINY_MLA, "num_attention_heads": 4, "num_query_groups": 4, "num_moe_experts": 8}
+    sizes = mla_sizes if mla else dict(_TINY_GQA)
+    if big.moe_shared_expert_intermediate_size is not None:
+        sizes["moe_shared_expert_intermediate_size"] = 64
+    if big.rope_type == "yarn":  # a 32-token "pretraining" context stretched 4x: 128 tokens span the YaRN ramp
+        sizes |= {"rotary_scaling_factor": 4.0, "original_max_position_embeddings": 32}
+    layers = [0, 1, 1] if dense_first else [1, 1]
+    group_fields = {}
+    if big.moe_router_num_groups is not None:  # 8 experts in 4 groups, 2 chosen
+        group_fields = {"moe_router_num_groups": 4, "moe_router_group_topk": 2}
+    return replace(big, **sizes, num_layers=len(layers), moe_layer_freq=layers, **group_fields, **fields)
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "deepseek-v3-671b": _deepseek_v3,
     "kimi-k2": _kimi_k2,
@@ -300,6 +365,17 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-kimi-k2": _tiny_kimi_k2,
     "tiny-gpt-oss": _tiny_gpt_oss,
     "tiny-mixtral": _tiny_mixtral,
+    **{
+        name: (lambda name=name, training=training: _published(name, **training))
+        for name, training in _HF_PUBLISHED.items()
+    },
+    "tiny-glm4-moe": lambda: _tiny_hf("glm-4.5-355b-a32b", dense_first=True),
+    "tiny-glm4-moe-lite": lambda: _tiny_hf("glm-4.7-flash", mla=True, dense_first=True),
+    "tiny-dots1": lambda: _tiny_hf("dots.llm1", dense_first=True),
+    "tiny-minimax-m2": lambda: _tiny_hf("minimax-m2"),
+    "tiny-qwen2-moe": lambda: _tiny_hf("qwen1.5-moe-a2.7b"),
+    "tiny-olmoe": lambda: _tiny_hf("olmoe-1b-7b"),
+    "tiny-deepseek-v2": lambda: _tiny_hf("deepseek-v2", mla=True, dense_first=True),
 }
 TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
 PUBLISHED_PRESETS = tuple(name for name in PRESETS if not name.startswith("tiny-"))
@@ -341,4 +417,19 @@ PUBLISHED_SIZES: dict[str, PublishedSize] = {
     "gpt-oss-20b": PublishedSize(20.91e9, 3.61e9, 0.01e9, 0.01e9, False, "gpt-oss model card, table 1"),
     "gpt-oss-120b": PublishedSize(116.83e9, 5.13e9, 0.01e9, 0.01e9, False, "gpt-oss model card, table 1"),
     "mixtral-8x7b": PublishedSize(46.7e9, 12.9e9, 0.1e9, 0.1e9, True, "Mixtral of Experts paper"),
+    # "355B total, 32B active": the card's total is neither the 352.8B counted without the MTP layer nor 356.8B with
+    # it, so it is held to 3B; the active count without the input embedding is 32.9B
+    "glm-4.5-355b-a32b": PublishedSize(355e9, 32e9, 3e9, 1e9, False, "GLM-4.5 model card"),
+    "glm-4.6": PublishedSize(355e9, 32e9, 3e9, 1e9, False, "GLM-4.6 model card (GLM-4.5's architecture)"),
+    "glm-4.7": PublishedSize(355e9, 32e9, 3e9, 1e9, False, "GLM-4.7 model card (GLM-4.5's architecture)"),
+    "glm-4.5-air": PublishedSize(106e9, 12e9, 1e9, 1e9, False, "GLM-4.5 model card (Air)"),
+    "glm-4.7-flash": PublishedSize(30e9, 3e9, 1e9, 1e9, False, "GLM-4.7-Flash model card (30B-A3B)"),
+    "dots.llm1": PublishedSize(142e9, 14e9, 1e9, 1e9, True, "dots.llm1 technical report"),
+    # "230B total, 10B active": 228.7B counted (the card rounds up), held to 2B
+    "minimax-m2": PublishedSize(230e9, 10e9, 2e9, 1e9, False, "MiniMax-M2 model card"),
+    "qwen1.5-moe-a2.7b": PublishedSize(14.3e9, 2.7e9, 0.1e9, 0.1e9, True, "Qwen1.5-MoE-A2.7B model card"),
+    "qwen2-57b-a14b": PublishedSize(57e9, 14e9, 1e9, 1e9, True, "Qwen2 technical report (57B-A14B)"),
+    "olmoe-1b-7b": PublishedSize(6.9e9, 1.3e9, 0.1e9, 0.1e9, True, "OLMoE paper (6.9B total, 1.3B active)"),
+    "deepseek-v2": PublishedSize(236e9, 21e9, 1e9, 1e9, False, "DeepSeek-V2 technical report"),
+    "deepseek-v2-lite": PublishedSize(15.7e9, 2.4e9, 0.1e9, 0.1e9, False, "DeepSeek-V2-Lite model card"),
 }

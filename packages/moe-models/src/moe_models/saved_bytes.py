@@ -12,6 +12,9 @@ What this package's modules save, as :class:`moe_memory.measure.SavedTensorBytes
 - Linear layers save their input; the dense SwiGLU MLP its gate, ``silu(gate)``, up and the product; rotary
   embeddings the cos/sin tables (fp32 and shared by every layer with fp32 activations, one activation-dtype copy per
   call otherwise).
+- The q/k norms (per head, or over all heads' width per token) save as RMSNorm; with ``clip_qkv`` the clamp saves
+  its inputs (the normed q and k, the v projection), counted under ``rope`` (both run in the attention module itself).
+  Partial rotary embeddings rotate ``rotary_dim`` of each head's dimensions: the tables are that wide.
 - Attention saves q, k, v (k/v with their own heads under GQA), the output and an fp32 logsumexp per row: SDPA's
   fused kernels for causal attention over whole sequences (on CPU its flash kernel when q/k and v head dims are
   equal), the blockwise kernel (:mod:`moe_models.blockwise`) for sinks, sliding windows shorter than the sequence and
@@ -135,10 +138,19 @@ def _gqa(saves: ForwardSaves, attention: GQAShape, sizes: RankSizes, run: RunSha
     q = saves.tensor("q_proj.out", q_bytes, "q projection")
     k = saves.tensor("k_proj.out", kv_bytes, "k projection")
     v = saves.tensor("v_proj.out", kv_bytes, "v projection")
-    if attention.qk_norm:
+    if attention.qk_norm and attention.qk_norm_across_heads:  # one rsqrt per token, not per head
+        q = _norm(saves, "qk_norm", "q_norm", q, tokens, heads * head_dim, activation_bytes)
+        k = _norm(saves, "qk_norm", "k_norm", k, tokens, kv_heads * head_dim, activation_bytes)
+    elif attention.qk_norm:
         q = _norm(saves, "qk_norm", "q_norm", q, tokens * heads, head_dim, activation_bytes)
         k = _norm(saves, "qk_norm", "k_norm", k, tokens * kv_heads, head_dim, activation_bytes)
-    _rope_table_copies(saves, "rope", sizes.positions, head_dim, activation_bytes)
+    if attention.clip_qkv:  # clamp saves its input for the mask of its backward; it runs in Attention itself
+        saves.save("rope", q, k, v)
+        q = saves.tensor("q.clamped", q_bytes, "q clamped")
+        k = saves.tensor("k.clamped", kv_bytes, "k clamped")
+        v = saves.tensor("v.clamped", kv_bytes, "v clamped")
+    rotary_dim = attention.rotary_dim or head_dim
+    _rope_table_copies(saves, "rope", sizes.positions, rotary_dim, activation_bytes)
     q = saves.tensor("q.rot", q_bytes, "q with rotary")
     k = saves.tensor("k.rot", kv_bytes, "k with rotary")
     window = attention.window is not None and attention.window < sizes.positions
@@ -201,6 +213,7 @@ def _moe(
             hidden=hidden,
             ffn_hidden=model.shared_expert_ffn,
             activation_bytes=activation_bytes,
+            gate=model.shared_expert_gate,
         )
         saves.add(shared, path=path)
         saves.scope("shared_experts", "shared_experts", path, (mlp_input,), ())
@@ -321,7 +334,10 @@ def _model_level(
         saves.save("embedding", saves.tensor("ids", tokens * INDEX_BYTES, "input ids"))
     if activation_bytes == FP32_BYTES and model.layers:  # one fp32 cos / sin table [positions, rotary_dim / 2]
         attention = model.layers[0].attention
-        rotary_dim = attention.qk_rope_dim if isinstance(attention, MLAShape) else attention.head_dim
+        if isinstance(attention, MLAShape):
+            rotary_dim = attention.qk_rope_dim
+        else:
+            rotary_dim = attention.rotary_dim or attention.head_dim
         module = "mla_up_proj" if isinstance(attention, MLAShape) else "rope"
         table_bytes = sizes.positions * rotary_dim // 2 * FP32_BYTES
         saves.save(module, saves.tensor("cos", table_bytes, "rotary cos"), saves.tensor("sin", table_bytes))

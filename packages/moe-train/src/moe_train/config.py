@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import json
 import math
 import types
 import typing
@@ -291,7 +290,7 @@ def _set(sections: dict[str, dict[str, Any]], dotted: str, value: Any) -> None:
 def _model_base(preset: str | None, from_hf: str | None) -> dict[str, Any]:
     """ModelConfig fields of a moe_models preset or of a HuggingFace checkpoint's config.json."""
     if from_hf is not None:
-        from moe_models.hf import config_from_hf
+        from moe_models.hf import checkpoint_config
         from moe_models.hf.files import resolve_inside
 
         config_json = Path(from_hf) / "config.json"
@@ -303,7 +302,7 @@ def _model_base(preset: str | None, from_hf: str | None) -> dict[str, Any]:
                 "it instead of linking to it"
             )
         try:
-            return dataclasses.asdict(config_from_hf(json.loads(config_json.read_text())))
+            return dataclasses.asdict(checkpoint_config(from_hf))
         except (ValueError, OSError) as err:  # HFCheckpointError and JSON errors are ValueErrors
             raise ConfigError(f"model.from_hf={from_hf!r}: {err}") from None
     if preset is not None:

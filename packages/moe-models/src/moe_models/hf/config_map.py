@@ -21,11 +21,12 @@ from moe_models.hf.family import (
     ReadFields,
     compact,
     refuse_unless,
+    require,
     required,
     unsupported,
 )
 
-_get, _unsupported, _compact, _REQUIRED = required, unsupported, compact, object()
+_get, _unsupported, _compact, _require, _REQUIRED = required, unsupported, compact, require, object()
 
 
 # transformers' rope_theta default when config.json omits it
@@ -163,13 +164,10 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         )
     first_dense = hf.get("first_k_dense_replace") or 0
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
-    if groups > 1 and topk // group_topk != 2:
-        # transformers scores a group by its top-2 experts; Megatron by its top (topk // group_topk)
-        raise _unsupported(
-            "topk_group",
-            group_topk,
-            f"num_experts_per_tok // topk_group must be 2 (group score = top-2 sum), got {topk}",
-        )
+    # transformers scores a group by its top-2 experts; Megatron-Core by its top (topk // group_topk)
+    group_score_topk = 2 if groups > 1 and topk // group_topk != 2 else None
+    if groups > 1 and _get(hf, "n_routed_experts") < 2 * groups:
+        raise _unsupported("n_group", groups, "transformers scores a group by its two best experts: 2 or more a group")
     shared = hf.get("n_shared_experts") or 0
     mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or None
     nope, rope = _get(hf, "qk_nope_head_dim"), _get(hf, "qk_rope_head_dim")
@@ -196,6 +194,7 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "moe_router_enable_expert_bias": True,
         "moe_router_num_groups": groups if groups > 1 else None,
         "moe_router_group_topk": group_topk if groups > 1 else None,
+        "moe_router_group_score_topk": group_score_topk,
         "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
         "mtp_num_layers": mtp,
     }
@@ -250,11 +249,6 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------- export
-
-
-def _require(ok: bool, field: str, value: Any, family: str, why: str) -> None:
-    if not ok:
-        raise HFCheckpointError(f"ModelConfig {field}={value!r} cannot be written as a {family} checkpoint: {why}")
 
 
 def _rope_to_hf(c: ModelConfig) -> dict[str, Any]:
@@ -367,7 +361,9 @@ def _deepseek_to_hf(c: ModelConfig) -> dict[str, Any]:
     )
     groups = c.moe_router_num_groups or 1
     group_topk = c.moe_router_group_topk or 1
-    _require(groups == 1 or c.moe_router_topk // group_topk == 2, "moe_router_group_topk", group_topk, f, "topk//2")
+    score_topk = c.moe_router_group_score_topk or c.moe_router_topk // group_topk
+    why = "transformers scores a group by its top-2 sum: set it to 2"
+    _require(groups == 1 or score_topk == 2, "moe_router_group_score_topk", c.moe_router_group_score_topk, f, why)
     return {
         "attention_bias": False,
         "num_key_value_heads": c.num_attention_heads,
@@ -464,6 +460,17 @@ _TRAINING_FIELDS = frozenset(
 )
 
 
+_YARN_FIELDS = (
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "rope_yarn_truncate",
+)
+
+
 def _architecture(c: ModelConfig) -> dict[str, Any]:
     """The fields of ``c`` that decide the logits and the checkpoint's tensors (those its config.json holds)."""
     values = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in _TRAINING_FIELDS}
@@ -472,8 +479,16 @@ def _architecture(c: ModelConfig) -> dict[str, Any]:
     if c.multi_latent_attention:  # unused by MLA
         for name in ("kv_channels", "num_query_groups", "qk_layernorm"):
             values.pop(name)
+    else:  # MLA's alone
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            values.pop(name)
+        values.pop("mla_latent_norm_epsilon")
     if FAMILIES[c.family].names.expert_bias_always:  # a bias of zeros computes what no bias does
         values.pop("moe_router_enable_expert_bias")
+    values["moe_router_topk_scaling_factor"] = c.moe_router_topk_scaling_factor or 1.0  # unset is 1
+    if c.rope_type != "yarn":  # YaRN's alone
+        for name in _YARN_FIELDS:
+            values.pop(name)
     if c.moe_router_topk == 1:  # one weight is never renormalised (Megatron-Core)
         values["moe_router_sigmoid_norm_topk"] = True
     if all(c.moe_layer_pattern()):  # no dense layer
@@ -493,5 +508,6 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     out = _common_to_hf(config) | family.to_hf(config)
     ours, back = _architecture(config), _architecture(config_from_hf(out))
     for name, value in ours.items():
-        _require(back[name] == value, name, value, config.family, f"its config.json holds {back[name]!r} instead")
+        held = back.get(name, "nothing")  # a field the read-back config has no use for (dense width, all MoE)
+        _require(held == value, name, value, config.family, f"its config.json holds {held!r} instead")
     return out

@@ -118,6 +118,12 @@ def unsupported(key: str, value: Any, why: str) -> HFCheckpointError:
     return HFCheckpointError(f"config.json {key}={value!r} is not supported: {why}")
 
 
+def require(ok: bool, field: str, value: Any, family: str, why: str) -> None:
+    """Refuse to write a ModelConfig ``field`` that ``family``'s checkpoints cannot hold."""
+    if not ok:
+        raise HFCheckpointError(f"ModelConfig {field}={value!r} cannot be written as a {family} checkpoint: {why}")
+
+
 def refuse_unless(hf: dict[str, Any], key: str, allowed: Any, default: Any, why: str) -> None:
     """Refuse ``hf[key]`` (``default`` when absent) unless it is ``allowed`` (a value, or a tuple of values)."""
     value = hf.get(key, default)
@@ -167,3 +173,6 @@ class HFFamily:
     aliases: tuple[str, ...] = ()  # other model_types read as this family (Kimi-K2: deepseek_v3)
     inert: frozenset[str] = frozenset()
     mla: bool = False  # the attention is multi-latent (its config.json fields differ)
+    # the family's checkpoints may carry layers past num_hidden_layers that transformers does not build (MiniMax-M2's
+    # MTP modules): their tensors are left unread rather than refused
+    layers_past_the_last_ignored: bool = False

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import uuid
 import warnings
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from moe_models.config import ModelConfig
-from moe_models.hf.config_map import config_from_hf, config_to_hf
+from moe_models.hf.config_map import FAMILIES, config_from_hf, config_to_hf
 from moe_models.hf.errors import HFCheckpointError, name_list
 from moe_models.hf.files import CheckpointReader, ShardWriter, inside_or_refuse, parse_size
 from moe_models.hf.state_dict_map import Plan, build_plan, mtp_prefixes
@@ -24,6 +25,15 @@ from moe_models.model import build_model
 
 # router tensors kept in fp32 whatever the load dtype (transformers keeps DeepSeek's in fp32 too)
 FP32_SUFFIXES = (".router.expert_bias",)
+
+
+def _past_the_last_layer(config: ModelConfig, available: set[str]) -> set[str]:
+    """The tensors of layers ``model.layers.{i}`` with ``i >= num_layers``, where the family's checkpoints may carry
+    such layers unread (:attr:`~moe_models.hf.family.HFFamily.layers_past_the_last_ignored`)."""
+    if not FAMILIES[config.family].layers_past_the_last_ignored:
+        return set()
+    layer_of = (re.match(r"model\.layers\.(\d+)\.", key) for key in available)
+    return {m.string for m in layer_of if m is not None and int(m.group(1)) >= config.num_layers}
 
 
 def _check_keys(plan: Plan, full_plan: Plan, available: set[str]) -> None:
@@ -44,7 +54,7 @@ def _check_keys(plan: Plan, full_plan: Plan, available: set[str]) -> None:
 def plan_for(reader: CheckpointReader, config: ModelConfig, experts: Sequence[int] | None) -> Plan:
     available = reader.names()
     plan = build_plan(config, experts=experts, available=available)
-    _check_keys(plan, build_plan(config, available=available), available)
+    _check_keys(plan, build_plan(config, available=available), available - _past_the_last_layer(config, available))
     return plan
 
 
@@ -131,26 +141,36 @@ def _load_into(model: nn.Module, reader: CheckpointReader, plan: Plan, dtype: to
             own[name].copy_(tensor)
 
 
-def load_pretrained(
-    path: str | Path, dtype: torch.dtype = torch.float32, *, device: str | torch.device = "cpu"
-) -> nn.Module:
-    """The model of the HuggingFace safetensors checkpoint directory ``path`` (config.json + weights), in eval mode."""
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of the HuggingFace checkpoint directory ``path``: its config.json's, without the MTP layers
+    when config.json declares them and the weights have none (transformers keeps ``num_nextn_predict_layers`` in the
+    config.json it writes, and never writes MTP layers)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HFCheckpointError(f"{path} has no config.json: point at a HuggingFace checkpoint directory")
     inside_or_refuse(path, "config.json")
     config = config_from_hf(json.loads(config_file.read_text()))
-    with CheckpointReader(path) as reader:
-        prefixes = tuple(mtp_prefixes(config))
-        if prefixes and not any(k.startswith(prefixes) for k in reader.names()):
-            # transformers never writes MTP layers, yet keeps num_nextn_predict_layers in config.json
+    prefixes = tuple(mtp_prefixes(config))
+    if prefixes:
+        with CheckpointReader(path) as reader:
+            has_mtp = any(k.startswith(prefixes) for k in reader.names())
+        if not has_mtp:
             warnings.warn(
                 f"{path}: config.json has num_nextn_predict_layers={config.mtp_num_layers} but the checkpoint has no "
                 "MTP tensors; loading the model without MTP",
                 stacklevel=2,
             )
             config = dataclasses.replace(config, mtp_num_layers=None)
+    return config
+
+
+def load_pretrained(
+    path: str | Path, dtype: torch.dtype = torch.float32, *, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """The model of the HuggingFace safetensors checkpoint directory ``path`` (config.json + weights), in eval mode."""
+    config = checkpoint_config(path)
+    with CheckpointReader(Path(path)) as reader:
         plan = plan_for(reader, config, None)  # checks the names before any allocation
         model = _empty_model(config, dtype, device)
         _load_into(model, reader, plan, dtype)

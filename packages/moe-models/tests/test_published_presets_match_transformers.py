@@ -1,0 +1,37 @@
+"""Each published preset of the families added in issue 34 has exactly the parameters of transformers' own model built
+(on the meta device) from the published config.json the preset is read from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from moe_models import build_model, count_parameters
+from moe_models.presets import PUBLISHED_PRESETS, preset
+from moe_models.published_configs import PUBLISHED_HF_CONFIGS
+
+FROM_CONFIG_JSON = [name for name in PUBLISHED_PRESETS if name in PUBLISHED_HF_CONFIGS]
+
+
+def test_every_published_config_of_a_mapped_family_is_a_preset():
+    from moe_models.hf.config_map import MODEL_TYPES
+
+    mapped = {name for name, values in PUBLISHED_HF_CONFIGS.items() if values["model_type"] in MODEL_TYPES}
+    assert mapped == set(FROM_CONFIG_JSON)
+    assert len(FROM_CONFIG_JSON) >= 12
+
+
+@pytest.mark.parametrize("name", FROM_CONFIG_JSON)
+def test_preset_has_transformers_parameter_count(name: str) -> None:
+    values = dict(PUBLISHED_HF_CONFIGS[name])
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(config)
+        ours = build_model(preset(name))
+    their_count = sum(p.numel() for p in theirs.parameters())
+    counted = count_parameters(preset(name))
+    # transformers builds no multi-token-prediction layers
+    our_count = sum(p.numel() for n, p in ours.named_parameters() if not n.startswith("mtp."))
+    print(f"\n{name}: transformers {their_count:,}, ours {our_count:,}")
+    assert our_count == their_count == counted.total
