@@ -24,6 +24,9 @@ TINY = {
     "qwen2_moe": "tiny-qwen2-moe",
     "olmoe": "tiny-olmoe",
     "deepseek_v2": "tiny-deepseek-v2",
+    "ernie4_5_moe": "tiny-ernie4-5-moe",
+    "hunyuan_v1_moe": "tiny-hunyuan-v1-moe",
+    "llama4": "tiny-llama4",
 }
 STEPS = 16
 RUN = {

@@ -25,7 +25,7 @@ def naive_route(row, cfg, bias=None):
     sig = [1.0 / (1.0 + math.exp(-v)) for v in row]
     if cfg.score_function == "sigmoid":
         score = sig
-    elif cfg.pre_softmax:
+    elif cfg.pre_softmax or bias is not None:  # an expert bias is added to the softmax probabilities
         score = full
     else:
         score = list(row)

@@ -42,7 +42,28 @@ def test_matches_the_reference_with_gradients(problem, seed: int) -> None:
         _check_against_reference(batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, seed)
 
 
-def _check_against_reference(batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, seed, documents=None) -> None:
+@settings(max_examples=40, deadline=None)
+@given(problems(), st.integers(1, 12), st.integers(0, 2**31 - 1))
+def test_chunks_match_the_reference_with_gradients(problem, chunk: int, seed: int) -> None:
+    """Llama 4's chunked attention: a query sees only the keys of its own chunk of positions (with a window and
+    sinks too, and at a context-parallel rank's positions: the chunks are positions, not rows)."""
+    batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, block_scores = problem
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blockwise_module, "BLOCK_SCORES", block_scores)
+        _check_against_reference(batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, seed, chunk=chunk)
+
+
+def test_chunks_are_a_block_diagonal_causal_mask() -> None:
+    """By hand: with chunks of 3, query 4 sees keys 3 and 4 only."""
+    q = torch.zeros(1, 1, 6, 2)
+    v = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
+    out = blockwise_attention(q, torch.zeros(1, 1, 6, 2), v, 1.0, chunk=3)  # equal scores: the mean of the seen values
+    assert out.flatten().tolist() == [0.0, 0.5, 1.0, 3.0, 3.5, 4.0]
+
+
+def _check_against_reference(
+    batch, n_kv, groups, keys, d, dv, window, sinks, q_pos, seed, documents=None, chunk=None
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     n = n_kv * groups
 
@@ -51,7 +72,7 @@ def _check_against_reference(batch, n_kv, groups, keys, d, dv, window, sinks, q_
 
     q, k, v = rand(batch, n, q_pos.numel(), d), rand(batch, n_kv, keys, d), rand(batch, n_kv, keys, dv)
     sinks_N = rand(n) if sinks else None
-    kwargs = {"q_pos_S": q_pos, "k_pos_K": torch.arange(keys), "window": window, "sinks_N": sinks_N}
+    kwargs = {"q_pos_S": q_pos, "k_pos_K": torch.arange(keys), "window": window, "sinks_N": sinks_N, "chunk": chunk}
     if documents is not None:
         kwargs["documents_BS"] = documents
     leaves = [q, k, v] + ([sinks_N] if sinks else [])

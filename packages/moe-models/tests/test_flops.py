@@ -342,3 +342,19 @@ def test_flops_grow_with_seq_len(name, convention):
 def test_sequence_length_must_be_positive():
     with pytest.raises(ValueError, match="seq_len=0"):
         training_flops_per_token(ModelConfig(**SMALL), 0)
+
+
+def test_chunked_attention_keys_per_query_by_hand():
+    """Llama 4's chunks: S = 10 positions in chunks of 4 are causal triangles of 4, 4 and 2 positions, i.e.
+    (16 + 16 + 4) / 2 = 18 key pairs over 10 queries in Megatron's convention (S/2 per causal query); torchtitan's
+    counts the whole chunk; a chunk of at least S is plain causal attention."""
+    from moe_models.flops import _keys_per_query
+
+    assert _keys_per_query(10, None, True, 4) == pytest.approx(1.8)
+    assert _keys_per_query(10, None, False, 4) == 4.0
+    assert _keys_per_query(10, None, True, 10) == _keys_per_query(10, None, True) == 5.0
+    chunked = ModelConfig(num_layers=4, no_rope_freq=4, attention_chunk_size=16)
+    whole = ModelConfig(num_layers=4, no_rope_freq=4)
+    # three rope layers chunked, the NoPE layer not: 3 x (8 - 64) keys fewer per query at S = 128, 6 N (d + d) each
+    saved = 3 * (64 - 8) * 6 * chunked.num_attention_heads * 2 * chunked.kv_channels
+    assert training_flops_per_token(whole, 128) - training_flops_per_token(chunked, 128) == pytest.approx(saved)

@@ -73,8 +73,30 @@ CASES = {
         32,
         {"moe_router_group_score_topk": 1},
     ),
+    "NoPE, chunks, q/k L2 norms, temperature, probabilities on the input (Llama 4)": (
+        "tiny-qwen3-moe",
+        2,
+        64,
+        {
+            "qk_layernorm": False,
+            "no_rope_freq": 2,
+            "attention_chunk_size": 48,
+            "qk_l2_norm": True,
+            "attn_temperature_tuning": True,
+            "attn_temperature_floor_scale": 16,
+            "moe_apply_probs_on_input": True,
+            "moe_router_topk": 1,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_sigmoid_norm_topk": False,
+        },
+    ),
 }
-BLOCKS = ["partial rotary (GLM-4.5)", "q/k norms across heads, clip_qkv (OLMoE)", "gated shared expert (Qwen2-MoE)"]
+BLOCKS = [
+    "partial rotary (GLM-4.5)",
+    "q/k norms across heads, clip_qkv (OLMoE)",
+    "gated shared expert (Qwen2-MoE)",
+    "NoPE, chunks, q/k L2 norms, temperature, probabilities on the input (Llama 4)",
+]
 
 
 @dataclasses.dataclass
@@ -174,6 +196,11 @@ def test_bf16_parameters_and_activations_match_too() -> None:
         ("deepseek-v3 (MLA, shared expert, dense layer, MTP)", {"moe", "mlp", "mla_up_proj"}, {"core_attn"}),
         ("q/k norms across heads, clip_qkv (OLMoE)", {"core_attn", "layernorm"}, {"qkv_linear", "attn_proj"}),
         ("gated shared expert (Qwen2-MoE)", {"shared_experts", "moe_act"}, {"mlp_norm", "expert_fc1"}),
+        (
+            "NoPE, chunks, q/k L2 norms, temperature, probabilities on the input (Llama 4)",
+            {"core_attn", "moe_act"},
+            {"qkv_linear", "expert_fc1"},
+        ),
     ],
 )
 def test_recompute_and_offload_match_moe_memory_policies(name: str, recompute: set, offload: set) -> None:

@@ -34,6 +34,11 @@ EXACT_TOTAL_ACTIVE_MTP = {
     "olmoe-1b-7b": (6_919_161_856, 1_282_017_280, 0),
     "deepseek-v2": (235_741_434_880, 21_375_800_320, 0),
     "deepseek-v2-lite": (15_706_484_224, 2_661_150_208, 0),
+    "ernie-4.5-21b-a3b": (21_825_436_160, 3_352_148_480, 0),
+    "ernie-4.5-300b-a47b": (299_484_160_000, 47_926_583_296, 0),
+    "hunyuan-a13b": (80_393_183_232, 12_747_448_320, 0),
+    "llama-4-scout-17b-16e": (107_769_861_120, 17_172_894_720, 0),
+    "llama-4-maverick-17b-128e": (400_711_848_960, 17_184_691_200, 0),
 }
 
 # each tiny proxy and the published model whose features it keeps
@@ -50,6 +55,9 @@ TINY_OF = {
     "tiny-qwen2-moe": "qwen1.5-moe-a2.7b",
     "tiny-olmoe": "olmoe-1b-7b",
     "tiny-deepseek-v2": "deepseek-v2",
+    "tiny-ernie4-5-moe": "ernie-4.5-21b-a3b",
+    "tiny-hunyuan-v1-moe": "hunyuan-a13b",
+    "tiny-llama4": "llama-4-scout-17b-16e",
 }
 # fields that choose a feature rather than a size: a proxy must agree with its published model on all of them
 FEATURE_FIELDS = (
@@ -72,6 +80,10 @@ FEATURE_FIELDS = (
     "rotary_percent",
     "moe_shared_expert_gate",
     "moe_router_group_score_topk",
+    "qk_layernorm_after_rotary",
+    "moe_apply_probs_on_input",
+    "qk_l2_norm",
+    "attn_temperature_tuning",
 )
 
 

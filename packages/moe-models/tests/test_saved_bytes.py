@@ -18,9 +18,51 @@ from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 BLOCKS = [
     ("tiny-qwen3-moe", {"rotary_percent": 0.5}),  # GQA, half of each head rotates: narrower rotary tables
     ("tiny-qwen3-moe", {"qk_layernorm_across_heads": True, "clip_qkv": 8.0}),  # one rsqrt per token; clamp inputs
+    ("tiny-qwen3-moe", {"qk_layernorm_after_rotary": True}),  # per-head q/k norms of the rotated q and k (Hunyuan)
     ("tiny-gpt-oss", {"clip_qkv": 4.0, "rotary_percent": 0.25}),  # clamp without q/k norms, blockwise attention
     ("tiny-qwen3-moe", {"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True}),
     ("tiny-deepseek-v3", {"moe_shared_expert_gate": True, "moe_router_group_score_topk": 1}),  # MLA, MTP
+    # Llama 4's attention: a NoPE layer (SDPA on a token-major q: no merged copy) with its fp32 temperature, and a
+    # rotating layer in chunks shorter than the sequence (blockwise kernel) with fp32 q/k L2 norms
+    (
+        "tiny-qwen3-moe",
+        {
+            "qk_layernorm": False,
+            "no_rope_freq": 2,
+            "attention_chunk_size": 16,
+            "qk_l2_norm": True,
+            "attn_temperature_tuning": True,
+            "attn_temperature_floor_scale": 16,
+        },
+    ),
+    ("tiny-gpt-oss", {"no_rope_freq": 2, "attn_temperature_tuning": True}),  # NoPE with sinks: blockwise copies
+    # Llama 4's router: the block weighs the permuted rows (the product keeps rows and probabilities), the experts'
+    # activation takes no probabilities
+    (
+        "tiny-qwen3-moe",
+        {
+            "moe_apply_probs_on_input": True,
+            "moe_router_topk": 1,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_sigmoid_norm_topk": False,
+        },
+    ),
+    # top-2 rows weighed before the experts: permuted, not gathered by the experts; MTP (it rotates) after a NoPE
+    # last layer, chunks and L2 norms on the rotating ones
+    (
+        "tiny-glm4-moe",
+        {"no_rope_freq": [0, 0, 1], "attention_chunk_size": 16, "qk_l2_norm": True, "moe_apply_probs_on_input": True},
+    ),
+    (  # Llama 3.1 / 4 frequencies: the same tables
+        "tiny-qwen3-moe",
+        {
+            "rope_type": "llama3",
+            "rotary_scaling_factor": 8.0,
+            "rope_low_freq_factor": 1.0,
+            "rope_high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
 ]
 CASES = (
     [(name, torch.float32, {}) for name in TINY_PRESETS]

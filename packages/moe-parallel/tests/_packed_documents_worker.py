@@ -20,8 +20,9 @@ from _rank_scenarios import Scenarios
 from moe_models import build_model, preset
 from moe_parallel import ParallelConfig, build_meshes, full_value, init_distributed, parallelize
 
-# + GLM-4.5's partial rotary, and OLMoE's q/k norms across heads (whose mean square tp all-reduces) and clamps
-FAMILIES = ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-olmoe")
+# + GLM-4.5's partial rotary, OLMoE's q/k norms across heads (whose mean square tp all-reduces) and clamps, and Llama
+# 4's chunks (restarting at each document), NoPE layers and probabilities on the experts' input
+FAMILIES = ("tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-olmoe", "tiny-llama4")
 LAYOUTS = {"cp=2": {"cp": 2}, "tp=2": {"tp": 2}, "pp=2": {"pp": 2}}
 SEQ = 64
 # documents cross the cp chunks (16 positions each) and the tp halves; GPT-OSS's first layer slides a 32-token window

@@ -23,6 +23,9 @@ FAMILY_PRESETS = [
     "tiny-qwen2-moe",
     "tiny-olmoe",
     "tiny-deepseek-v2",
+    "tiny-ernie4-5-moe",
+    "tiny-hunyuan-v1-moe",
+    "tiny-llama4",
 ]
 
 

@@ -132,6 +132,11 @@ OTHER_PRESET_LAYOUTS = {
     "olmoe-1b-7b": (16, ParallelConfig(ep=8, tp=2, etp=1)),
     "deepseek-v2": (128, ParallelConfig(ep=16, tp=8)),
     "deepseek-v2-lite": (16, ParallelConfig(ep=16)),
+    "ernie-4.5-21b-a3b": (16, ParallelConfig(ep=8, tp=2, etp=1)),
+    "ernie-4.5-300b-a47b": (64, ParallelConfig(ep=16, tp=4, etp=1)),
+    "hunyuan-a13b": (32, ParallelConfig(ep=16, tp=2, etp=1)),
+    "llama-4-scout-17b-16e": (32, ParallelConfig(ep=16, tp=2, etp=1)),
+    "llama-4-maverick-17b-128e": (64, ParallelConfig(ep=32, tp=2, etp=1)),
 }
 
 

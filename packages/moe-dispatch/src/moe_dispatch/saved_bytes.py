@@ -169,9 +169,12 @@ def dispatcher_saved_bytes(
     distributed: bool = False,
     dispatcher: str = "alltoall",
     device: str = "cuda",
+    experts_gather: bool = True,
 ) -> list[SavedBytes]:
     """What dispatch and combine save for a rank routing ``tokens`` rows with ``rows`` (:func:`routed_rows`):
-    module docstring. ``distributed``: ep x etp > 1; ``device``: "cpu" combines with scatter-adds."""
+    module docstring. ``distributed``: ep x etp > 1; ``device``: "cpu" combines with scatter-adds;
+    ``experts_gather`` False: the rows are permuted even where the experts could gather them themselves (the caller
+    weighs them before the experts)."""
     saves = []
     alltoall = distributed and dispatcher != "allgather"  # the all-to-all's send map and its returned rows
     if alltoall:
@@ -180,7 +183,7 @@ def dispatcher_saved_bytes(
             SavedBytes("dispatch", "dispatch.send_token", rows.sent * INDEX_BYTES, "send-row token ids (probs)"),
             SavedBytes("dispatch", "dispatch.send_probs", rows.sent * topk * router_bytes, "send-row pair mask"),
         ]
-    if not rows.gathered_by_experts:
+    if not (experts_gather and rows.gathered_by_experts):
         saves.append(SavedBytes("dispatch", "dispatch.index", rows.pairs * INDEX_BYTES, "permutation row ids"))
         if rows.pairs > rows.kept:
             padding = (rows.pairs - rows.kept) * INDEX_BYTES

@@ -14,14 +14,15 @@ from moe_dispatch.config import RouterConfig
 
 
 def selection_scores(logits_TE: torch.Tensor, config: RouterConfig) -> torch.Tensor:
-    """The scores top-k runs on: the logits (softmax, default), the full softmax (``pre_softmax``) or sigmoid.
+    """The scores top-k runs on: the logits (softmax, default), the full softmax (``pre_softmax``, or with an expert
+    bias: the bias is added to the probabilities, as ERNIE 4.5 and torchtitan do) or sigmoid.
 
     Top-k of the logits and top-k of their softmax choose the same experts, so the default only skips
     the full softmax.
     """
     if config.score_function == "sigmoid":
         return torch.sigmoid(logits_TE)
-    if config.pre_softmax:
+    if config.pre_softmax or config.enable_expert_bias:
         return torch.softmax(logits_TE, dim=-1)
     return logits_TE
 

@@ -53,12 +53,14 @@ def grouped_experts_saved_bytes(
     source_rows: int = 0,
     source_description: str = "expert source rows",
     backend: str = "torch",
+    probs: bool = True,
 ) -> list[SavedBytes]:
     """What :class:`~moe_experts.grouped.GroupedExperts` saves computing ``rows`` expert rows (padding included) of
     ``local_experts`` experts, ``ffn_hidden`` wide (per etp rank), the row probabilities in ``prob_bytes``: module
     docstring. ``source_tensor``: the first projection gathers its rows from ``source_rows`` rows of that tensor
     (``[source_rows, hidden]``) itself; None: it is given the rows (``[rows, hidden]``). ``backend``: ``torch`` or
-    ``loop`` (the others are not declared)."""
+    ``loop`` (the others are not declared). ``probs`` False: the rows come already weighted (Llama 4's probabilities on
+    the input), the activation takes none."""
     if backend not in ("torch", "loop"):
         raise ValueError(f"backend={backend!r}: declared for 'torch' and 'loop' only")
     group_offsets = local_experts * OFFSETS_BYTES if backend == "torch" else 0  # int32 [local_experts]
@@ -77,9 +79,10 @@ def grouped_experts_saved_bytes(
     if bias:
         saves.append(SavedBytes("expert_bias", "experts.expert_of_row", rows * INDEX_BYTES, "expert of each row"))
     fc1_output, row_probs = ACTIVATION_INPUTS
+    saves.append(SavedBytes("moe_act", fc1_output, rows * width * activation_bytes, "first projection output"))
+    if probs:
+        saves.append(SavedBytes("moe_act", row_probs, rows * prob_bytes, "row probabilities"))
     saves += [
-        SavedBytes("moe_act", fc1_output, rows * width * activation_bytes, "first projection output"),
-        SavedBytes("moe_act", row_probs, rows * prob_bytes, "row probabilities"),
         SavedBytes("expert_fc2", "fc2.offsets", group_offsets, "group offsets"),
         SavedBytes("expert_fc2", ACTIVATION_OUTPUT, rows * ffn_hidden * activation_bytes, "activation output"),
     ]

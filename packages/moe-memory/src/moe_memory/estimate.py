@@ -356,9 +356,10 @@ def estimate_memory(
     for layer in model.layers:
         kinds[(layer, False)] = kinds.get((layer, False), 0) + 1
     if model.mtp_depth:
-        attention = model.layers[-1].attention  # the MTP layers are built like the main ones, full attention
+        # the MTP layers are built like the main ones, with full attention and rotary embeddings
+        attention = model.layers[-1].attention
         if isinstance(attention, GQAShape):
-            attention = dataclasses.replace(attention, window=None)
+            attention = dataclasses.replace(attention, window=None, rope=True)
         kinds[(LayerShape(attention, moe=True), True)] = model.mtp_depth
     device: list[SavedTensor] = []
     host: list[SavedTensor] = []

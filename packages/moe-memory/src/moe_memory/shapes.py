@@ -21,7 +21,9 @@ DEFAULT_OFFLOAD_MIN_TENSOR_BYTES = 1 << 20
 @dataclass(frozen=True)
 class GQAShape:
     """Grouped-query attention of one layer. ``window``: this layer's sliding window (None: full causal);
-    ``rotary_dim``: the dimensions of each head that rotate (None: all of ``head_dim``)."""
+    ``rotary_dim``: the dimensions of each head that rotate (None: all of ``head_dim``). ``rope`` False is a NoPE
+    layer (Llama 4); ``chunk`` and ``qk_l2_norm`` apply to the layers that rotate, ``temperature_tuning`` to NoPE
+    layers, as the model's attention applies the config's fields (so an MTP layer, which rotates, takes them too)."""
 
     heads: int
     kv_heads: int
@@ -34,6 +36,10 @@ class GQAShape:
     rotary_dim: int | None = None
     qkv_bias: bool = False  # biases change no saved tensor; kept for completeness
     out_bias: bool = False
+    rope: bool = True  # False: no rotary embeddings (NoPE)
+    chunk: int | None = None  # attention within chunks of this many positions (Llama 4)
+    qk_l2_norm: bool = False  # q and k scaled to unit RMS after the rotation, in fp32 (Llama 4)
+    temperature_tuning: bool = False  # q times a per-position fp32 scale (Llama 4)
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class ExpertsShape:
     aux_losses: tuple[str, ...] = ("aux_loss",)
     z_loss: bool = False
     router_bytes: int = FP32  # router dtype: 4 (fp32) or 8 (fp64)
+    probs_on_input: bool = False  # the rows enter the experts times their probability (Llama 4)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
-"""Causal grouped-query attention: QK-norm per head (Qwen3) or across heads (OLMoE, MiniMax-M2), q/k/v clamps
-(OLMoE), partial rotary embeddings (GLM-4.5), biases and learned attention sinks (GPT-OSS), sliding windows
-(GPT-OSS, Mixtral). Plain causal attention over a whole sequence goes to SDPA's fused kernels; sinks, windows, a
-value head size other than q/k's on CPU (MLA), queries and keys at given positions (a context-parallel rank's) and
-packed documents (:mod:`moe_models.documents`) go to :func:`~moe_models.blockwise.blockwise_attention`. Both keep
-memory linear in the sequence."""
+"""Causal grouped-query attention: QK-norm per head (Qwen3; after the rotation: Hunyuan) or across heads (OLMoE,
+MiniMax-M2), q/k/v clamps (OLMoE), partial rotary embeddings (GLM-4.5), biases and learned attention sinks (GPT-OSS),
+sliding windows (GPT-OSS, Mixtral). Plain causal attention over a whole sequence goes to SDPA's fused kernels;
+sinks, windows, a value head size other than q/k's on CPU (MLA), queries and keys at given positions (a
+context-parallel rank's) and packed documents (:mod:`moe_models.documents`) go to
+:func:`~moe_models.blockwise.blockwise_attention`. Both keep memory linear in the sequence."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch import nn
 
 from moe_models.blockwise import blockwise_attention
 from moe_models.config import ModelConfig
+from moe_models.documents import document_positions
 from moe_models.layers import RMSNorm
 from moe_models.rope import apply_rotary
 
@@ -23,9 +24,9 @@ class CoreAttention(nn.Module):
     stay on :class:`Attention`): a module so that memory policies can address it (Megatron's ``core_attn``), and so
     that context parallelism can hand it the keys and values of the whole sequence (``k_pos_K``: their positions)."""
 
-    def __init__(self, scale: float | None, window: int | None = None) -> None:
+    def __init__(self, scale: float | None, window: int | None = None, chunk: int | None = None) -> None:
         super().__init__()
-        self.scale, self.window = scale, window
+        self.scale, self.window, self.chunk = scale, window, chunk
 
     def forward(
         self,
@@ -38,7 +39,8 @@ class CoreAttention(nn.Module):
         documents_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q_pos_S`` / ``k_pos_K``: the positions of the queries and keys in the sequence (default 0..S-1 for both,
-        ``k_pos_K`` defaults to ``q_pos_S``); key j is seen by query i when it is not later (and within the window).
+        ``k_pos_K`` defaults to ``q_pos_S``); key j is seen by query i when it is not later (and within the window,
+        and in the same chunk of positions).
         ``documents_BS``: the document ids of the whole sequences (int64 ``[B, L]``, indexed by position; -1 padding);
         key j is then seen only by the queries of its own document (the blockwise kernel, memory linear in S)."""
         s, n, n_kv = q_BNSD.shape[2], q_BNSD.shape[1], k_BNKD.shape[1]
@@ -46,13 +48,19 @@ class CoreAttention(nn.Module):
         whole_sequence = q_pos_S is None and k_pos_K is None
         # SDPA's CPU flash kernel needs equal q/k and v head sizes (else it falls back to the quadratic math path)
         fused_kernel = q_BNSD.shape[-1] == v_BNKV.shape[-1] or q_BNSD.device.type != "cpu"
-        plain = documents_BS is None and sinks_N is None and (self.window is None or self.window >= s)
+        plain = documents_BS is None and sinks_N is None
+        plain &= (self.window is None or self.window >= s) and (self.chunk is None or self.chunk >= s)
         if whole_sequence and plain and fused_kernel:
             return F.scaled_dot_product_attention(
                 q_BNSD, k_BNKD, v_BNKV, is_causal=True, scale=scale, enable_gqa=n_kv != n
             )
         if k_pos_K is None:
             k_pos_K = q_pos_S
+        chunk = self.chunk
+        if documents_BS is not None and chunk is not None:
+            # chunks restart at each document's first token (as transformers' packed rows): one id per chunk run
+            documents_BS = (document_positions(documents_BS) % chunk == 0).cumsum(-1)
+            chunk = None
         return blockwise_attention(
             q_BNSD,
             k_BNKD,
@@ -63,17 +71,23 @@ class CoreAttention(nn.Module):
             window=self.window,
             sinks_N=sinks_N,
             documents_BS=documents_BS,
+            chunk=chunk,
         )
 
 
 class Attention(nn.Module):
-    """Grouped-query attention of one layer; ``full_attention=False`` applies ``config.window_size``."""
+    """Grouped-query attention of one layer; ``full_attention=False`` applies ``config.window_size``; ``rope=False``
+    makes it a NoPE layer (Llama 4: no rotary embeddings, no chunks, no q/k L2 norm; the temperature tuning)."""
 
-    def __init__(self, config: ModelConfig, full_attention: bool = True) -> None:
+    def __init__(self, config: ModelConfig, full_attention: bool = True, rope: bool = True) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_query_groups, c.kv_channels
-        self.core_attention = CoreAttention(c.softmax_scale, None if full_attention else c.window_size)
+        chunk = c.attention_chunk_size if rope else None
+        self.core_attention = CoreAttention(c.softmax_scale, None if full_attention else c.window_size, chunk)
+        self.rope, self.qk_l2_norm, self.norm_epsilon = rope, c.qk_l2_norm and rope, c.norm_epsilon
+        self.temperature = (c.attn_temperature_scale, c.attn_temperature_floor_scale)
+        self.temperature_tuning = c.attn_temperature_tuning and not rope
         self.interleaved, self.rotary_dim, self.clip_qkv = c.rotary_interleaved, c.rotary_dim, c.clip_qkv
         h, q_width, kv_width = c.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, q_width, bias=c.add_qkv_bias)
@@ -81,7 +95,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, kv_width, bias=c.add_qkv_bias)
         self.o_proj = nn.Linear(q_width, h, bias=c.add_bias_linear)
         # across heads: one norm over the projection's whole width, before the heads are split
-        self.qk_norm_across_heads = c.qk_layernorm_across_heads
+        self.qk_norm_across_heads, self.qk_norm_after_rotary = c.qk_layernorm_across_heads, c.qk_layernorm_after_rotary
         q_norm_width, k_norm_width = (q_width, kv_width) if self.qk_norm_across_heads else (self.head_dim,) * 2
         self.q_norm = RMSNorm(q_norm_width, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
         self.k_norm = RMSNorm(k_norm_width, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
@@ -104,17 +118,30 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = self._rotate(q, cos_SF, sin_SF), self._rotate(k, cos_SF, sin_SF)
+        if self.rope:
+            q, k = self._rotate(q, cos_SF, sin_SF), self._rotate(k, cos_SF, sin_SF)
+        if self.qk_norm_after_rotary:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_l2_norm:
+            q, k = _unit_rms(q, self.norm_epsilon), _unit_rms(k, self.norm_epsilon)
+        if self.temperature_tuning:
+            positions = positions_S if positions_S is not None else torch.arange(s, device=q.device)
+            q = (q * self._temperature(positions)).to(q.dtype)  # the fp32 scale must not promote a bf16 q
         documents = () if document_ids_BS is None else (document_ids_BS,)  # a 7th argument only with documents
         out_BNSD = self.core_attention(q, k, v, self.sinks, positions_S, positions_S, *documents)
         return self.o_proj(out_BNSD.transpose(1, 2).reshape(b, s, -1))
+
+    def _temperature(self, positions_S: torch.Tensor) -> torch.Tensor:
+        """Llama 4's per-position q scale of NoPE layers, ``[S, 1]`` (broadcast over batch and heads)."""
+        scale, floor_scale = self.temperature
+        return (torch.log1p(torch.floor((positions_S.float() + 1.0) / floor_scale)) * scale + 1.0).unsqueeze(-1)
 
     def _qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[B, S, heads x head dim]`` after the projections, the q/k norms and the clamp."""
         q, k, v = self.q_proj(x_BSH), self.k_proj(x_BSH), self.v_proj(x_BSH)
         if self.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        else:
+        elif not self.qk_norm_after_rotary:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
         if self.clip_qkv is not None:
@@ -127,3 +154,9 @@ class Attention(nn.Module):
             return apply_rotary(x_BNSD, cos_SF, sin_SF, self.interleaved)
         rotated = apply_rotary(x_BNSD[..., : self.rotary_dim], cos_SF, sin_SF, self.interleaved)
         return torch.cat([rotated, x_BNSD[..., self.rotary_dim :]], dim=-1)
+
+
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x scaled to unit root mean square over its last dimension, computed in fp32 (Llama 4's q/k L2 norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -1,7 +1,8 @@
 """Exact softmax attention whose memory grows linearly with the sequence, for every attention variant the families
 use: causal by position (queries and keys may be any positions of the sequence, as a context-parallel rank's are),
-sliding windows, learned sinks, grouped-query heads and a value head size that differs from the query/key one (MLA),
-and packed documents (a query sees only the keys of its own document, per batch row).
+sliding windows, chunks (Llama 4: a query sees the keys of its own chunk of ``chunk`` positions), learned sinks,
+grouped-query heads and a value head size that differs from the query/key one (MLA), and packed documents (a query sees
+only the keys of its own document, per batch row).
 
 Queries are processed a block at a time against the range of keys that block may see; only the outputs and one
 log-sum-exp per query row are kept for the backward, which recomputes each block's probabilities (the flash-attention
@@ -20,8 +21,14 @@ import torch
 BLOCK_SCORES = 1 << 23
 
 
+def _first_key_position(lo_pos: int, window: int | None, chunk: int | None) -> int:
+    """The earliest key position a query at ``lo_pos`` may see under the window and the chunks."""
+    first = 0 if window is None else lo_pos - window + 1
+    return first if chunk is None else max(first, lo_pos // chunk * chunk)
+
+
 def _key_ranges(
-    q_pos_S: torch.Tensor, k_pos_K: torch.Tensor, window: int | None, rows: int
+    q_pos_S: torch.Tensor, k_pos_K: torch.Tensor, window: int | None, rows: int, chunk: int | None = None
 ) -> list[tuple[int, int, int, int]]:
     """``(q_start, q_end, k_start, k_end)`` per query block of at most ``rows`` rows: the keys (sorted by position)
     the block's queries may see lie in ``[k_start, k_end)``."""
@@ -31,30 +38,33 @@ def _key_ranges(
         block = q_pos[start : start + rows]
         lo_pos, hi_pos = int(block.min()), int(block.max())
         k_end = int(torch.searchsorted(k_pos, hi_pos, right=True))
-        k_start = 0 if window is None else int(torch.searchsorted(k_pos, lo_pos - window + 1))
+        k_start = int(torch.searchsorted(k_pos, _first_key_position(lo_pos, window, chunk)))
         out.append((start, start + block.numel(), k_start, max(k_end, k_start)))
     return out
 
 
-def _whole_sequence_key_ranges(seq: int, keys: int, window: int | None, rows: int) -> list[tuple[int, int, int, int]]:
+def _whole_sequence_key_ranges(
+    seq: int, keys: int, window: int | None, rows: int, chunk: int | None = None
+) -> list[tuple[int, int, int, int]]:
     """:func:`_key_ranges` for the default positions ``0..S-1`` and ``0..K-1``, from the sizes alone: no tensor is
     read back, so torch.compile traces the attention of a whole sequence without a graph break."""
     out = []
     for start in range(0, seq, rows):
         end = min(start + rows, seq)
         k_end = min(end, keys)  # the keys at positions <= end - 1
-        k_start = 0 if window is None else min(max(start - window + 1, 0), keys)
+        k_start = min(max(_first_key_position(start, window, chunk), 0), keys)
         out.append((start, end, k_start, max(k_end, k_start)))
     return out
 
 
-def _block_rows(batch: int, heads: int, keys: int, seq: int, window: int | None) -> int:
+def _block_rows(batch: int, heads: int, keys: int, seq: int, window: int | None, chunk: int | None = None) -> int:
     """Query rows per block (a power of two, at least 16): at most 256, so that the masked waste of the causal
-    diagonal stays small; about the window under a sliding window (a block then sees about twice the window's keys);
-    and few enough to keep a block's scores under :data:`BLOCK_SCORES`."""
+    diagonal stays small; about the window (or chunk) under a sliding window (a block then sees about twice the
+    window's keys); and few enough to keep a block's scores under :data:`BLOCK_SCORES`."""
     rows = min(256, max(16, BLOCK_SCORES // max(batch * heads * keys, 1)))
-    if window is not None:
-        rows = min(rows, max(64, window))
+    for span in (window, chunk):
+        if span is not None:
+            rows = min(rows, max(64, span))
     return min(seq, 1 << int(math.log2(rows)))
 
 
@@ -72,9 +82,11 @@ def _scores(
     scale: float,
     q_docs_BQ: torch.Tensor | None = None,
     k_docs_BK: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Masked scores ``[B, Nkv, G, Q, K]`` of a query block against its keys (-inf where not allowed), in fp32 (fp64
-    for fp64 inputs). With the block's query and key document ids, a key of another document is not allowed."""
+    for fp64 inputs). With the block's query and key document ids, a key of another document is not allowed; with
+    ``chunk``, a key of another chunk."""
     b, n_kv, g, rows, d = q_BNGQD.shape
     s = (q_BNGQD.reshape(b, n_kv, g * rows, d) @ k_BNKD.transpose(-1, -2)).to(_acc(q_BNGQD)).mul_(scale)
     s = s.view(b, n_kv, g, rows, -1)
@@ -82,6 +94,8 @@ def _scores(
     allowed = delta_QK >= 0
     if window is not None:
         allowed &= delta_QK < window
+    if chunk is not None:
+        allowed &= (q_pos[:, None] // chunk) == (k_pos[None, :] // chunk)
     if q_docs_BQ is not None:
         same_BQK = q_docs_BQ[:, :, None] == k_docs_BK[:, None, :]
         allowed = (allowed & same_BQK).view(b, 1, 1, rows, -1)
@@ -103,6 +117,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         ranges: list[tuple[int, int, int, int]],
         q_docs_BS: torch.Tensor | None = None,
         k_docs_BK: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         b, n, s, d = q_BNSD.shape
         n_kv, dv = k_BNKD.shape[1], v_BNKV.shape[-1]
@@ -117,9 +132,17 @@ class _BlockwiseAttention(torch.autograd.Function):
                 out[:, :, :, q0:q1] = 0
                 lse_BNGS[..., q0:q1] = float("-inf") if sink_BNG11 is None else sink_BNG11.squeeze(-1)
                 continue
-            docs = () if q_docs_BS is None else (q_docs_BS[:, q0:q1], k_docs_BK[:, k0:k1])
+            q_docs, k_docs = (None, None) if q_docs_BS is None else (q_docs_BS[:, q0:q1], k_docs_BK[:, k0:k1])
             scores = _scores(
-                q5[:, :, :, q0:q1], k_BNKD[:, :, k0:k1], q_pos_S[q0:q1], k_pos_K[k0:k1], window, scale, *docs
+                q5[:, :, :, q0:q1],
+                k_BNKD[:, :, k0:k1],
+                q_pos_S[q0:q1],
+                k_pos_K[k0:k1],
+                window,
+                scale,
+                q_docs,
+                k_docs,
+                chunk,
             )
             top = scores.amax(dim=-1, keepdim=True)
             if sink_BNG11 is not None:
@@ -137,7 +160,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         ctx.save_for_backward(q_BNSD, k_BNKD, v_BNKV, out_BNSV, lse_BNGS, sinks_N)
         # positions and block ranges are small and no outputs: kept on ctx, not counted among the saved activations
         ctx.q_pos, ctx.k_pos, ctx.ranges, ctx.window, ctx.scale = q_pos_S, k_pos_K, ranges, window, scale
-        ctx.q_docs, ctx.k_docs = q_docs_BS, k_docs_BK
+        ctx.q_docs, ctx.k_docs, ctx.chunk = q_docs_BS, k_docs_BK, chunk
         return out_BNSV
 
     @staticmethod
@@ -161,8 +184,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                 continue
             q_blk = q5[:, :, :, q0:q1]
             k_blk, v_blk = k_BNKD[:, :, k0:k1], v_BNKV[:, :, k0:k1]
-            docs = () if ctx.q_docs is None else (ctx.q_docs[:, q0:q1], ctx.k_docs[:, k0:k1])
-            scores = _scores(q_blk, k_blk, ctx.q_pos[q0:q1], ctx.k_pos[k0:k1], ctx.window, ctx.scale, *docs)
+            docs = (None, None) if ctx.q_docs is None else (ctx.q_docs[:, q0:q1], ctx.k_docs[:, k0:k1])
+            q_pos, k_pos = ctx.q_pos[q0:q1], ctx.k_pos[k0:k1]
+            scores = _scores(q_blk, k_blk, q_pos, k_pos, ctx.window, ctx.scale, *docs, ctx.chunk)
             probs = scores.sub_(lse[..., q0:q1, None]).exp_()  # [B, Nkv, G, Q, K]
             p_flat = probs.view(b, n_kv, g * rows, keys)
             g_flat = grad5[:, :, :, q0:q1].reshape(b, n_kv, g * rows, dv).to(acc)
@@ -188,6 +212,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -202,6 +227,7 @@ def blockwise_attention(
     window: int | None = None,
     sinks_N: torch.Tensor | None = None,
     documents_BS: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask [+ sink]) v, ``[B, N, S, Dv]``, in memory linear in S.
 
@@ -212,18 +238,19 @@ def blockwise_attention(
     gives zeros. ``documents_BS``: the document id of every position of each batch row's whole sequence (int ``[B, L]``,
     indexed by the positions); query i then sees key j only when also ``documents_BS[b, q_pos[i]] ==
     documents_BS[b, k_pos[j]]``. The ids are only compared on the device (no block is skipped: that would need them
-    on the host), so the work is that of the causal / window mask alone.
+    on the host), so the work is that of the causal / window mask alone. ``chunk``: query i sees key j only when
+    ``q_pos[i] // chunk == k_pos[j] // chunk`` too (Llama 4's chunked attention).
     """
     b, n, seq, _ = q_BNSD.shape
     keys = k_BNKD.shape[2]
-    rows = _block_rows(b, n, keys, seq, window)
+    rows = _block_rows(b, n, keys, seq, window, chunk)
     whole_sequence = q_pos_S is None and k_pos_K is None
     q_pos_S = torch.arange(seq, device=q_BNSD.device) if q_pos_S is None else q_pos_S
     k_pos_K = torch.arange(keys, device=k_BNKD.device) if k_pos_K is None else k_pos_K
     if whole_sequence:
-        ranges = _whole_sequence_key_ranges(seq, keys, window, rows)
+        ranges = _whole_sequence_key_ranges(seq, keys, window, rows, chunk)
     else:
-        ranges = _key_ranges(q_pos_S, k_pos_K, window, rows)
+        ranges = _key_ranges(q_pos_S, k_pos_K, window, rows, chunk)
     q_docs_BS = k_docs_BK = None
     if documents_BS is not None:  # each query's and key's document (slices for the default positions)
         q_docs_BS = documents_BS[:, :seq] if whole_sequence else documents_BS[:, q_pos_S]
@@ -240,6 +267,7 @@ def blockwise_attention(
         ranges,
         q_docs_BS,
         k_docs_BK,
+        chunk,
     )
 
 
@@ -254,6 +282,7 @@ def reference_attention(
     window: int | None = None,
     sinks_N: torch.Tensor | None = None,
     documents_BS: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """:func:`blockwise_attention` written out: the whole ``[S, K]`` score matrix at once (quadratic memory), the
     independent reference the tests hold the kernel to."""
@@ -264,6 +293,8 @@ def reference_attention(
     k_pos = torch.arange(k_BNKD.shape[2]) if k_pos_K is None else k_pos_K
     delta = q_pos[:, None] - k_pos[None, :]
     allowed = (delta >= 0) & (delta < window) if window is not None else delta >= 0
+    if chunk is not None:
+        allowed &= (q_pos[:, None] // chunk) == (k_pos[None, :] // chunk)
     if documents_BS is not None:  # [B, 1, S, K]: the same document in each batch row
         docs = documents_BS.cpu()
         same = docs[:, q_pos.cpu()][:, :, None] == docs[:, k_pos.cpu()][:, None, :]

@@ -24,6 +24,14 @@ FAMILIES = (
     "olmoe",
     "deepseek_v2",
     "minimax_m2",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "llama4",
+    "solar_open",
+    "hy_v3",
+    "exaone_moe",
+    "flint",
+    "mellum",
 )
 
 # ModelConfig field (Megatron flag) -> RouterConfig field
@@ -109,6 +117,7 @@ class ModelConfig:
     # with qk_layernorm: one RMSNorm over all heads' q (width heads x head dim) and one over all k, applied before
     # the heads are split (OLMoE, MiniMax-M2), instead of one per head
     qk_layernorm_across_heads: bool = False
+    qk_layernorm_after_rotary: bool = False  # with qk_layernorm: the per-head norms after the rotation (Hunyuan)
     clip_qkv: float | None = None  # clamp q, k and v to [-clip_qkv, clip_qkv] after projections and norms (OLMoE)
     add_qkv_bias: bool = False  # biases of q/k/v projections (GPT-OSS)
     add_bias_linear: bool = False  # biases of the attention output, the routed experts and the router (GPT-OSS)
@@ -128,7 +137,7 @@ class ModelConfig:
     # rms_norm_eps says
     mla_latent_norm_epsilon: float = 1e-6
     # --- rotary embeddings ---
-    rope_type: str = "rope"  # rope | yarn
+    rope_type: str = "rope"  # rope | yarn | llama3 (Llama 3.1 / 4: low frequencies divided by the factor)
     rotary_base: float = 1_000_000.0
     rotary_percent: float = 1.0  # share of each head's dimensions (the first ones) that rotate (GLM-4.5: 0.5)
     rotary_interleaved: bool = False  # rotate (x0, x1), (x2, x3)... pairs (DeepSeek-V3) instead of the two halves
@@ -140,6 +149,23 @@ class ModelConfig:
     mscale: float = 0.0  # yarn: with mscale_all_dim, the cos/sin scale is mscale(factor, mscale)/mscale(.., all_dim)
     mscale_all_dim: float = 0.0  # yarn: also scales the attention softmax by mscale(factor, mscale_all_dim)**2
     rope_yarn_truncate: bool = True  # yarn: round the correction range to whole dimensions (GPT-OSS: False)
+    # llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by
+    # rotary_scaling_factor, those below ... / high_freq_factor kept, a smooth ramp between
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    # layers without rotary embeddings (NoPE): int N = every N-th layer (Llama 4: 4), or one 0/1 per layer (1 = no
+    # rope); None = every layer rotates (Megatron-Core's --no-rope-freq)
+    no_rope_freq: int | list[int] | None = None
+    # the layers with rotary embeddings attend within chunks of this many positions (Llama 4's chunked attention)
+    attention_chunk_size: int | None = None
+    # q and k scaled to unit RMS (no weight) after the rotation, on the layers with rotary embeddings (Llama 4;
+    # Megatron-Core's --qk-l2-norm)
+    qk_l2_norm: bool = False
+    # NoPE layers scale q by 1 + attn_temperature_scale * ln(1 + floor((position + 1) / attn_temperature_floor_scale))
+    # (Llama 4's attention temperature tuning)
+    attn_temperature_tuning: bool = False
+    attn_temperature_scale: float = 0.1
+    attn_temperature_floor_scale: int = 8192
     # --- MLPs ---
     activation_func: str = "swiglu"  # a moe_experts activation: swiglu | swiglu_oai | geglu | ...
     ffn_hidden_size: int = 512  # dense-MLP layers
@@ -147,6 +173,9 @@ class ModelConfig:
     moe_layer_freq: int | list[int] = 1
     moe_shared_expert_intermediate_size: int | None = None  # shared expert width (DeepSeek-V3), None = none
     moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x . w), per token (Qwen2-MoE)
+    # the routed experts take x times the router's probability and their outputs add up unweighted (Llama 4;
+    # Megatron-Core's --moe-apply-probs-on-input); otherwise the probability weighs the expert's output
+    moe_apply_probs_on_input: bool = False
     # --- routed experts and router ---
     num_moe_experts: int = 8
     moe_router_topk: int = 2
@@ -200,10 +229,17 @@ class ModelConfig:
             self._validate_mla()
         else:
             self._validate_gqa()
-        if self.rope_type not in ("rope", "yarn"):
-            raise ModelConfigError("rope_type", self.rope_type, "choose 'rope' or 'yarn'")
-        if self.rope_type == "yarn" and self.rotary_scaling_factor < 1:
-            raise ModelConfigError("rotary_scaling_factor", self.rotary_scaling_factor, "yarn needs a factor >= 1")
+        if self.rope_type not in ("rope", "yarn", "llama3"):
+            raise ModelConfigError("rope_type", self.rope_type, "choose 'rope', 'yarn' or 'llama3'")
+        if self.rope_type in ("yarn", "llama3") and self.rotary_scaling_factor < 1:
+            raise ModelConfigError(
+                "rotary_scaling_factor", self.rotary_scaling_factor, f"{self.rope_type} needs a factor >= 1"
+            )
+        if self.rope_type == "llama3" and not 0 < self.rope_low_freq_factor <= self.rope_high_freq_factor:
+            raise ModelConfigError(
+                "rope_low_freq_factor", self.rope_low_freq_factor, "must be positive and at most rope_high_freq_factor"
+            )
+        self._validate_llama4()
         if self.softmax_type not in ("vanilla", "learnable"):
             raise ModelConfigError("softmax_type", self.softmax_type, "choose 'vanilla' or 'learnable'")
         if self.window_size is not None and self.window_size < 1:
@@ -231,6 +267,10 @@ class ModelConfig:
             )
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise ModelConfigError("clip_qkv", self.clip_qkv, "must be positive, or null for no clamp")
+        if self.qk_layernorm_after_rotary and (not self.qk_layernorm or self.qk_layernorm_across_heads):
+            raise ModelConfigError(
+                "qk_layernorm_after_rotary", True, "moves per-head q/k norms: set qk_layernorm true, across heads false"
+            )
         if self.qk_layernorm_across_heads and not self.qk_layernorm:
             raise ModelConfigError(
                 "qk_layernorm_across_heads", True, "chooses the shape of the q/k norms: set qk_layernorm true"
@@ -272,7 +312,13 @@ class ModelConfig:
             raise ModelConfigError(
                 "softmax_type", self.softmax_type, "multi_latent_attention supports only 'vanilla': unset it"
             )
-        for name, plain in (("rotary_percent", 1.0), ("qk_layernorm_across_heads", False), ("clip_qkv", None)):
+        plain_fields = (
+            ("rotary_percent", 1.0),
+            ("qk_layernorm_across_heads", False),
+            ("qk_layernorm_after_rotary", False),
+            ("clip_qkv", None),
+        )
+        for name, plain in plain_fields:
             if getattr(self, name) != plain:
                 raise ModelConfigError(
                     name, getattr(self, name), f"multi_latent_attention has its own q/k layout: set it to {plain}"
@@ -281,6 +327,21 @@ class ModelConfig:
             raise ModelConfigError(
                 "window_size", self.window_size, "multi_latent_attention has no sliding window: set it to null"
             )
+
+    def _validate_llama4(self) -> None:
+        self.rope_layer_pattern()  # validates no_rope_freq
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+            raise ModelConfigError(
+                "attention_chunk_size", self.attention_chunk_size, "must be at least 1, or null for whole sequences"
+            )
+        if self.attention_chunk_size is not None and self.window_size is not None:
+            raise ModelConfigError("attention_chunk_size", self.attention_chunk_size, "or window_size, not both")
+        if self.attn_temperature_floor_scale < 1:
+            raise ModelConfigError("attn_temperature_floor_scale", self.attn_temperature_floor_scale, "must be >= 1")
+        uses = ("no_rope_freq", "attention_chunk_size", "qk_l2_norm", "attn_temperature_tuning")
+        for name in uses if self.multi_latent_attention else ():
+            if getattr(self, name) not in (None, False):
+                raise ModelConfigError(name, getattr(self, name), "grouped-query attention only: unset it for MLA")
 
     @property
     def rotary_dim(self) -> int:
@@ -307,6 +368,13 @@ class ModelConfig:
         is written."""
         moe = [f"layers.{i}" for i, is_moe in enumerate(self.moe_layer_pattern()) if is_moe]
         return moe + [f"mtp.{k}.layer" for k in range(self.mtp_num_layers or 0)]
+
+    def rope_layer_pattern(self) -> list[int]:
+        """One 0/1 per layer: 1 = the layer rotates q and k (rotary embeddings), 0 = NoPE (``no_rope_freq``)."""
+        if self.no_rope_freq is None:
+            return [1] * self.num_layers
+        no_rope = _layer_pattern(self.no_rope_freq, self.num_layers, "no_rope_freq", every_nth_is=1)
+        return [1 - v for v in no_rope]
 
     def full_attention_pattern(self) -> list[int]:
         """One 0/1 per layer: 1 = full causal attention, 0 = sliding window of ``window_size``."""

@@ -21,7 +21,8 @@ multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per tok
   kv ``H (r_kv + d_r) + r_kv N (d_n + d_v)``, o ``N d_v H``;
 - core attention: ``6 N K (d_qk + d_v)`` (QK^T then AV over K keys), K the keys per query averaged over the
   sequence: causal ``S/2`` (Megatron's causal half), sliding window w < S: ``w - w^2 / (2 S)`` (the band of
-  width w under the causal triangle, divided by S; ``S/2`` at w = S, so the two agree there);
+  width w under the causal triangle, divided by S; ``S/2`` at w = S, so the two agree there), chunks of c < S
+  positions (Llama 4) ``(m c^2 + r^2) / (2 S)`` with S = m c + r (a causal triangle per chunk);
 - MLP: MoE ``6 k (a + 1) H F + 18 H F_s``, dense ``18 H F_d``;
 - logits ``6 H V`` (tied embeddings too: the GEMM still runs);
 - MTP, per depth: eh_proj ``6 * 2 H^2``, one MoE decoder layer with full causal attention, its logits ``6 H V``;
@@ -29,8 +30,9 @@ multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per tok
 
 torchtitan convention: ``6 x (active parameters - the input embedding)`` (every weight a GEMM weight, routers
 and norms included) plus core attention ``6 N K (d_qk + d_v)`` per layer with K = S (no causal halving; for
-GQA this is torchtitan's ``12 L N d S``), K = ``min(w, S)`` in a sliding-window layer. MTP depths add
-``6 x`` their active parameters, their attention term with K = S, and ``6 H V`` for the shared head's logits.
+GQA this is torchtitan's ``12 L N d S``), K = ``min(w, S)`` in a sliding-window layer, ``min(c, S)`` in a chunked
+one. MTP depths add ``6 x`` their active parameters, their attention term with K = S, and ``6 H V`` for the shared
+head's logits.
 """
 
 from __future__ import annotations
@@ -127,15 +129,29 @@ def count_parameters(c: ModelConfig) -> ParameterCount:
     return ParameterCount(total=total, active=active, mtp=(c.mtp_num_layers or 0) * _mtp_params(c)[0])
 
 
-def _keys_per_query(seq_len: int, window: int | None, causal_half: bool) -> float:
+def _keys_per_query(seq_len: int, window: int | None, causal_half: bool, chunk: int | None = None) -> float:
     """Keys one query attends to, averaged over the sequence, in each convention (module docstring)."""
+    if chunk is not None and chunk < seq_len:  # causal triangles of chunk positions (the last one shorter)
+        if not causal_half:
+            return float(chunk)
+        whole, rest = divmod(seq_len, chunk)
+        return (whole * chunk * chunk + rest * rest) / (2 * seq_len)
     span = seq_len if window is None else min(window, seq_len)
     return span - span * span / (2 * seq_len) if causal_half else float(span)
 
 
-def _core_attention_flops(c: ModelConfig, seq_len: int, window: int | None, causal_half: bool) -> float:
+def _core_attention_flops(
+    c: ModelConfig, seq_len: int, window: int | None, causal_half: bool, chunk: int | None = None
+) -> float:
     qk, v = _qk_v_head_dims(c)
-    return 6 * c.num_attention_heads * _keys_per_query(seq_len, window, causal_half) * (qk + v)
+    return 6 * c.num_attention_heads * _keys_per_query(seq_len, window, causal_half, chunk) * (qk + v)
+
+
+def _layer_spans(c: ModelConfig) -> list[tuple[int | None, int | None]]:
+    """(window, chunk) of each decoder layer: the sliding window of windowed layers, the chunk of rope layers."""
+    windows = [None if full else c.window_size for full in c.full_attention_pattern()]
+    chunks = [c.attention_chunk_size if rope else None for rope in c.rope_layer_pattern()]
+    return list(zip(windows, chunks, strict=True))
 
 
 @dataclass(frozen=True)
@@ -153,10 +169,9 @@ def stage_costs(c: ModelConfig, seq_len: int) -> StageCosts:
     :func:`training_flops_per_token` (``megatron``) less the embedding's."""
     h, v = c.hidden_size, c.vocab_size
     attention = 6 * _attention_macs(c)
-    windows = [None if full else c.window_size for full in c.full_attention_pattern()]
     layers = tuple(
-        attention + _core_attention_flops(c, seq_len, window, True) + 6 * _mlp(c, bool(moe)).macs
-        for moe, window in zip(c.moe_layer_pattern(), windows, strict=True)
+        attention + _core_attention_flops(c, seq_len, window, True, chunk) + 6 * _mlp(c, bool(moe)).macs
+        for moe, (window, chunk) in zip(c.moe_layer_pattern(), _layer_spans(c), strict=True)
     )
     mtp_depth = 6 * 2 * h * h + attention + _core_attention_flops(c, seq_len, None, True) + 6 * _mlp(c, True).macs
     return StageCosts(float(h), layers, 6.0 * h * v + (c.mtp_num_layers or 0) * (mtp_depth + 6 * h * v))
@@ -171,11 +186,10 @@ def training_flops_per_token(c: ModelConfig, seq_len: int, convention: str = "me
         raise ValueError(f"seq_len={seq_len}: must be at least 1")
     h, v = c.hidden_size, c.vocab_size
     mtp_layers = c.mtp_num_layers or 0
-    windows = [None if full else c.window_size for full in c.full_attention_pattern()]
     if convention == "megatron":
         costs = stage_costs(c, seq_len)
         return sum(costs.layers) + costs.head
     flops = 6.0 * (count_parameters(c).active - v * h)  # embedding lookups are not GEMMs
-    flops += sum(_core_attention_flops(c, seq_len, window, False) for window in windows)
+    flops += sum(_core_attention_flops(c, seq_len, window, False, chunk) for window, chunk in _layer_spans(c))
     mtp_depth = 6 * _mtp_params(c)[1] + _core_attention_flops(c, seq_len, None, False) + 6 * h * v
     return flops + mtp_layers * mtp_depth

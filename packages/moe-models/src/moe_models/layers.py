@@ -63,8 +63,11 @@ class MoEBlock(nn.Module):
         shared_expert_size: int | None = None,
         bias: bool = False,
         shared_expert_gate: bool = False,
+        probs_on_input: bool = False,
     ) -> None:
         super().__init__()
+        # Llama 4: each routed row enters its expert scaled by its probability, the outputs summed unweighted
+        self.probs_on_input = probs_on_input
         self.router = TopKRouter(hidden_size, router)
         # stateless: safe to share across calls
         self.dispatcher = LocalDispatcher(router.num_experts, permute_backend=router.permute_backend)
@@ -95,7 +98,10 @@ class MoEBlock(nn.Module):
         # probabilities applied inside the experts' activation: less saved for backward than weighting
         # the gathered rows in combine
         counts_E, probs_N = dispatched.tokens_per_expert_E, dispatched.row_probs()
-        if dispatched.gather_saves_memory:  # the experts gather the rows and save the smaller source instead
+        if self.probs_on_input:
+            rows_NH = dispatched.tokens_NH * probs_N.unsqueeze(-1).to(dispatched.tokens_NH.dtype)
+            y_NH = self.experts(rows_NH, counts_E)
+        elif dispatched.gather_saves_memory:  # the experts gather the rows and save the smaller source instead
             y_NH = self.experts(dispatched.source_RH, counts_E, probs_N, row_source_N=dispatched.row_source_N)
         else:
             y_NH = self.experts(dispatched.tokens_NH, counts_E, probs_N)

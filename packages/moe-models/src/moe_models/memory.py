@@ -37,7 +37,7 @@ ROUTER_BYTES = {"fp32": 4, "fp64": 8}
 __all__ = ["estimate_module", "local_parameters", "model_shape", "run_shape"]
 
 
-def _attention(config: ModelConfig, full: bool) -> GQAShape | MLAShape:
+def _attention(config: ModelConfig, full: bool, rope: bool) -> GQAShape | MLAShape:
     c = config
     if c.multi_latent_attention:
         return MLAShape(
@@ -60,6 +60,10 @@ def _attention(config: ModelConfig, full: bool) -> GQAShape | MLAShape:
         rotary_dim=c.rotary_dim,
         qkv_bias=c.add_qkv_bias,
         out_bias=c.add_bias_linear,
+        rope=rope,
+        chunk=c.attention_chunk_size,
+        qk_l2_norm=c.qk_l2_norm,
+        temperature_tuning=c.attn_temperature_tuning,
     )
 
 
@@ -67,8 +71,10 @@ def model_shape(config: ModelConfig) -> ModelShape:
     """The layer shapes of ``config`` (one per decoder layer; the MTP depths are ``mtp_depth``), with what its modules
     save for backward (:mod:`moe_models.saved_bytes`)."""
     c = config
-    moe, full = c.moe_layer_pattern(), c.full_attention_pattern()
-    layers = tuple(LayerShape(_attention(c, bool(f)), moe=bool(m)) for m, f in zip(moe, full, strict=True))
+    moe, full, rope = c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern()
+    layers = tuple(
+        LayerShape(_attention(c, bool(f), bool(r)), moe=bool(m)) for m, f, r in zip(moe, full, rope, strict=True)
+    )
     router = c.router_config()
     experts = ExpertsShape(
         num_experts=c.num_moe_experts,
@@ -82,6 +88,7 @@ def model_shape(config: ModelConfig) -> ModelShape:
         aux_losses=tuple(kind for kind, coeff in router.aux_loss_coeffs.items() if coeff > 0),
         z_loss=bool(c.moe_z_loss_coeff),
         router_bytes=ROUTER_BYTES[c.moe_router_dtype],
+        probs_on_input=c.moe_apply_probs_on_input,
     )
     return ModelShape(
         hidden=c.hidden_size,

@@ -52,11 +52,11 @@ class ModelOutput:
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); the mlp is MoE or dense."""
 
-    def __init__(self, config: ModelConfig, moe: bool = True, full_attention: bool = True) -> None:
+    def __init__(self, config: ModelConfig, moe: bool = True, full_attention: bool = True, rope: bool = True) -> None:
         super().__init__()
         c = config
         self.input_norm = RMSNorm(c.hidden_size, c.norm_epsilon)
-        self.attention = MultiLatentAttention(c) if c.multi_latent_attention else Attention(c, full_attention)
+        self.attention = MultiLatentAttention(c) if c.multi_latent_attention else Attention(c, full_attention, rope)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.norm_epsilon)
         if moe:
             self.mlp: MoEBlock | DenseMLP = MoEBlock(
@@ -68,6 +68,7 @@ class DecoderLayer(nn.Module):
                 shared_expert_size=c.moe_shared_expert_intermediate_size,
                 bias=c.add_bias_linear,
                 shared_expert_gate=c.moe_shared_expert_gate,
+                probs_on_input=c.moe_apply_probs_on_input,
             )
         else:
             self.mlp = DenseMLP(c.hidden_size, c.ffn_hidden_size)
@@ -134,8 +135,10 @@ class MoETransformer(nn.Module):
         self.config = c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(c, moe=bool(moe), full_attention=bool(full))
-            for moe, full in zip(c.moe_layer_pattern(), c.full_attention_pattern(), strict=True)
+            DecoderLayer(c, moe=bool(moe), full_attention=bool(full), rope=bool(rope))
+            for moe, full, rope in zip(
+                c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern(), strict=True
+            )
         )
         self.norm = RMSNorm(c.hidden_size, c.norm_epsilon)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)

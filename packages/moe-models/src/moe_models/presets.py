@@ -221,6 +221,13 @@ _HF_PUBLISHED: dict[str, dict[str, Any]] = {
     # DeepSeek-V2 paper: expert-level balance loss 0.003 (V2), 0.001 (V2-Lite)
     "deepseek-v2": {"moe_router_load_balancing_type": ["aux_loss"], "moe_aux_loss_coeff": [3e-3]},
     "deepseek-v2-lite": {"moe_router_load_balancing_type": ["aux_loss"], "moe_aux_loss_coeff": [1e-3]},
+    # ERNIE 4.5: the expert bias (moe_use_aux_free) and the Switch aux loss of router_aux_loss_coef
+    "ernie-4.5-21b-a3b": {},
+    "ernie-4.5-300b-a47b": {},
+    "hunyuan-a13b": {},
+    # Llama 4: a Switch aux loss with its config.json's router_aux_loss_coef (transformers' default 1e-3)
+    "llama-4-scout-17b-16e": {},
+    "llama-4-maverick-17b-128e": {},
 }
 
 
@@ -349,7 +356,24 @@ def _tiny_hf(name: str, *, mla: bool = False, dense_first: bool = False, **field
     group_fields = {}
     if big.moe_router_num_groups is not None:  # 8 experts in 4 groups, 2 chosen
         group_fields = {"moe_router_num_groups": 4, "moe_router_group_topk": 2}
-    return replace(big, **sizes, num_layers=len(layers), moe_layer_freq=layers, **group_fields, **fields)
+    fields = {**sizes, "num_layers": len(layers), "moe_layer_freq": layers, **group_fields, **fields}
+    return replace(big, **fields)
+
+
+def _tiny_llama4() -> ModelConfig:
+    """Llama 4 Scout's features at the tiny sizes: four layers (the fourth NoPE, with temperature tuning every 16
+    positions), chunks of 48 positions, top-1 of 8 experts applied to the input, a shared expert, Llama 3.1's rope
+    with a 32-token original context."""
+    return replace(
+        preset("llama-4-scout-17b-16e"),
+        **{**_TINY_GQA, "moe_router_topk": 1},
+        num_layers=4,
+        moe_layer_freq=1,
+        moe_shared_expert_intermediate_size=64,
+        attention_chunk_size=48,
+        attn_temperature_floor_scale=16,
+        original_max_position_embeddings=32,
+    )
 
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -376,6 +400,9 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-qwen2-moe": lambda: _tiny_hf("qwen1.5-moe-a2.7b"),
     "tiny-olmoe": lambda: _tiny_hf("olmoe-1b-7b"),
     "tiny-deepseek-v2": lambda: _tiny_hf("deepseek-v2", mla=True, dense_first=True),
+    "tiny-ernie4-5-moe": lambda: _tiny_hf("ernie-4.5-21b-a3b", dense_first=True),
+    "tiny-hunyuan-v1-moe": lambda: _tiny_hf("hunyuan-a13b"),
+    "tiny-llama4": lambda: _tiny_llama4(),
 }
 TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
 PUBLISHED_PRESETS = tuple(name for name in PRESETS if not name.startswith("tiny-"))
@@ -432,4 +459,11 @@ PUBLISHED_SIZES: dict[str, PublishedSize] = {
     "olmoe-1b-7b": PublishedSize(6.9e9, 1.3e9, 0.1e9, 0.1e9, True, "OLMoE paper (6.9B total, 1.3B active)"),
     "deepseek-v2": PublishedSize(236e9, 21e9, 1e9, 1e9, False, "DeepSeek-V2 technical report"),
     "deepseek-v2-lite": PublishedSize(15.7e9, 2.4e9, 0.1e9, 0.1e9, False, "DeepSeek-V2-Lite model card"),
+    # "21B total, 3B active": 21.8B counted (the card rounds down)
+    "ernie-4.5-21b-a3b": PublishedSize(21e9, 3e9, 1e9, 1e9, False, "ERNIE 4.5 model card (21B-A3B)"),
+    "ernie-4.5-300b-a47b": PublishedSize(300e9, 47e9, 1e9, 1e9, False, "ERNIE 4.5 model card (300B-A47B)"),
+    "hunyuan-a13b": PublishedSize(80e9, 13e9, 1e9, 1e9, True, "Hunyuan-A13B model card"),
+    # "109B total": the text model counted here is 107.8B, the card's figure includes the vision encoder; held to 2B
+    "llama-4-scout-17b-16e": PublishedSize(109e9, 17e9, 2e9, 1e9, True, "Llama 4 model card (Scout)"),
+    "llama-4-maverick-17b-128e": PublishedSize(400e9, 17e9, 1e9, 1e9, True, "Llama 4 model card (Maverick)"),
 }

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: plain RoPE and YaRN context extension, in the rotate-half or interleaved layout.
+"""Rotary position embeddings: plain RoPE, YaRN and Llama 3.1's context extension, in the rotate-half or interleaved
+layout.
 
 Tables are computed on the fly from the config (no cached state on modules), in fp32.
 """
@@ -40,6 +41,22 @@ def _yarn_attention_factor(c: ModelConfig) -> float:
     return yarn_mscale(c.rotary_scaling_factor)
 
 
+def _llama3_inv_freq(c: ModelConfig, dim: int, device: torch.device | None) -> torch.Tensor:
+    """Llama 3.1's frequencies: wavelengths longer than the original context / low_freq_factor slowed down by the
+    factor, those shorter than ... / high_freq_factor kept, a smooth interpolation between."""
+    inv_freq = 1.0 / c.rotary_base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    factor, low, high = c.rotary_scaling_factor, c.rope_low_freq_factor, c.rope_high_freq_factor
+    context = c.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    if high == low:  # a hard cut at the original context (Llama 4 Scout), no ramp
+        return scaled
+    smooth = (context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rotary_cos_sin(
     c: ModelConfig, positions: int | torch.Tensor, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +68,8 @@ def rotary_cos_sin(
     dim = c.rotary_dim
     if c.rope_type == "yarn":
         inv_freq, scale = _yarn_inv_freq(c, dim, device), _yarn_attention_factor(c)
+    elif c.rope_type == "llama3":
+        inv_freq, scale = _llama3_inv_freq(c, dim, device), 1.0
     else:
         inv_freq = 1.0 / c.rotary_base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
         scale = 1.0

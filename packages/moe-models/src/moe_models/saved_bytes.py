@@ -14,13 +14,20 @@ What this package's modules save, as :class:`moe_memory.measure.SavedTensorBytes
   call otherwise).
 - The q/k norms (per head, or over all heads' width per token) save as RMSNorm; with ``clip_qkv`` the clamp saves
   its inputs (the normed q and k, the v projection), counted under ``rope`` (both run in the attention module itself).
-  Partial rotary embeddings rotate ``rotary_dim`` of each head's dimensions: the tables are that wide.
+  Partial rotary embeddings rotate ``rotary_dim`` of each head's dimensions: the tables are that wide. Llama 4's q/k
+  L2 norms (rotating layers) save as RMSNorm without the normalised rows (no weight); its NoPE layers rotate nothing
+  and, with temperature tuning, keep the fp32 per-position scale of q (all under ``rope``).
 - Attention saves q, k, v (k/v with their own heads under GQA), the output and an fp32 logsumexp per row: SDPA's
   fused kernels for causal attention over whole sequences (on CPU its flash kernel when q/k and v head dims are
   equal), the blockwise kernel (:mod:`moe_models.blockwise`) for sinks, sliding windows shorter than the sequence and
-  MLA on CPU (``RunShape.device``), where v is a contiguous copy. Under context parallelism k and v are those of the
-  whole sequence (all-gathered, copied in position order), q, the output and the logsumexp the rank's own. The output
-  projection saves a copy of the output with heads merged.
+  MLA on CPU (``RunShape.device``), where v is a contiguous copy; Llama 4's chunks shorter than the sequence go to the
+  blockwise kernel too. Under context parallelism k and v are those of the whole sequence (all-gathered, copied in
+  position order), q, the output and the logsumexp the rank's own. The output projection saves a copy of the output
+  with heads merged, except after SDPA on a q still laid out token-major like its projection (a NoPE layer): SDPA's
+  output follows q's layout, and merging its heads is then a view.
+- With probabilities on the input (Llama 4) the MoE block saves the permuted rows and their probabilities (in the
+  activation dtype) for its product; the experts then take the weighted rows, never gather them, and their
+  activation keeps no probabilities.
 - Cross-entropy saves fp32 log-probabilities (of the rank's vocabulary slice under tp) and the int64 labels.
 
 Layouts: context parallelism (cp) gives each rank ``seq_len / cp`` positions of every sequence (attention sees the
@@ -79,6 +86,19 @@ def _norm(
     return saves.tensor(f"{prefix}.out", rows * dim * activation_bytes, f"{prefix} output")
 
 
+def _unit_rms(
+    saves: ForwardSaves, module: str, prefix: str, input_key: str, rows: int, dim: int, activation_bytes: int
+) -> str:
+    """Scaling to unit RMS in fp32 without a weight (Llama 4's q/k L2 norm): as :func:`_norm`, but with no weight
+    to multiply nothing keeps the normalised rows; returns its output's key."""
+    if activation_bytes == FP32_BYTES:
+        saves.save(module, input_key)
+    else:
+        saves.save(module, saves.tensor(f"{prefix}.x32", rows * dim * FP32_BYTES, f"{prefix} fp32 input"))
+    saves.save(module, saves.tensor(f"{prefix}.rstd", rows * FP32_BYTES, f"{prefix} rsqrt"))
+    return saves.tensor(f"{prefix}.out", rows * dim * activation_bytes, f"{prefix} output")
+
+
 def _rope_table_copies(
     saves: ForwardSaves, module: str, positions: int, rotary_dim: int, activation_bytes: int
 ) -> None:
@@ -104,9 +124,12 @@ def _core_attention(
     qk_dim: int,
     v_dim: int,
     blockwise: bool,
+    q_heads_major: bool = True,
 ) -> str:
     """SDPA or the blockwise kernel on ``q``, ``k``, ``v`` (``[tokens, heads, dim]``; ``v`` a strided view that the
-    blockwise kernel makes contiguous); the output projection's merged copy. Returns the output's key."""
+    blockwise kernel makes contiguous); the output projection's merged copy. Returns the output's key.
+    ``q_heads_major``: q is laid out heads first (a rotation's or a norm's output) rather than a view of its
+    projection, whose token-major layout SDPA's output follows: merging its heads is then a view, not a copy."""
     activation_bytes, tokens = sizes.activation_bytes, sizes.tokens
     out = saves.tensor("attn.out", tokens * heads * v_dim * activation_bytes, "attention output")
     lse = saves.tensor("attn.lse", sizes.batch * heads * sizes.positions * FP32_BYTES, "logsumexp")
@@ -122,7 +145,7 @@ def _core_attention(
         saves.save("core_attn", q, k, v, lse, out)
     saves.scope("core_attn", "core_attn", (), (q, k, v), (out,))
     merged = out
-    if heads != 1:  # one head: the output is already merged
+    if heads != 1 and (blockwise or sizes.cp > 1 or q_heads_major):  # one head: the output is already merged
         merged = saves.tensor(
             "attn.merged", tokens * heads * v_dim * activation_bytes, "attention output, heads merged"
         )
@@ -149,14 +172,34 @@ def _gqa(saves: ForwardSaves, attention: GQAShape, sizes: RankSizes, run: RunSha
         q = saves.tensor("q.clamped", q_bytes, "q clamped")
         k = saves.tensor("k.clamped", kv_bytes, "k clamped")
         v = saves.tensor("v.clamped", kv_bytes, "v clamped")
-    rotary_dim = attention.rotary_dim or head_dim
-    _rope_table_copies(saves, "rope", sizes.positions, rotary_dim, activation_bytes)
-    q = saves.tensor("q.rot", q_bytes, "q with rotary")
-    k = saves.tensor("k.rot", kv_bytes, "k with rotary")
+    chunked = False
+    if attention.rope:
+        rotary_dim = attention.rotary_dim or head_dim
+        _rope_table_copies(saves, "rope", sizes.positions, rotary_dim, activation_bytes)
+        q = saves.tensor("q.rot", q_bytes, "q with rotary")
+        k = saves.tensor("k.rot", kv_bytes, "k with rotary")
+        if attention.qk_l2_norm:
+            q = _unit_rms(saves, "rope", "q_l2", q, tokens * heads, head_dim, activation_bytes)
+            k = _unit_rms(saves, "rope", "k_l2", k, tokens * kv_heads, head_dim, activation_bytes)
+        chunked = attention.chunk is not None and attention.chunk < sizes.positions
+    elif attention.temperature_tuning:  # the product keeps the scale (no gradient flows into it), not q
+        scale = saves.tensor("q.temperature", sizes.positions * FP32_BYTES, "fp32 q temperature per position")
+        saves.save("rope", scale)
+        q = saves.tensor("q.tuned", q_bytes, "q times its temperature")
     window = attention.window is not None and attention.window < sizes.positions
-    blockwise = attention.sinks or window  # v is a strided view of its projection
+    blockwise = attention.sinks or window or chunked  # v is a strided view of its projection
     _core_attention(
-        saves, sizes, q, k, v, heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, blockwise=blockwise
+        saves,
+        sizes,
+        q,
+        k,
+        v,
+        heads=heads,
+        kv_heads=kv_heads,
+        qk_dim=head_dim,
+        v_dim=head_dim,
+        blockwise=blockwise,
+        q_heads_major=attention.rope,
     )
 
 
@@ -246,6 +289,8 @@ def _moe(
         dispatcher=run.dispatcher,
     )
     distributed = run.ep * run.etp > 1
+    # probabilities on the input: the block weighs the permuted rows itself, so the experts cannot gather them
+    weighted_input = experts.probs_on_input
     dispatch = dispatcher_saved_bytes(
         rows,
         tokens=tokens,
@@ -255,11 +300,17 @@ def _moe(
         distributed=distributed,
         dispatcher=run.dispatcher,
         device=run.device,
+        experts_gather=not weighted_input,
     )
     combine = [save for save in dispatch if save.module == "combine"]
     saves.add([save for save in dispatch if save.module != "combine"], path=path)
     # the gathered first projection's source: the block's input without ep, the received rows with it
-    source = ("dispatch.received" if distributed else mlp_input) if rows.gathered_by_experts else None
+    gathered = rows.gathered_by_experts and not weighted_input
+    source = ("dispatch.received" if distributed else mlp_input) if gathered else None
+    if weighted_input:  # rows x probabilities keeps both factors, the probabilities cast to the rows' dtype
+        permuted = saves.tensor("moe.rows", rows.pairs * hidden * activation_bytes, "permuted rows")
+        probs = saves.tensor("moe.row_probs", rows.pairs * activation_bytes, "row probabilities, activation dtype")
+        saves.save("dispatch", permuted, probs, path=path)
     grouped = grouped_experts_saved_bytes(
         rows=rows.pairs,
         local_experts=experts.num_experts // run.ep,
@@ -272,9 +323,11 @@ def _moe(
         source_tensor=source,
         source_rows=rows.received,
         source_description="received rows",
+        probs=not weighted_input,
     )
     saves.add(grouped, path=path)
-    saves.scope("moe_act", "moe_act", path, ACTIVATION_INPUTS, (ACTIVATION_OUTPUT,))
+    activation_inputs = ACTIVATION_INPUTS[:1] if weighted_input else ACTIVATION_INPUTS  # no probabilities to take
+    saves.scope("moe_act", "moe_act", path, activation_inputs, (ACTIVATION_OUTPUT,))
     saves.add(combine, path=path)
     saves.scope("moe", "moe", (), (mlp_input,), (), module="moe")
     if distributed:
@@ -332,8 +385,12 @@ def _model_level(
     local_bytes = local_tokens * hidden * activation_bytes  # [local tokens, hidden]
     if share is None or share.first:
         saves.save("embedding", saves.tensor("ids", tokens * INDEX_BYTES, "input ids"))
-    if activation_bytes == FP32_BYTES and model.layers:  # one fp32 cos / sin table [positions, rotary_dim / 2]
-        attention = model.layers[0].attention
+    # one fp32 cos / sin table [positions, rotary_dim / 2], if any layer rotates (the MTP layers do)
+    rotating = [
+        layer.attention for layer in model.layers if isinstance(layer.attention, MLAShape) or layer.attention.rope
+    ]
+    if activation_bytes == FP32_BYTES and model.layers and (rotating or model.mtp_depth):
+        attention = rotating[0] if rotating else model.layers[0].attention
         if isinstance(attention, MLAShape):
             rotary_dim = attention.qk_rope_dim
         else:

@@ -1,5 +1,5 @@
 """HuggingFace checkpoints (config.json + safetensors) of Qwen3-MoE, DeepSeek-V3 / Kimi-K2, GPT-OSS, Mixtral, GLM-4.5
-(and 4.6, 4.7, 4.7-Flash), dots.llm1, MiniMax-M2, Qwen2-MoE, OLMoE and DeepSeek-V2:
+(and 4.6, 4.7, 4.7-Flash), dots.llm1, MiniMax-M2, Qwen2-MoE, OLMoE, DeepSeek-V2, ERNIE 4.5, Hunyuan and Llama 4:
 load into / save from our models, read only some experts' tensors for an expert-parallel rank, or serve a
 parallelised model's shards slice by slice (``CheckpointSource``); write LoRA adapters as a PEFT adapter directory."""
 

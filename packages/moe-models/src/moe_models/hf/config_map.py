@@ -50,6 +50,8 @@ def family_of(hf: dict[str, Any]) -> str:
 
 
 def _rope_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The rotary fields of config.json's ``rope_parameters`` (or the legacy ``rope_scaling`` / ``rope_theta``):
+    default rope or YaRN, full or partial width."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if any(isinstance(v, dict) for v in params.values()):
         raise _unsupported("rope_parameters", params, "per-layer-type rope parameters; give one global dict")
@@ -105,7 +107,7 @@ def _common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
         "num_query_groups": hf.get("num_key_value_heads") or heads,
         "kv_channels": hf.get("head_dim") or hidden // heads,
         "max_position_embeddings": _get(hf, "max_position_embeddings"),
-        "moe_router_topk": _get(hf, "num_experts_per_tok"),
+        "moe_router_topk": hf.get("num_experts_per_tok"),  # a family may name it otherwise (ERNIE's moe_k)
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
         "init_method_std": float(hf.get("initializer_range", 0.02)),
@@ -113,7 +115,8 @@ def _common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     }
     if hf.get("router_aux_loss_coef") is not None:
         out["moe_aux_loss_coeff"] = [float(hf["router_aux_loss_coef"])]
-    return out | _rope_from_hf(hf, family)
+    rope = FAMILIES[family].rope_from_hf or _rope_from_hf
+    return out | rope(hf, family)
 
 
 def _qwen3_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -234,6 +237,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     family = FAMILIES[family_of(hf)]
     fields_read = ReadFields(hf)
     fields = _common_from_hf(fields_read, family.name) | family.from_hf(fields_read)
+    if fields["moe_router_topk"] is None:
+        _get(hf, "num_experts_per_tok")  # the one-line error naming the key
     unread = set(hf) - fields_read.read - GENERIC_INERT - _COMMON_INERT - family.inert
     if unread:
         key = sorted(unread)[0]
@@ -471,11 +476,15 @@ _YARN_FIELDS = (
 )
 
 
+_LLAMA3_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor")
+
+
 def _architecture(c: ModelConfig) -> dict[str, Any]:
     """The fields of ``c`` that decide the logits and the checkpoint's tensors (those its config.json holds)."""
     values = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in _TRAINING_FIELDS}
     values["moe_layer_freq"] = c.moe_layer_pattern()
     values["window_attn_skip_freq"] = c.full_attention_pattern()
+    values["no_rope_freq"] = c.rope_layer_pattern()
     if c.multi_latent_attention:  # unused by MLA
         for name in ("kv_channels", "num_query_groups", "qk_layernorm"):
             values.pop(name)
@@ -486,8 +495,14 @@ def _architecture(c: ModelConfig) -> dict[str, Any]:
     if FAMILIES[c.family].names.expert_bias_always:  # a bias of zeros computes what no bias does
         values.pop("moe_router_enable_expert_bias")
     values["moe_router_topk_scaling_factor"] = c.moe_router_topk_scaling_factor or 1.0  # unset is 1
-    if c.rope_type != "yarn":  # YaRN's alone
-        for name in _YARN_FIELDS:
+    if c.rope_type == "rope":  # the extensions' alone
+        for name in (*_YARN_FIELDS, *_LLAMA3_FIELDS):
+            values.pop(name)
+    elif c.rope_type == "yarn":
+        for name in _LLAMA3_FIELDS:
+            values.pop(name)
+    else:  # llama3 reads the factor and the original context of YaRN's fields
+        for name in set(_YARN_FIELDS) - {"rotary_scaling_factor", "original_max_position_embeddings"}:
             values.pop(name)
     if c.moe_router_topk == 1:  # one weight is never renormalised (Megatron-Core)
         values["moe_router_sigmoid_norm_topk"] = True

@@ -147,13 +147,19 @@ class CheckpointNames:
     """Where a family's checkpoints keep a decoder layer's tensors (under ``model.layers.{i}.``)."""
 
     moe_block: str = "mlp"
+    dense_mlp: str = "mlp"  # a dense layer's MLP (gate_proj / up_proj / down_proj under it)
+    # the routed experts stored as our fused tensors: experts.gate_up_proj [E, H, 2F] (gate columns, then up) and
+    # experts.down_proj [E, F, H] (Llama 4); otherwise one gate/up/down projection per expert
+    experts_fused: bool = False
     router: str = "gate"  # under the MoE block
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     expert_bias: str = "gate.e_score_correction_bias"  # under the MoE block
     # transformers' router holds the expert bias even when the family's routing does not use it (written as zeros)
     expert_bias_always: bool = False
+    expert_bias_2d: bool = False  # stored [1, E] (ERNIE 4.5's moe_statics), ours [E]
     shared_experts: str = "shared_experts"  # under the MoE block
     shared_expert_gate: str = "shared_expert_gate"  # under the MoE block
+    sinks: str = "sinks"  # under self_attn: the learned attention-sink logits (Flint: softmax_offset)
     q_norm: str = "q_norm"  # under self_attn
     k_norm: str = "k_norm"
 
@@ -176,3 +182,9 @@ class HFFamily:
     # the family's checkpoints may carry layers past num_hidden_layers that transformers does not build (MiniMax-M2's
     # MTP modules): their tensors are left unread rather than refused
     layers_past_the_last_ignored: bool = False
+    # checkpoint tensors transformers does not read either (a regular expression searched in each name: ERNIE 4.5's
+    # MTP block), left unread rather than refused
+    unread_key_pattern: str | None = None
+    # the family's own reading of the rotary fields (rope_parameters: NTK-alpha, llama3...), instead of the common one
+    # (default rope and YaRN); called with the config.json dict and the family name
+    rope_from_hf: Callable[[ReadFields, str], dict[str, Any]] | None = None

@@ -27,13 +27,17 @@ from moe_models.model import build_model
 FP32_SUFFIXES = (".router.expert_bias",)
 
 
-def _past_the_last_layer(config: ModelConfig, available: set[str]) -> set[str]:
-    """The tensors of layers ``model.layers.{i}`` with ``i >= num_layers``, where the family's checkpoints may carry
-    such layers unread (:attr:`~moe_models.hf.family.HFFamily.layers_past_the_last_ignored`)."""
-    if not FAMILIES[config.family].layers_past_the_last_ignored:
-        return set()
-    layer_of = (re.match(r"model\.layers\.(\d+)\.", key) for key in available)
-    return {m.string for m in layer_of if m is not None and int(m.group(1)) >= config.num_layers}
+def _left_unread(config: ModelConfig, available: set[str]) -> set[str]:
+    """The checkpoint's tensors the family's checkpoints may carry and transformers does not read either: layers
+    ``model.layers.{i}`` with ``i >= num_layers`` (``layers_past_the_last_ignored``), names matching the family's
+    ``unread_key_pattern``."""
+    family, unread = FAMILIES[config.family], set()
+    if family.layers_past_the_last_ignored:
+        layer_of = (re.match(r"model\.layers\.(\d+)\.", key) for key in available)
+        unread |= {m.string for m in layer_of if m is not None and int(m.group(1)) >= config.num_layers}
+    if family.unread_key_pattern is not None:
+        unread |= {key for key in available if re.search(family.unread_key_pattern, key)}
+    return unread
 
 
 def _check_keys(plan: Plan, full_plan: Plan, available: set[str]) -> None:
@@ -54,7 +58,7 @@ def _check_keys(plan: Plan, full_plan: Plan, available: set[str]) -> None:
 def plan_for(reader: CheckpointReader, config: ModelConfig, experts: Sequence[int] | None) -> Plan:
     available = reader.names()
     plan = build_plan(config, experts=experts, available=available)
-    _check_keys(plan, build_plan(config, available=available), available - _past_the_last_layer(config, available))
+    _check_keys(plan, build_plan(config, available=available), available - _left_unread(config, available))
     return plan
 
 

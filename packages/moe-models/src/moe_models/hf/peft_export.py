@@ -50,7 +50,7 @@ PREFIX = "base_model.model."  # PeftModel's name of the transformers model, in e
 # in that order, each wrapper around the previous, so the first one's adapter sits under the others' `base_layer`
 _EXPERT_PARAMETERS = {"fc1": "gate_up_proj", "fc2": "down_proj"}
 # modules transformers 5 renames on load (its conversion mapping), on-disk name -> in-memory name
-_IN_MEMORY = {"mixtral": ((".block_sparse_moe.", ".mlp."),)}
+_IN_MEMORY = {"mixtral": ((".block_sparse_moe.", ".mlp."),), "minimax_m2": ((".block_sparse_moe.", ".mlp."),)}
 # the leaf names PEFT's transformers-5 conversion takes for expert projections in target_modules (module docstring)
 _RENAMED_BY_PEFT = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
 

@@ -67,6 +67,14 @@ def _transpose_back(t: Tensor) -> list[Tensor]:
     return [t.transpose(-1, -2)]
 
 
+def _squeeze_rows(ts: list[Tensor]) -> Tensor:
+    return ts[0].squeeze(0)
+
+
+def _unsqueeze_rows(t: Tensor) -> list[Tensor]:
+    return [t.unsqueeze(0)]
+
+
 def _copy(plan: Plan, ours: str, key: str, shape: tuple[int, ...], rows: tuple[int, ...] | None = None) -> None:
     plan.entries.append(Entry(ours, (Source(key, shape, rows),), _first, _alone))
 
@@ -114,7 +122,7 @@ def _gqa_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
         _copy(plan, f"{ours}.q_norm.weight", f"{hf}.{names.q_norm}.weight", (q_norm,))
         _copy(plan, f"{ours}.k_norm.weight", f"{hf}.{names.k_norm}.weight", (k_norm,))
     if c.softmax_type == "learnable":
-        _copy(plan, f"{ours}.sinks", f"{hf}.sinks", (c.num_attention_heads,))
+        _copy(plan, f"{ours}.sinks", f"{hf}.{FAMILIES[c.family].names.sinks}", (c.num_attention_heads,))
 
 
 def _mla_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
@@ -150,6 +158,10 @@ def _routed_experts(
         _copy(plan, f"{ours}.w_down_EFH", f"{hf}.down_proj", (e, f, h), rows)
         _copy(plan, f"{ours}.b_down_EH", f"{hf}.down_proj_bias", (e, h), rows)
         return
+    if FAMILIES[c.family].names.experts_fused:
+        _copy(plan, f"{ours}.w_gate_up_EH2F", f"{hf}.gate_up_proj", (e, h, 2 * f), rows)
+        _copy(plan, f"{ours}.w_down_EFH", f"{hf}.down_proj", (e, f, h), rows)
+        return
     if available is not None and f"{hf}.gate_up_proj" in available:
         # transformers 5's in-memory layout ([E, 2F, H] gate rows first, [E, H, F]): read, never written
         gate_up = Source(f"{hf}.gate_up_proj", (e, 2 * f, h), rows)
@@ -172,10 +184,14 @@ def _moe_mlp(
     _copy(plan, f"{ours}.router.weight", f"{block}.{names.router}.weight", (e, h))
     if c.add_bias_linear:
         _copy(plan, f"{ours}.router.bias", f"{block}.{names.router}.bias", (e,))
-    if c.moe_router_enable_expert_bias:
+    bias_shape = (1, e) if names.expert_bias_2d else (e,)
+    if c.moe_router_enable_expert_bias and names.expert_bias_2d:
+        source = (Source(f"{block}.{names.expert_bias}", bias_shape),)
+        plan.entries.append(Entry(f"{ours}.router.expert_bias", source, _squeeze_rows, _unsqueeze_rows))
+    elif c.moe_router_enable_expert_bias:
         _copy(plan, f"{ours}.router.expert_bias", f"{block}.{names.expert_bias}", (e,))
     elif names.expert_bias_always:  # transformers' router always has the bias: zeros are ours
-        plan.zeros[f"{block}.{names.expert_bias}"] = (e,)
+        plan.zeros[f"{block}.{names.expert_bias}"] = bias_shape
         plan.ignored.add(f"{block}.{names.expert_bias}")
     _routed_experts(plan, c, f"{ours}.experts", f"{block}.experts", experts, available)
     if c.moe_shared_expert_intermediate_size is not None:
@@ -201,7 +217,7 @@ def _decoder_layer(
     if moe:
         _moe_mlp(plan, c, f"{ours}.mlp", hf, experts, available)
     else:
-        _dense_mlp(plan, c, f"{ours}.mlp", f"{hf}.mlp")
+        _dense_mlp(plan, c, f"{ours}.mlp", f"{hf}.{FAMILIES[c.family].names.dense_mlp}")
 
 
 def _mtp(plan: Plan, c: ModelConfig, k: int, experts: tuple[int, ...], available: set[str] | None) -> None:

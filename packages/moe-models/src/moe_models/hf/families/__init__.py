@@ -3,6 +3,38 @@ each defines ``FAMILY``, an :class:`~moe_models.hf.family.HFFamily`."""
 
 from __future__ import annotations
 
-from moe_models.hf.families import deepseek_v2, dots1, glm4_moe, glm4_moe_lite, minimax_m2, olmoe, qwen2_moe
+from moe_models.hf.families import (
+    deepseek_v2,
+    dots1,
+    ernie4_5_moe,
+    exaone_moe,
+    flint,
+    glm4_moe,
+    glm4_moe_lite,
+    hunyuan_v1_moe,
+    hy_v3,
+    llama4,
+    mellum,
+    minimax_m2,
+    olmoe,
+    qwen2_moe,
+    solar_open,
+)
 
-FAMILY_MODULES = (dots1, glm4_moe, glm4_moe_lite, qwen2_moe, olmoe, deepseek_v2, minimax_m2)
+FAMILY_MODULES = (
+    deepseek_v2,
+    dots1,
+    glm4_moe,
+    glm4_moe_lite,
+    minimax_m2,
+    olmoe,
+    qwen2_moe,
+    ernie4_5_moe,
+    hunyuan_v1_moe,
+    llama4,
+    solar_open,
+    hy_v3,
+    exaone_moe,
+    flint,
+    mellum,
+)
