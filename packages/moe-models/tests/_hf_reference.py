@@ -1,7 +1,9 @@
 """Tiny transformers reference models of the four families, with every parameter and buffer randomised (HF init
 leaves norms at one and biases, sinks and DeepSeek's expert bias at zero, which would hide mapping mistakes), and the
-parity harness every family's tests share: ``both_ways`` (transformers -> ours -> transformers), ``moves_logits`` (a
-config change that must move the logits, so a case exercises its feature) and ``mtp_round_trip``."""
+parity harness every family's tests share: ``both_ways`` (transformers -> ours -> transformers; ``both_ways_within``
+asserts a tolerance), ``moves_logits`` (a config change that must move the logits, so a case exercises its feature;
+``assert_exercised`` over a list of them), ``mtp_round_trip``, and the refusal checks ``assert_import_refused`` and
+``assert_export_refused``."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import dataclasses
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -226,6 +229,20 @@ def both_ways(
     return BothWays(ours, ids, ref_logits, load_err, trip_err)
 
 
+def both_ways_within(
+    reference, tmp_dir: Path, seed: int = 0, *, tolerance: float, quiet: bool = False, **kwargs
+) -> BothWays:
+    """``both_ways(reference, tmp_dir, seed, **kwargs)``, asserting both errors below ``tolerance``; ``quiet``: with
+    transformers' warnings silenced."""
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")
+        r = both_ways(reference, tmp_dir, seed, **kwargs)
+    assert r.load_err < tolerance, f"load error {r.load_err:.2e} over {tolerance:.0e}"
+    assert r.trip_err < tolerance, f"round trip error {r.trip_err:.2e} over {tolerance:.0e}"
+    return r
+
+
 def moves_logits(ours, ids: torch.Tensor, ref_logits: torch.Tensor, *, strict: bool = True, **change) -> float:
     """The error against ``ref_logits`` once ``change`` is applied to our model's config, with its weights loaded
     (``strict``: the changed model has exactly the same weights; else those that fit). A feature a case exercises
@@ -235,6 +252,56 @@ def moves_logits(ours, ids: torch.Tensor, ref_logits: torch.Tensor, *, strict: b
     altered = build_model(dataclasses.replace(ours.config, **change))
     altered.load_state_dict(ours.state_dict(), strict=strict)
     return rel_err(logits(altered.eval(), ids), ref_logits)
+
+
+def assert_exercised(
+    r: BothWays,
+    case: str,
+    changes: Iterable[dict] | Mapping[str, dict],
+    *,
+    strict: bool = False,
+    moved_by: float = 1e-3,
+    label: str | None = None,
+) -> None:
+    """Each of ``changes`` (to our model's config, ``moves_logits``; a mapping names them) moves the logits of ``r``
+    more than ``moved_by`` off transformers': ``case`` exercises what each changes. ``label``: prints each move."""
+    named = changes.items() if isinstance(changes, Mapping) else ((change, change) for change in changes)
+    for name, change in named:
+        moved = moves_logits(r.ours, r.ids, r.ref_logits, strict=strict, **change)
+        if label is not None:
+            print(f"{label}: {change} moves the logits by {moved:.2e}")
+        assert moved > moved_by, f"{case} does not exercise {name}"
+
+
+def class_defaults_agree(config_class, model_type: str, given: dict):
+    """A config.json holding only ``given`` maps as ``config_class(**given)`` written out (the class's defaults filled
+    in) does; returns (ours, theirs): our config of it and transformers'."""
+    from moe_models.hf import config_from_hf
+
+    ours = config_from_hf({"model_type": model_type} | given)
+    theirs = config_class(**given)
+    assert config_from_hf(theirs.to_dict()) == ours
+    return ours, theirs
+
+
+def assert_import_refused(hf: dict, key: str) -> None:
+    """``config_from_hf`` refuses ``hf``, its error naming ``config.json {key}=`` (``key``: a regex)."""
+    from moe_models.hf import config_from_hf
+    from moe_models.hf.errors import HFCheckpointError
+
+    with pytest.raises(HFCheckpointError, match=f"config.json {key}="):
+        config_from_hf(hf)
+
+
+def assert_export_refused(ours, change: dict, field: str, family: str) -> None:
+    """``config_to_hf`` refuses ``ours`` with ``change`` applied, its error opening ``ModelConfig {field}=`` and
+    naming ``family``."""
+    from moe_models.hf import config_to_hf
+    from moe_models.hf.errors import HFCheckpointError
+
+    altered = dataclasses.replace(ours, **change)
+    with pytest.raises(HFCheckpointError, match=f"^ModelConfig {field}=.*{family}"):
+        config_to_hf(altered)
 
 
 def draw_expert_groups(draw, topk: int, experts: int = 8) -> tuple[int, int] | None:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import transformers  # the reference implementation: in the dev group, so a missing one fails here
-from _hf_reference import WINDOW, both_ways, moves_logits
+from _hf_reference import WINDOW, assert_exercised, both_ways_within, class_defaults_agree
 from _published_hf_configs import PUBLISHED_HF_CONFIGS
 
 from moe_models import ModelConfig
@@ -56,9 +56,10 @@ def _tiny(**fields) -> ModelConfig:
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_both_ways(case, tmp_path):
     fields, exercised = CASES[case]
-    r = both_ways(transformers.Dots1Config(**(_TINY_HF | fields)), tmp_path, label=f"dots1 {case}")
-    assert r.load_err < TOLERANCE and r.trip_err < TOLERANCE
-    assert moves_logits(r.ours, r.ids, r.ref_logits, **exercised) > 1e-3, "the case does not exercise its feature"
+    r = both_ways_within(
+        transformers.Dots1Config(**(_TINY_HF | fields)), tmp_path, label=f"dots1 {case}", tolerance=TOLERANCE
+    )
+    assert_exercised(r, case, [exercised], strict=True)
 
 
 def test_published_dots_llm1():
@@ -100,9 +101,7 @@ def test_config_defaults_are_transformers(fields):
         "n_shared_experts": 1,
         "num_experts_per_tok": 2,
     } | fields
-    ours = config_from_hf({"model_type": "dots1"} | minimal)
-    theirs = transformers.Dots1Config(**minimal)
-    assert config_from_hf(theirs.to_dict()) == ours
+    ours, theirs = class_defaults_agree(transformers.Dots1Config, "dots1", minimal)
     types = ["full_attention" if f else "sliding_attention" for f in ours.full_attention_pattern()]
     assert types == theirs.layer_types
     assert ours.num_query_groups == theirs.num_key_value_heads

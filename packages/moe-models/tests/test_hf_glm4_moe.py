@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import transformers  # the reference implementation: in the dev group, so a missing one fails here
-from _hf_reference import MTP_LAYER_KEYS, both_ways, moves_logits, mtp_round_trip
+from _hf_reference import MTP_LAYER_KEYS, assert_exercised, both_ways_within, class_defaults_agree, mtp_round_trip
 from _published_hf_configs import PUBLISHED_HF_CONFIGS
 from safetensors.torch import load_file, save_file
 
@@ -71,9 +71,10 @@ def _tiny(**fields) -> ModelConfig:
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_both_ways(case, tmp_path):
     fields, exercised = CASES[case]
-    r = both_ways(transformers.Glm4MoeConfig(**(_TINY_HF | fields)), tmp_path, label=f"glm4_moe {case}")
-    assert r.load_err < TOLERANCE and r.trip_err < TOLERANCE
-    assert moves_logits(r.ours, r.ids, r.ref_logits, **exercised) > 1e-3, "the case does not exercise its feature"
+    r = both_ways_within(
+        transformers.Glm4MoeConfig(**(_TINY_HF | fields)), tmp_path, label=f"glm4_moe {case}", tolerance=TOLERANCE
+    )
+    assert_exercised(r, case, [exercised], strict=True)
 
 
 def test_mtp_layers_round_trip_in_deepseek_v3_layout(tmp_path):
@@ -144,9 +145,7 @@ def test_config_defaults_are_transformers(fields):
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
     } | fields
-    ours = config_from_hf({"model_type": "glm4_moe"} | minimal)
-    theirs = transformers.Glm4MoeConfig(**minimal)
-    assert config_from_hf(theirs.to_dict()) == ours
+    ours, theirs = class_defaults_agree(transformers.Glm4MoeConfig, "glm4_moe", minimal)
     assert ours.rotary_percent == theirs.rope_parameters["partial_rotary_factor"]
     assert (ours.num_query_groups, ours.norm_epsilon) == (theirs.num_key_value_heads, theirs.rms_norm_eps)
     assert ours.mtp_num_layers == theirs.num_nextn_predict_layers  # 1 unless config.json says otherwise

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hf_reference import both_ways, hf_from_config, input_ids, logits, moves_logits, rel_err
+from _hf_reference import (
+    assert_exercised,
+    both_ways,
+    both_ways_within,
+    hf_from_config,
+    input_ids,
+    logits,
+    rel_err,
+)
 from _published_hf_configs import PUBLISHED_HF_CONFIGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -110,11 +118,8 @@ def _configs(draw) -> Llama4TextConfig:
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=_configs())
 def test_random_configs_match_transformers_both_ways(cfg):
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        r = both_ways(cfg, Path(tmp), label="llama4 random", worst=WORST)
-    assert r.load_err < TOLERANCE
-    assert r.trip_err < TOLERANCE
+    with tempfile.TemporaryDirectory() as tmp:
+        both_ways_within(cfg, Path(tmp), label="llama4 random", worst=WORST, tolerance=TOLERANCE, quiet=True)
 
 
 # per fixed case: the transformers config over _tiny, and ModelConfig changes that must each move the logits far off
@@ -178,14 +183,10 @@ FEATURES = {
 @pytest.mark.parametrize("case", list(FEATURES))
 def test_feature_is_exercised(case, tmp_path):
     fields, changes, strict = FEATURES[case]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        r = both_ways(_tiny(**fields), tmp_path, label=f"llama4 {case}", worst=WORST)
-    assert r.load_err < TOLERANCE and r.trip_err < TOLERANCE
-    for change in changes:
-        moved = moves_logits(r.ours, r.ids, r.ref_logits, strict=strict, **change)
-        print(f"llama4 {case}: {change} moves the logits by {moved:.2e}")
-        assert moved > MOVED, f"{case} does not exercise {change}"
+    r = both_ways_within(
+        _tiny(**fields), tmp_path, label=f"llama4 {case}", worst=WORST, tolerance=TOLERANCE, quiet=True
+    )
+    assert_exercised(r, case, changes, strict=strict, moved_by=MOVED, label=f"llama4 {case}")
 
 
 def test_layer_patterns_and_widths_are_held_as_transformers_does(tmp_path):

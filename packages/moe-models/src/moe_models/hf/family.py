@@ -132,6 +132,19 @@ def refuse_unless(hf: dict[str, Any], key: str, allowed: Any, default: Any, why:
         raise unsupported(key, value, why)
 
 
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json's rope dict: ``rope_parameters``, else the legacy ``rope_scaling``, else none (empty)."""
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def default_rotary_base(hf: dict[str, Any], theta: float) -> dict[str, float]:
+    """``{"rotary_base": theta}`` (the config class's default) when config.json gives no rope_theta, in its rope dict
+    or at the top level; else nothing (the rope mapping reads the theta given)."""
+    if rope_parameters(hf).get("rope_theta", hf.get("rope_theta")) is None:
+        return {"rotary_base": theta}
+    return {}
+
+
 def compact(pattern: list[int]) -> int | list[int]:
     """A per-layer 0/1 list as Megatron's int N (every N-th layer is 1) when it is one, else the list."""
     if not any(pattern):

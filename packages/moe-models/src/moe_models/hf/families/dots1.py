@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from moe_models.config import ModelConfig
+from moe_models.hf.families.qwen2_moe import refuse_partial_rotary
 from moe_models.hf.family import (
     CheckpointNames,
     HFFamily,
@@ -31,44 +32,31 @@ GROUP_SCORE_TOPK = 2
 NAMES = CheckpointNames(expert_bias_always=True)
 
 
-def sigmoid_moe_from_hf(
-    hf: ReadFields,
-    family: str,
-    *,
-    norm_topk_prob: bool,
-    first_k_dense_replace: int,
-    moe_intermediate_size: int,
-    intermediate_size: int,
-    n_shared_experts: int | None,
-) -> dict[str, Any]:
-    """The MLP and router fields of transformers' DeepSeek-V3-style MoE blocks (Dots1, Glm4Moe); the keyword
-    arguments are the family's transformers defaults for keys config.json leaves out (None: required)."""
+def refuse_other_routers(hf: ReadFields, family: str) -> None:
+    """transformers' DeepSeek-V3-style router of ``family`` is sigmoid and routes by ``noaux_tc``, whatever config.json
+    says: refuse other values."""
     refuse_unless(hf, "scoring_func", ("sigmoid", None), None, f"transformers' {family} router is sigmoid")
     refuse_unless(hf, "topk_method", ("noaux_tc", None), None, f"transformers' {family} routes by 'noaux_tc'")
-    refuse_unless(hf, "moe_layer_freq", (1, None), None, "every layer after first_k_dense_replace is MoE")
-    num_layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
-    norm = bool(hf.get("norm_topk_prob", norm_topk_prob))
+
+
+def sigmoid_norm_topk(hf: ReadFields, topk: int, default: bool) -> bool:
+    """``norm_topk_prob`` of a sigmoid router (``default`` where config.json leaves it out), refused for top-1."""
+    norm = bool(hf.get("norm_topk_prob", default))
     if topk == 1 and norm:
         # transformers renormalises even a single weight (to 1); Megatron-Core keeps the sigmoid score for topk 1
         why = "with num_experts_per_tok=1 transformers makes every routing weight 1, not expressible"
         raise unsupported("norm_topk_prob", True, why)
-    shared = hf.get("n_shared_experts", n_shared_experts)
-    if shared is None:
-        raise unsupported("n_shared_experts", None, f"every {family} MoE block has shared experts: give their number")
-    if shared < 1:
-        # transformers still builds the shared MLP, with empty [0, H] weights
-        raise unsupported("n_shared_experts", shared, f"every {family} MoE block has shared experts: give at least 1")
-    first_dense = hf.get("first_k_dense_replace", first_k_dense_replace) or 0
-    moe_width = hf.get("moe_intermediate_size", moe_intermediate_size)
+    return norm
+
+
+def sigmoid_router_from_hf(hf: ReadFields, norm: bool, routed_scaling_factor: float) -> dict[str, Any]:
+    """The router fields of transformers' DeepSeek-V3-style sigmoid router: the expert bias, groups scored by the sum
+    of their top-2 experts, ``routed_scaling_factor`` (its default: the family's); ``norm``: from
+    :func:`sigmoid_norm_topk`."""
     # n_group / topk_group null (some published files) mean one group
     groups, group_topk = hf.get("n_group", 1) or 1, hf.get("topk_group", 1) or 1
     grouped = groups > 1
     return {
-        "num_moe_experts": required(hf, "n_routed_experts"),
-        "moe_ffn_hidden_size": moe_width,
-        "ffn_hidden_size": hf.get("intermediate_size", intermediate_size),
-        "moe_layer_freq": compact([int(i >= first_dense) for i in range(num_layers)]),
-        "moe_shared_expert_intermediate_size": shared * moe_width,
         "moe_router_score_function": "sigmoid",
         # false: the raw sigmoid scores of the top-k are the weights, still times routed_scaling_factor
         "moe_router_sigmoid_norm_topk": norm,
@@ -76,16 +64,15 @@ def sigmoid_moe_from_hf(
         "moe_router_num_groups": groups if grouped else None,
         "moe_router_group_topk": group_topk if grouped else None,
         "moe_router_group_score_topk": GROUP_SCORE_TOPK if grouped else None,
-        "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0) or 1.0),
+        "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", routed_scaling_factor) or 1.0),
     }
 
 
-def sigmoid_moe_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """config.json's MLP and router fields of a DeepSeek-V3-style MoE (Dots1, Glm4Moe) of ``c``."""
-    f, pattern = c.family, c.moe_layer_pattern()
-    first_dense = pattern.index(1) if 1 in pattern else c.num_layers
-    dense_first = pattern == [0] * first_dense + [1] * (c.num_layers - first_dense)
-    require(dense_first, "moe_layer_freq", c.moe_layer_freq, f, "dense layers first, then MoE (first_k_dense_replace)")
+def sigmoid_router_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """config.json's router fields of ``c``'s sigmoid router (n_group, topk_group, norm_topk_prob,
+    routed_scaling_factor), once the router and its ungated shared experts (a multiple of moe_ffn_hidden_size) are
+    checked to be transformers'."""
+    f = c.family
     score = c.moe_router_score_function
     require(score == "sigmoid", "moe_router_score_function", score, f, "the router is sigmoid")
     shared = c.moe_shared_expert_intermediate_size
@@ -98,17 +85,61 @@ def sigmoid_moe_to_hf(c: ModelConfig) -> dict[str, Any]:
         why = f"transformers scores a group by its top-{GROUP_SCORE_TOPK} sum: set it to {GROUP_SCORE_TOPK}"
         require(score_topk == GROUP_SCORE_TOPK, "moe_router_group_score_topk", c.moe_router_group_score_topk, f, why)
     return {
-        "n_routed_experts": c.num_moe_experts,
-        "moe_intermediate_size": c.moe_ffn_hidden_size,
-        "intermediate_size": c.ffn_hidden_size,
-        "first_k_dense_replace": first_dense,
-        "n_shared_experts": shared // c.moe_ffn_hidden_size,
         "n_group": groups,
         "topk_group": group_topk,
         # our topk-1 weight is the sigmoid score, renormalised or not (Megatron-Core); transformers' is then 1
         "norm_topk_prob": c.moe_router_sigmoid_norm_topk and c.moe_router_topk > 1,
         "routed_scaling_factor": c.moe_router_topk_scaling_factor or 1.0,
     }
+
+
+def sigmoid_moe_from_hf(
+    hf: ReadFields,
+    family: str,
+    *,
+    norm_topk_prob: bool,
+    first_k_dense_replace: int,
+    moe_intermediate_size: int,
+    intermediate_size: int,
+    n_shared_experts: int | None,
+) -> dict[str, Any]:
+    """The MLP and router fields of transformers' DeepSeek-V3-style MoE blocks (Dots1, Glm4Moe); the keyword
+    arguments are the family's transformers defaults for keys config.json leaves out (None: required)."""
+    refuse_other_routers(hf, family)
+    refuse_unless(hf, "moe_layer_freq", (1, None), None, "every layer after first_k_dense_replace is MoE")
+    num_layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
+    norm = sigmoid_norm_topk(hf, topk, norm_topk_prob)
+    shared = hf.get("n_shared_experts", n_shared_experts)
+    if shared is None:
+        raise unsupported("n_shared_experts", None, f"every {family} MoE block has shared experts: give their number")
+    if shared < 1:
+        # transformers still builds the shared MLP, with empty [0, H] weights
+        raise unsupported("n_shared_experts", shared, f"every {family} MoE block has shared experts: give at least 1")
+    first_dense = hf.get("first_k_dense_replace", first_k_dense_replace) or 0
+    moe_width = hf.get("moe_intermediate_size", moe_intermediate_size)
+    return {
+        "num_moe_experts": required(hf, "n_routed_experts"),
+        "moe_ffn_hidden_size": moe_width,
+        "ffn_hidden_size": hf.get("intermediate_size", intermediate_size),
+        "moe_layer_freq": compact([int(i >= first_dense) for i in range(num_layers)]),
+        "moe_shared_expert_intermediate_size": shared * moe_width,
+    } | sigmoid_router_from_hf(hf, norm, 1.0)
+
+
+def sigmoid_moe_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """config.json's MLP and router fields of a DeepSeek-V3-style MoE (Dots1, Glm4Moe) of ``c``."""
+    f, pattern = c.family, c.moe_layer_pattern()
+    first_dense = pattern.index(1) if 1 in pattern else c.num_layers
+    dense_first = pattern == [0] * first_dense + [1] * (c.num_layers - first_dense)
+    require(dense_first, "moe_layer_freq", c.moe_layer_freq, f, "dense layers first, then MoE (first_k_dense_replace)")
+    router = sigmoid_router_to_hf(c)
+    return {
+        "n_routed_experts": c.num_moe_experts,
+        "moe_intermediate_size": c.moe_ffn_hidden_size,
+        "intermediate_size": c.ffn_hidden_size,
+        "first_k_dense_replace": first_dense,
+        "n_shared_experts": c.moe_shared_expert_intermediate_size // c.moe_ffn_hidden_size,
+    } | router
 
 
 def require_plain_gqa(c: ModelConfig) -> None:
@@ -121,14 +152,6 @@ def require_plain_gqa(c: ModelConfig) -> None:
     require(not c.qk_layernorm_across_heads, "qk_layernorm_across_heads", True, f, "the q/k norms are per head")
     require(not c.rotary_interleaved, "rotary_interleaved", True, f, "rotary embeddings rotate the two halves")
     require(c.activation_func == "swiglu", "activation_func", c.activation_func, f, "use 'swiglu'")
-
-
-def _refuse_partial_rotary(hf: ReadFields) -> None:
-    # Dots1's default rope rotates whole heads whatever the factor says, and its yarn fails against whole heads
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise unsupported("partial_rotary_factor", partial, "dots1 rotates whole heads: remove it")
 
 
 def _window_from_hf(hf: ReadFields) -> dict[str, Any]:
@@ -166,7 +189,8 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
     if hf.get("attention_bias", False):
         # Dots1 then biases o_proj too; our add_bias_linear would also bias the experts and the router
         raise unsupported("attention_bias", True, "dots1 with q/k/v/o biases is not supported (no published one has)")
-    _refuse_partial_rotary(hf)
+    # Dots1's default rope rotates whole heads whatever the factor says, and its yarn fails against whole heads
+    refuse_partial_rotary(hf, "dots1")
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads", 32)  # Dots1Config's default; null: one per query head
     moe = sigmoid_moe_from_hf(

@@ -13,7 +13,16 @@ from typing import Any
 
 from moe_models.config import ModelConfig
 from moe_models.hf.families.qwen2_moe import cannot_write, refuse_partial_rotary
-from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, compact, refuse_unless, require, unsupported
+from moe_models.hf.family import (
+    CheckpointNames,
+    HFFamily,
+    ReadFields,
+    compact,
+    default_rotary_base,
+    refuse_unless,
+    require,
+    unsupported,
+)
 
 # Ernie4_5_MoeConfig.default_theta, used when config.json gives no rope_theta
 _DEFAULT_THETA = 500_000.0
@@ -79,10 +88,7 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
         "moe_router_enable_expert_bias": bool(hf.get("moe_use_aux_free", True)),
         "moe_aux_loss_coeff": [float(hf.get("router_aux_loss_coef", 0.001) or 0.0)],  # the config class's default
     }
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if params.get("rope_theta", hf.get("rope_theta")) is None:
-        out["rotary_base"] = _DEFAULT_THETA
-    return out
+    return out | default_rotary_base(hf, _DEFAULT_THETA)
 
 
 def _layer_fields(c: ModelConfig) -> dict[str, int]:

@@ -15,13 +15,19 @@ from __future__ import annotations
 from typing import Any
 
 from moe_models.config import ModelConfig
-from moe_models.hf.families.dots1 import GROUP_SCORE_TOPK, require_plain_gqa
+from moe_models.hf.families.dots1 import (
+    refuse_other_routers,
+    require_plain_gqa,
+    sigmoid_norm_topk,
+    sigmoid_router_from_hf,
+    sigmoid_router_to_hf,
+)
+from moe_models.hf.families.qwen2_moe import refuse_partial_rotary
 from moe_models.hf.family import (
     CheckpointNames,
     HFFamily,
     ReadFields,
     compact,
-    refuse_unless,
     require,
     unsupported,
 )
@@ -30,14 +36,6 @@ _SLIDING, _FULL = "sliding_attention", "full_attention"
 _DENSE, _SPARSE = "dense", "sparse"
 # ExaoneMoeConfig's values where config.json is silent
 _DEFAULT_WINDOW, _DEFAULT_PATTERN = 4096, 4
-
-
-def _refuse_partial_rotary(hf: ReadFields) -> None:
-    # the default rope of ExaoneMoeRotaryEmbedding rotates whole heads whatever the factor says
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise unsupported("partial_rotary_factor", partial, "exaone_moe rotates whole heads: remove it")
 
 
 def _attention_from_hf(hf: ReadFields) -> dict[str, Any]:
@@ -67,8 +65,7 @@ def _attention_from_hf(hf: ReadFields) -> dict[str, Any]:
 
 
 def _moe_from_hf(hf: ReadFields) -> dict[str, Any]:
-    refuse_unless(hf, "scoring_func", ("sigmoid", None), None, "transformers' exaone_moe router is sigmoid")
-    refuse_unless(hf, "topk_method", ("noaux_tc", None), None, "transformers' exaone_moe routes by 'noaux_tc'")
+    refuse_other_routers(hf, "exaone_moe")
     num_layers, topk = hf["num_hidden_layers"], hf.get("num_experts_per_tok", 8)
     first_dense = hf.get("first_k_dense_replace", 1)
     types = hf.get("mlp_layer_types")  # transformers prefers it to first_k_dense_replace
@@ -81,16 +78,11 @@ def _moe_from_hf(hf: ReadFields) -> dict[str, Any]:
     if legacy is not None and [int(bool(v)) for v in legacy] != moe:
         why = f"transformers ignores it and builds MoE layers {moe} (mlp_layer_types, else first_k_dense_replace)"
         raise unsupported("is_moe_layer", legacy, why)
-    norm = bool(hf.get("norm_topk_prob", True))
-    if topk == 1 and norm:
-        why = "with num_experts_per_tok=1 transformers makes every routing weight 1, not expressible"
-        raise unsupported("norm_topk_prob", True, why)
+    norm = sigmoid_norm_topk(hf, topk, True)
     shared, width = hf.get("num_shared_experts", 1), hf.get("moe_intermediate_size", 1024)
     if shared is None or shared < 1:
         # transformers still builds the shared MLP, with empty [0, H] weights
         raise unsupported("num_shared_experts", shared, "every exaone_moe MoE block has shared experts: give >= 1")
-    groups, group_topk = hf.get("n_group", 1) or 1, hf.get("topk_group", 1) or 1
-    grouped = groups > 1
     return {
         "num_moe_experts": hf.get("num_experts", 64),
         "moe_router_topk": topk,
@@ -98,18 +90,12 @@ def _moe_from_hf(hf: ReadFields) -> dict[str, Any]:
         "ffn_hidden_size": hf.get("intermediate_size", 16384),
         "moe_layer_freq": compact(moe),
         "moe_shared_expert_intermediate_size": shared * width,
-        "moe_router_score_function": "sigmoid",
-        "moe_router_sigmoid_norm_topk": norm,
-        "moe_router_enable_expert_bias": True,
-        "moe_router_num_groups": groups if grouped else None,
-        "moe_router_group_topk": group_topk if grouped else None,
-        "moe_router_group_score_topk": GROUP_SCORE_TOPK if grouped else None,
-        "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 2.5) or 1.0),
-    }
+    } | sigmoid_router_from_hf(hf, norm, 2.5)
 
 
 def _from_hf(hf: ReadFields) -> dict[str, Any]:
-    _refuse_partial_rotary(hf)
+    # the default rope of ExaoneMoeRotaryEmbedding rotates whole heads whatever the factor says
+    refuse_partial_rotary(hf, "exaone_moe")
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads", 32)  # ExaoneMoeConfig's default; null: one per query head
     return (
@@ -137,18 +123,8 @@ def _attention_to_hf(c: ModelConfig) -> dict[str, Any]:
 
 
 def _moe_to_hf(c: ModelConfig) -> dict[str, Any]:
-    f, pattern = c.family, c.moe_layer_pattern()
-    score = c.moe_router_score_function
-    require(score == "sigmoid", "moe_router_score_function", score, f, "the router is sigmoid")
-    shared = c.moe_shared_expert_intermediate_size
-    shared_ok = shared is not None and shared % c.moe_ffn_hidden_size == 0
-    require(shared_ok, "moe_shared_expert_intermediate_size", shared, f, "a multiple of moe_ffn_hidden_size (>= 1)")
-    require(not c.moe_shared_expert_gate, "moe_shared_expert_gate", True, f, "the shared experts are not gated")
-    groups, group_topk = c.moe_router_num_groups or 1, c.moe_router_group_topk or 1
-    if groups > 1:
-        score_topk = c.moe_router_group_score_topk or c.moe_router_topk // group_topk
-        why = f"transformers scores a group by its top-{GROUP_SCORE_TOPK} sum: set it to {GROUP_SCORE_TOPK}"
-        require(score_topk == GROUP_SCORE_TOPK, "moe_router_group_score_topk", c.moe_router_group_score_topk, f, why)
+    pattern = c.moe_layer_pattern()
+    router = sigmoid_router_to_hf(c)
     first_dense = pattern.index(1) if 1 in pattern else c.num_layers
     return {
         "num_experts": c.num_moe_experts,
@@ -159,13 +135,8 @@ def _moe_to_hf(c: ModelConfig) -> dict[str, Any]:
         "first_k_dense_replace": first_dense
         if pattern == [0] * first_dense + [1] * (c.num_layers - first_dense)
         else 0,
-        "num_shared_experts": shared // c.moe_ffn_hidden_size,
-        "n_group": groups,
-        "topk_group": group_topk,
-        # our topk-1 weight is the sigmoid score, renormalised or not (Megatron-Core); transformers' is then 1
-        "norm_topk_prob": c.moe_router_sigmoid_norm_topk and c.moe_router_topk > 1,
-        "routed_scaling_factor": c.moe_router_topk_scaling_factor or 1.0,
-    }
+        "num_shared_experts": c.moe_shared_expert_intermediate_size // c.moe_ffn_hidden_size,
+    } | router
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from moe_models.config import ModelConfig
+from moe_models.hf.families.dots1 import sigmoid_norm_topk
+from moe_models.hf.families.qwen2_moe import experts_to_hf, sparse_step_pattern
 from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, compact, require, unsupported
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
@@ -61,16 +63,13 @@ def _moe_from_hf(hf: ReadFields) -> dict[str, Any]:
     if shared is None or shared < 1:
         # transformers still builds the shared MLP, with empty [0, H] weights
         raise unsupported("shared_expert_intermediate_size", shared, "every flint MoE block has a shared expert")
-    norm = bool(hf.get("norm_topk_prob", True))
-    if topk == 1 and norm:
-        why = "with num_experts_per_tok=1 transformers makes every routing weight 1, not expressible"
-        raise unsupported("norm_topk_prob", True, why)
+    norm = sigmoid_norm_topk(hf, topk, True)
     return {
         "num_moe_experts": experts,
         "moe_router_topk": topk,
         "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 512),
         "ffn_hidden_size": hf.get("intermediate_size", 6144),
-        "moe_layer_freq": compact([int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]),
+        "moe_layer_freq": sparse_step_pattern(num_layers, step, dense),
         "moe_shared_expert_intermediate_size": shared,
         "moe_router_score_function": "sigmoid",
         "moe_router_sigmoid_norm_topk": norm,
@@ -116,12 +115,7 @@ def _to_hf(c: ModelConfig) -> dict[str, Any]:
         "attention_bias": False,
         "sliding_window": c.window_size or c.max_position_embeddings,  # no sliding layer: its size is unused
         "layer_types": [_FULL if v else _SLIDING for v in full],
-        "num_experts": c.num_moe_experts,
-        "moe_intermediate_size": c.moe_ffn_hidden_size,
-        "intermediate_size": c.ffn_hidden_size,
-        "shared_expert_intermediate_size": shared,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i, moe in enumerate(c.moe_layer_pattern()) if not moe],
+        **experts_to_hf(c, shared),
         # our topk-1 weight is the sigmoid score (Megatron-Core); transformers' renormalised one is 1
         "norm_topk_prob": c.moe_router_sigmoid_norm_topk and c.moe_router_topk > 1,
     }

@@ -18,7 +18,16 @@ from typing import Any
 
 from moe_models.config import ModelConfig
 from moe_models.hf.families.qwen2_moe import refuse_partial_rotary, refuse_partial_rotary_export
-from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, compact, refuse_unless, require, unsupported
+from moe_models.hf.family import (
+    CheckpointNames,
+    HFFamily,
+    ReadFields,
+    compact,
+    default_rotary_base,
+    refuse_unless,
+    require,
+    unsupported,
+)
 
 _DENSE, _SPARSE = "dense", "sparse"
 # HYV3Config's values where config.json is silent
@@ -91,10 +100,7 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
         "moe_router_enable_expert_bias": True,
         "moe_router_topk_scaling_factor": float(hf.get("router_scaling_factor", 2.826)),
     }
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if params.get("rope_theta", hf.get("rope_theta")) is None:
-        out["rotary_base"] = _DEFAULT_THETA
-    return out
+    return out | default_rotary_base(hf, _DEFAULT_THETA)
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:

@@ -12,7 +12,15 @@ from typing import Any
 
 from moe_models.config import ModelConfig
 from moe_models.hf.errors import HFCheckpointError
-from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, refuse_unless, required, unsupported
+from moe_models.hf.family import (
+    CheckpointNames,
+    HFFamily,
+    ReadFields,
+    default_rotary_base,
+    refuse_unless,
+    required,
+    unsupported,
+)
 
 # transformers' MiniMaxM2Config.default_theta, used when config.json gives no rope_theta
 _DEFAULT_THETA = 5_000_000.0
@@ -69,10 +77,7 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
         # without it the original model has no bias tensor; transformers then keeps its bias buffer at zero
         "moe_router_enable_expert_bias": bool(hf.get("use_routing_bias", True)),
     }
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if params.get("rope_theta", hf.get("rope_theta")) is None:
-        out["rotary_base"] = _DEFAULT_THETA
-    return out
+    return out | default_rotary_base(hf, _DEFAULT_THETA)
 
 
 def _refuse(ok: bool, field: str, value: Any, why: str) -> None:

@@ -37,6 +37,25 @@ def refuse_partial_rotary_export(c: ModelConfig) -> None:
         raise cannot_write(c, "rotary_percent", "transformers rotates whole heads there; set it to 1.0")
 
 
+def sparse_step_pattern(num_layers: int, step: int, dense: set[int]) -> int | list[int]:
+    """Qwen2-MoE's MoE layers (Flint's too): every ``step``-th layer (decoder_sparse_step) but those of
+    ``mlp_only_layers`` (``dense``)."""
+    return compact([int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)])
+
+
+def experts_to_hf(c: ModelConfig, shared: int) -> dict[str, Any]:
+    """config.json's expert fields in Qwen2-MoE's layout (Flint's too), ``shared`` the shared expert's width: the dense
+    layers listed in mlp_only_layers, decoder_sparse_step 1."""
+    return {
+        "num_experts": c.num_moe_experts,
+        "moe_intermediate_size": c.moe_ffn_hidden_size,
+        "intermediate_size": c.ffn_hidden_size,
+        "shared_expert_intermediate_size": shared,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, moe in enumerate(c.moe_layer_pattern()) if not moe],
+    }
+
+
 def _layer_types(hf: ReadFields, num_layers: int) -> list[str]:
     """Each layer's attention, as transformers' Qwen2MoeConfig derives it when config.json does not list it."""
     use_window = bool(hf.get("use_sliding_window", False))
@@ -83,7 +102,7 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
         "num_moe_experts": experts,
         "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 1408),
         "ffn_hidden_size": hf.get("intermediate_size", 5632),
-        "moe_layer_freq": compact([int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]),
+        "moe_layer_freq": sparse_step_pattern(num_layers, step, dense),
         "moe_shared_expert_intermediate_size": shared,
         "moe_shared_expert_gate": True,
         # softmax over all experts, top-k, no renormalisation == Megatron's pre-softmax
@@ -100,12 +119,7 @@ def _to_hf(c: ModelConfig) -> dict[str, Any]:
     windowed = c.window_size is not None and not all(full)
     return {
         "qkv_bias": c.add_qkv_bias,
-        "num_experts": c.num_moe_experts,
-        "moe_intermediate_size": c.moe_ffn_hidden_size,
-        "intermediate_size": c.ffn_hidden_size,
-        "shared_expert_intermediate_size": shared,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i, moe in enumerate(c.moe_layer_pattern()) if not moe],
+        **experts_to_hf(c, shared),
         "norm_topk_prob": not c.moe_router_pre_softmax,
         "use_sliding_window": windowed,
         "sliding_window": c.window_size if windowed else None,

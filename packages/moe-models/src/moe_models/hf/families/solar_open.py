@@ -14,7 +14,7 @@ from typing import Any
 from moe_models.config import ModelConfig
 from moe_models.hf.families.dots1 import NAMES, require_plain_gqa, sigmoid_moe_from_hf, sigmoid_moe_to_hf
 from moe_models.hf.families.qwen2_moe import refuse_partial_rotary, refuse_partial_rotary_export
-from moe_models.hf.family import HFFamily, ReadFields, refuse_unless, require
+from moe_models.hf.family import HFFamily, ReadFields, default_rotary_base, refuse_unless, require
 
 # SolarOpenConfig's values where config.json is silent
 _DEFAULT_THETA = 1_000_000.0
@@ -55,10 +55,7 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-5)),
         "add_qkv_bias": bool(hf.get("attention_bias", False)),
     }
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if params.get("rope_theta", hf.get("rope_theta")) is None:
-        out["rotary_base"] = _DEFAULT_THETA
-    return out
+    return out | default_rotary_base(hf, _DEFAULT_THETA)
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:
