@@ -25,6 +25,7 @@ from moe_models.hf.family import (
     required,
     unsupported,
 )
+from moe_models.hf.rope_fields import rope_from_hf, rope_to_hf
 
 _get, _unsupported, _compact, _require, _REQUIRED = required, unsupported, compact, require, object()
 
@@ -50,41 +51,7 @@ def family_of(hf: dict[str, Any]) -> str:
 
 
 def _rope_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """The rotary fields of config.json's ``rope_parameters`` (or the legacy ``rope_scaling`` / ``rope_theta``):
-    default rope or YaRN, full or partial width."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    if any(isinstance(v, dict) for v in params.values()):
-        raise _unsupported("rope_parameters", params, "per-layer-type rope parameters; give one global dict")
-    theta = params.get("rope_theta", hf.get("rope_theta")) or _DEFAULT_THETA.get(family, 10_000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    out: dict[str, Any] = {"rotary_base": float(theta)}
-    if partial not in (None, 1, 1.0):
-        if FAMILIES[family].mla:
-            raise _unsupported("partial_rotary_factor", partial, "MLA rotates qk_rope_head_dim: remove it")
-        out["rotary_percent"] = float(partial)
-    if rope_type == "default":
-        return out | {"rope_type": "rope"}
-    if rope_type != "yarn":
-        raise _unsupported("rope_parameters.rope_type", rope_type, "use 'default' or 'yarn'")
-    if params.get("attention_factor") is not None:
-        raise _unsupported("rope_parameters.attention_factor", params["attention_factor"], "remove it (derived)")
-    max_pos = _get(hf, "max_position_embeddings")
-    original = params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_pos
-    mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
-    if mscale_all_dim and not FAMILIES[family].mla:
-        # only DeepSeek's (MLA) attention multiplies its softmax scale by mscale(factor, mscale_all_dim)**2
-        raise _unsupported("rope_parameters.mscale_all_dim", mscale_all_dim, f"{family} ignores it; remove it")
-    return out | {
-        "rope_type": "yarn",
-        "rotary_scaling_factor": float(params.get("factor") or max_pos / original),
-        "original_max_position_embeddings": int(original),
-        "beta_fast": float(params.get("beta_fast") or 32.0),
-        "beta_slow": float(params.get("beta_slow") or 1.0),
-        "mscale": float(params.get("mscale") or 0.0),
-        "mscale_all_dim": mscale_all_dim,
-        "rope_yarn_truncate": bool(params.get("truncate", True)),
-    }
+    return rope_from_hf(hf, family, mla=FAMILIES[family].mla, default_theta=_DEFAULT_THETA.get(family, 10_000.0))
 
 
 def _common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -256,21 +223,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------------------- export
 
 
-def _rope_to_hf(c: ModelConfig) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_theta": c.rotary_base, "rope_type": "default"}
-    rope |= {"partial_rotary_factor": c.rotary_percent} if c.rotary_percent != 1 else {}
-    if c.rope_type == "yarn":
-        rope |= {
-            "rope_type": "yarn",
-            "factor": c.rotary_scaling_factor,
-            "original_max_position_embeddings": c.original_max_position_embeddings,
-            "beta_fast": c.beta_fast,
-            "beta_slow": c.beta_slow,
-            "truncate": c.rope_yarn_truncate,
-        }
-        rope |= {"mscale": c.mscale} if c.mscale else {}
-        rope |= {"mscale_all_dim": c.mscale_all_dim} if c.mscale_all_dim else {}
-    return rope
+_rope_to_hf = rope_to_hf
 
 
 def _check_common(c: ModelConfig) -> None:

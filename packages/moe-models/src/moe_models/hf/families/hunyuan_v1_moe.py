@@ -13,6 +13,7 @@ from typing import Any
 from moe_models.config import ModelConfig
 from moe_models.hf.families.qwen2_moe import refuse_partial_rotary
 from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, refuse_unless, require, required, unsupported
+from moe_models.hf.rope_fields import rope_from_hf
 
 
 def _head_dim(hf: ReadFields) -> int:
@@ -27,7 +28,6 @@ def _head_dim(hf: ReadFields) -> int:
 def _rope_from_hf(hf: ReadFields, family: str) -> dict[str, Any]:
     """Default rope, YaRN (the common reading), or NTK-alpha: transformers' ``ntk_alpha`` rope for a "dynamic" type
     with an ``alpha`` (its ``factor`` unused), whose frequencies do not depend on the sequence length."""
-    from moe_models.hf.config_map import _rope_from_hf as common_rope  # config_map imports the families
 
     refuse_partial_rotary(hf, family)
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -39,7 +39,7 @@ def _rope_from_hf(hf: ReadFields, family: str) -> dict[str, Any]:
     if rope_type in ("dynamic", "linear"):
         why = "only the NTK-alpha form ({'type': 'dynamic', 'alpha': a}), default rope or yarn"
         raise unsupported("rope_parameters.rope_type", rope_type, why)
-    return common_rope(hf, family)
+    return rope_from_hf(hf, family)
 
 
 def _per_layer(hf: ReadFields, key: str, default: Any, num_layers: int) -> Any:

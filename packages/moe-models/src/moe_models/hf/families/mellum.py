@@ -16,6 +16,7 @@ from typing import Any
 
 from moe_models.config import ModelConfig
 from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, compact, require, unsupported
+from moe_models.hf.rope_fields import rope_from_hf, rope_to_hf
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 _DENSE, _SPARSE = "dense", "sparse"
@@ -37,7 +38,6 @@ def _layer_types(hf: ReadFields) -> list[str]:
 
 def _rope_from_hf(hf: ReadFields, family: str) -> dict[str, Any]:
     """The one rope of the layer types in use (each read as the common mapping reads a global one)."""
-    from moe_models.hf.config_map import _rope_from_hf as common_rope  # config_map imports the families
 
     for key in ("rope_theta", "rope_scaling"):
         if hf.get(key) is not None:  # MellumConfig does not convert the legacy keys: its rotary never reads them
@@ -60,7 +60,7 @@ def _rope_from_hf(hf: ReadFields, family: str) -> dict[str, Any]:
             why = "transformers' Mellum ignores it and truncates: remove it"
             raise unsupported(f"rope_parameters.{t}.truncate", params[t]["truncate"], why)
         view = {"rope_parameters": params[t], "max_position_embeddings": hf["max_position_embeddings"]}
-        ropes.append(common_rope(view, family))
+        ropes.append(rope_from_hf(view, family))
     if any(rope != ropes[0] for rope in ropes):
         why = "our model has one rope for every layer: give the sliding and full layers the same one"
         raise unsupported("rope_parameters", params, why)
@@ -100,7 +100,6 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:
-    from moe_models.hf.config_map import _rope_to_hf  # config_map imports the families
 
     f = c.family
     require(not c.multi_latent_attention, "multi_latent_attention", True, f, "the attention is grouped-query")
@@ -123,7 +122,7 @@ def _to_hf(c: ModelConfig) -> dict[str, Any]:
     shared = c.moe_shared_expert_intermediate_size
     require(shared is None, "moe_shared_expert_intermediate_size", shared, f, "no shared expert")
     full = c.full_attention_pattern()
-    rope = _rope_to_hf(c)
+    rope = rope_to_hf(c)
     return {
         "attention_bias": False,
         "rope_parameters": {_FULL: rope, _SLIDING: dict(rope)},
