@@ -22,13 +22,11 @@ from moe_models.hf.family import (
     compact,
     refuse_unless,
     require,
+    require_dense_first,
     required,
     unsupported,
 )
 from moe_models.hf.rope_fields import rope_from_hf, rope_to_hf
-
-_get, _unsupported, _compact, _require, _REQUIRED = required, unsupported, compact, require, object()
-
 
 # transformers' rope_theta default when config.json omits it
 _DEFAULT_THETA = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
@@ -58,22 +56,22 @@ def _common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     quantization = hf.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", quantization) if isinstance(quantization, dict) else quantization
-        raise _unsupported(
+        raise unsupported(
             "quantization_config.quant_method", method, "dequantize the checkpoint to bf16/fp32 safetensors first"
         )
     if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported("hidden_act", hf["hidden_act"], "only 'silu' (SwiGLU experts)")
-    heads = _get(hf, "num_attention_heads")
-    hidden = _get(hf, "hidden_size")
+        raise unsupported("hidden_act", hf["hidden_act"], "only 'silu' (SwiGLU experts)")
+    heads = required(hf, "num_attention_heads")
+    hidden = required(hf, "hidden_size")
     out = {
         "family": family,
-        "vocab_size": _get(hf, "vocab_size"),
+        "vocab_size": required(hf, "vocab_size"),
         "hidden_size": hidden,
-        "num_layers": _get(hf, "num_hidden_layers"),
+        "num_layers": required(hf, "num_hidden_layers"),
         "num_attention_heads": heads,
         "num_query_groups": hf.get("num_key_value_heads") or heads,
         "kv_channels": hf.get("head_dim") or hidden // heads,
-        "max_position_embeddings": _get(hf, "max_position_embeddings"),
+        "max_position_embeddings": required(hf, "max_position_embeddings"),
         "moe_router_topk": hf.get("num_experts_per_tok"),  # a family may name it otherwise (ERNIE's moe_k)
         "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
@@ -88,17 +86,19 @@ def _common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 def _qwen3_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("attention_bias"):
-        raise _unsupported("attention_bias", True, "Qwen3-MoE without q/k/v biases only")
+        raise unsupported("attention_bias", True, "Qwen3-MoE without q/k/v biases only")
     if hf.get("use_sliding_window"):
-        raise _unsupported("use_sliding_window", True, "Qwen3-MoE with full attention only; set it to false")
+        raise unsupported("use_sliding_window", True, "Qwen3-MoE with full attention only; set it to false")
     num_layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
     dense = set(hf.get("mlp_only_layers") or [])
     return {
         "qk_layernorm": True,
-        "num_moe_experts": hf.get("num_experts", hf.get("num_local_experts", _REQUIRED)),
-        "moe_ffn_hidden_size": _get(hf, "moe_intermediate_size"),
-        "ffn_hidden_size": _get(hf, "intermediate_size"),
-        "moe_layer_freq": _compact([int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]),
+        "num_moe_experts": hf["num_local_experts"]
+        if "num_experts" not in hf and "num_local_experts" in hf
+        else required(hf, "num_experts"),
+        "moe_ffn_hidden_size": required(hf, "moe_intermediate_size"),
+        "ffn_hidden_size": required(hf, "intermediate_size"),
+        "moe_layer_freq": compact([int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]),
         # softmax over all experts, top-k, no renormalisation == Megatron's pre-softmax
         "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
     }
@@ -106,9 +106,9 @@ def _qwen3_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     refuse_unless(hf, "router_jitter_noise", (0, 0.0, None), 0.0, "routing without noise only: set it to 0")
-    width = _get(hf, "intermediate_size")
+    width = required(hf, "intermediate_size")
     return {
-        "num_moe_experts": _get(hf, "num_local_experts"),
+        "num_moe_experts": required(hf, "num_local_experts"),
         "moe_ffn_hidden_size": width,
         "ffn_hidden_size": width,
         "window_size": hf.get("sliding_window"),
@@ -117,17 +117,17 @@ def _mixtral_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("attention_bias"):
-        raise _unsupported("attention_bias", True, "DeepSeek-V3 attention has no biases")
+        raise unsupported("attention_bias", True, "DeepSeek-V3 attention has no biases")
     if hf.get("scoring_func", "sigmoid") != "sigmoid":
-        raise _unsupported("scoring_func", hf["scoring_func"], "DeepSeek-V3 routing is 'sigmoid'")
+        raise unsupported("scoring_func", hf["scoring_func"], "DeepSeek-V3 routing is 'sigmoid'")
     if hf.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise _unsupported("topk_method", hf["topk_method"], "DeepSeek-V3 routing is 'noaux_tc'")
+        raise unsupported("topk_method", hf["topk_method"], "DeepSeek-V3 routing is 'noaux_tc'")
     if hf.get("moe_layer_freq", 1) != 1:
-        raise _unsupported("moe_layer_freq", hf["moe_layer_freq"], "every layer after first_k_dense_replace is MoE")
+        raise unsupported("moe_layer_freq", hf["moe_layer_freq"], "every layer after first_k_dense_replace is MoE")
     num_layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
     if topk == 1 and hf.get("norm_topk_prob", True):
         # transformers renormalises even a single weight (to 1); Megatron-Core keeps the sigmoid score for topk 1
-        raise _unsupported(
+        raise unsupported(
             "norm_topk_prob",
             True,
             "with num_experts_per_tok=1 transformers makes every routing weight 1, not expressible",
@@ -136,11 +136,11 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
     # transformers scores a group by its top-2 experts; Megatron-Core by its top (topk // group_topk)
     group_score_topk = 2 if groups > 1 and topk // group_topk != 2 else None
-    if groups > 1 and _get(hf, "n_routed_experts") < 2 * groups:
-        raise _unsupported("n_group", groups, "transformers scores a group by its two best experts: 2 or more a group")
+    if groups > 1 and required(hf, "n_routed_experts") < 2 * groups:
+        raise unsupported("n_group", groups, "transformers scores a group by its two best experts: 2 or more a group")
     shared = hf.get("n_shared_experts") or 0
     mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or None
-    nope, rope = _get(hf, "qk_nope_head_dim"), _get(hf, "qk_rope_head_dim")
+    nope, rope = required(hf, "qk_nope_head_dim"), required(hf, "qk_rope_head_dim")
     refuse_unless(hf, "qk_head_dim", (nope + rope, None), None, "it is qk_nope_head_dim + qk_rope_head_dim")
     refuse_unless(hf, "pretraining_tp", (1, None), 1, "set it to 1 (one output projection)")
     return {
@@ -148,15 +148,15 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "num_query_groups": hf["num_attention_heads"],
         "kv_channels": hf["v_head_dim"],  # unused by MLA; the published presets set it so
         "q_lora_rank": hf.get("q_lora_rank"),
-        "kv_lora_rank": _get(hf, "kv_lora_rank"),
+        "kv_lora_rank": required(hf, "kv_lora_rank"),
         "qk_head_dim": nope,
         "qk_pos_emb_head_dim": rope,
-        "v_head_dim": _get(hf, "v_head_dim"),
+        "v_head_dim": required(hf, "v_head_dim"),
         "rotary_interleaved": bool(hf.get("rope_interleave", True)),
-        "num_moe_experts": _get(hf, "n_routed_experts"),
-        "moe_ffn_hidden_size": _get(hf, "moe_intermediate_size"),
-        "ffn_hidden_size": _get(hf, "intermediate_size"),
-        "moe_layer_freq": _compact([int(i >= first_dense) for i in range(num_layers)]),
+        "num_moe_experts": required(hf, "n_routed_experts"),
+        "moe_ffn_hidden_size": required(hf, "moe_intermediate_size"),
+        "ffn_hidden_size": required(hf, "intermediate_size"),
+        "moe_layer_freq": compact([int(i >= first_dense) for i in range(num_layers)]),
         "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"] or None,
         "moe_router_score_function": "sigmoid",
         # false: the raw sigmoid scores of the top-k are the weights, still times routed_scaling_factor
@@ -172,30 +172,30 @@ def _deepseek_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _gpt_oss_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("swiglu_limit", 7.0) != 7.0 or hf.get("swiglu_alpha", 1.702) != 1.702:
-        raise _unsupported(
+        raise unsupported(
             "swiglu_limit/swiglu_alpha", (hf.get("swiglu_limit"), hf.get("swiglu_alpha")), "only 7.0/1.702"
         )
     if not hf.get("attention_bias", True):
-        raise _unsupported("attention_bias", False, "GPT-OSS with q/k/v/o biases only")
+        raise unsupported("attention_bias", False, "GPT-OSS with q/k/v/o biases only")
     num_layers = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
     ]
     if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise _unsupported("layer_types", types, "one 'sliding_attention'/'full_attention' per layer")
+        raise unsupported("layer_types", types, "one 'sliding_attention'/'full_attention' per layer")
     window = hf.get("sliding_window") if "sliding_attention" in types else None
     full = [int(t == "full_attention") for t in types]
-    width = _get(hf, "intermediate_size")
+    width = required(hf, "intermediate_size")
     return {
         "add_qkv_bias": True,
         "add_bias_linear": True,
         "softmax_type": "learnable",
         "activation_func": "swiglu_oai",
-        "num_moe_experts": _get(hf, "num_local_experts"),
+        "num_moe_experts": required(hf, "num_local_experts"),
         "moe_ffn_hidden_size": width,
         "ffn_hidden_size": width,
         "window_size": window,
-        "window_attn_skip_freq": _compact(full) if window is not None and any(full) else None,
+        "window_attn_skip_freq": compact(full) if window is not None and any(full) else None,
     }
 
 
@@ -205,11 +205,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     fields_read = ReadFields(hf)
     fields = _common_from_hf(fields_read, family.name) | family.from_hf(fields_read)
     if fields["moe_router_topk"] is None:
-        _get(hf, "num_experts_per_tok")  # the one-line error naming the key
+        required(hf, "num_experts_per_tok")  # the one-line error naming the key
     unread = set(hf) - fields_read.read - GENERIC_INERT - _COMMON_INERT - family.inert
     if unread:
         key = sorted(unread)[0]
-        raise _unsupported(
+        raise unsupported(
             key,
             hf[key],
             f"the {family.name} mapping does not know this field; remove it if it does not change the model",
@@ -223,41 +223,38 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------------------------------------------------- export
 
 
-_rope_to_hf = rope_to_hf
-
-
 def _check_common(c: ModelConfig) -> None:
     """The four first families' limits, with the reason for each (later families rely on the read-back check)."""
     f = c.family
     mla, sinks, gpt = c.multi_latent_attention, c.softmax_type == "learnable", f == "gpt_oss"
-    _require(mla == (f == "deepseek_v3"), "multi_latent_attention", mla, f, "only deepseek_v3 uses MLA")
-    _require(c.qk_layernorm == (f == "qwen3_moe"), "qk_layernorm", c.qk_layernorm, f, "fixed by the family")
-    _require(c.add_qkv_bias == gpt, "add_qkv_bias", c.add_qkv_bias, f, "only gpt_oss has q/k/v biases")
-    _require(c.add_bias_linear == gpt, "add_bias_linear", c.add_bias_linear, f, "only gpt_oss has these biases")
-    _require(sinks == gpt, "softmax_type", c.softmax_type, f, "only gpt_oss has attention sinks")
+    require(mla == (f == "deepseek_v3"), "multi_latent_attention", mla, f, "only deepseek_v3 uses MLA")
+    require(c.qk_layernorm == (f == "qwen3_moe"), "qk_layernorm", c.qk_layernorm, f, "fixed by the family")
+    require(c.add_qkv_bias == gpt, "add_qkv_bias", c.add_qkv_bias, f, "only gpt_oss has q/k/v biases")
+    require(c.add_bias_linear == gpt, "add_bias_linear", c.add_bias_linear, f, "only gpt_oss has these biases")
+    require(sinks == gpt, "softmax_type", c.softmax_type, f, "only gpt_oss has attention sinks")
     activation = "swiglu_oai" if gpt else "swiglu"
-    _require(c.activation_func == activation, "activation_func", c.activation_func, f, f"use {activation!r}")
+    require(c.activation_func == activation, "activation_func", c.activation_func, f, f"use {activation!r}")
     interleave_ok = not c.rotary_interleaved or f == "deepseek_v3"
-    _require(interleave_ok, "rotary_interleaved", True, f, "only deepseek_v3 rotates interleaved pairs")
-    _require(not c.mscale_all_dim or f == "deepseek_v3", "mscale_all_dim", c.mscale_all_dim, f, "deepseek_v3 only")
-    _require(f == "deepseek_v3" or c.mtp_num_layers is None, "mtp_num_layers", c.mtp_num_layers, f, "deepseek_v3 only")
+    require(interleave_ok, "rotary_interleaved", True, f, "only deepseek_v3 rotates interleaved pairs")
+    require(not c.mscale_all_dim or f == "deepseek_v3", "mscale_all_dim", c.mscale_all_dim, f, "deepseek_v3 only")
+    require(f == "deepseek_v3" or c.mtp_num_layers is None, "mtp_num_layers", c.mtp_num_layers, f, "deepseek_v3 only")
     if f != "deepseek_v3":
-        _require(c.moe_router_score_function == "softmax", "moe_router_score_function", "sigmoid", f, "softmax only")
-        _require(not c.moe_router_enable_expert_bias, "moe_router_enable_expert_bias", True, f, "deepseek_v3 only")
-        _require(c.moe_router_num_groups is None, "moe_router_num_groups", c.moe_router_num_groups, f, "no groups")
+        require(c.moe_router_score_function == "softmax", "moe_router_score_function", "sigmoid", f, "softmax only")
+        require(not c.moe_router_enable_expert_bias, "moe_router_enable_expert_bias", True, f, "deepseek_v3 only")
+        require(c.moe_router_num_groups is None, "moe_router_num_groups", c.moe_router_num_groups, f, "no groups")
         scale = c.moe_router_topk_scaling_factor
-        _require(scale in (None, 1.0), "moe_router_topk_scaling_factor", scale, f, "deepseek_v3 only")
+        require(scale in (None, 1.0), "moe_router_topk_scaling_factor", scale, f, "deepseek_v3 only")
         shared = c.moe_shared_expert_intermediate_size
-        _require(shared is None, "moe_shared_expert_intermediate_size", shared, f, "deepseek_v3 only")
+        require(shared is None, "moe_shared_expert_intermediate_size", shared, f, "deepseek_v3 only")
     if f in ("mixtral", "gpt_oss"):
-        _require(c.moe_router_pre_softmax is False, "moe_router_pre_softmax", True, f, "the top-k is renormalised")
+        require(c.moe_router_pre_softmax is False, "moe_router_pre_softmax", True, f, "the top-k is renormalised")
     if f != "qwen3_moe":  # qwen3's dense layers are the only other per-layer choice
-        _require(f == "deepseek_v3" or all(c.moe_layer_pattern()), "moe_layer_freq", c.moe_layer_freq, f, "all MoE")
+        require(f == "deepseek_v3" or all(c.moe_layer_pattern()), "moe_layer_freq", c.moe_layer_freq, f, "all MoE")
 
 
 def _common_to_hf(c: ModelConfig) -> dict[str, Any]:
     arch, model_type = HF_NAMES[c.family]
-    _require(c.clip_qkv is None or c.family == "olmoe", "clip_qkv", c.clip_qkv, c.family, "olmoe only")
+    require(c.clip_qkv is None or c.family == "olmoe", "clip_qkv", c.clip_qkv, c.family, "olmoe only")
     return {
         "architectures": [arch],
         "model_type": model_type,
@@ -273,13 +270,13 @@ def _common_to_hf(c: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": c.share_embeddings_and_output_weights,
         "initializer_range": c.init_method_std,
         "hidden_act": "silu",
-        "rope_parameters": _rope_to_hf(c),
+        "rope_parameters": rope_to_hf(c),
         "router_aux_loss_coef": c.moe_aux_loss_coeff[0],
     }
 
 
 def _qwen3_to_hf(c: ModelConfig) -> dict[str, Any]:
-    _require(c.window_size is None, "window_size", c.window_size, c.family, "full attention only")
+    require(c.window_size is None, "window_size", c.window_size, c.family, "full attention only")
     pattern = c.moe_layer_pattern()
     return {
         "attention_bias": False,
@@ -295,7 +292,7 @@ def _qwen3_to_hf(c: ModelConfig) -> dict[str, Any]:
 
 def _mixtral_to_hf(c: ModelConfig) -> dict[str, Any]:
     windowed = c.window_size is None or not any(c.full_attention_pattern())
-    _require(windowed, "window_attn_skip_freq", c.window_attn_skip_freq, c.family, "one window for every layer")
+    require(windowed, "window_attn_skip_freq", c.window_attn_skip_freq, c.family, "one window for every layer")
     return {
         "num_local_experts": c.num_moe_experts,
         "intermediate_size": c.moe_ffn_hidden_size,
@@ -304,13 +301,10 @@ def _mixtral_to_hf(c: ModelConfig) -> dict[str, Any]:
 
 
 def _deepseek_to_hf(c: ModelConfig) -> dict[str, Any]:
-    f, pattern = c.family, c.moe_layer_pattern()
-    first_dense = pattern.index(1) if 1 in pattern else c.num_layers
-    ok = pattern == [0] * first_dense + [1] * (c.num_layers - first_dense)
-    _require(ok, "moe_layer_freq", c.moe_layer_freq, f, "dense layers first, then MoE (first_k_dense_replace)")
-    _require(c.moe_router_score_function == "sigmoid", "moe_router_score_function", "softmax", f, "sigmoid only")
+    f, first_dense = c.family, require_dense_first(c)
+    require(c.moe_router_score_function == "sigmoid", "moe_router_score_function", "softmax", f, "sigmoid only")
     shared = c.moe_shared_expert_intermediate_size
-    _require(
+    require(
         shared is not None and shared % c.moe_ffn_hidden_size == 0,
         "moe_shared_expert_intermediate_size",
         shared,
@@ -321,7 +315,7 @@ def _deepseek_to_hf(c: ModelConfig) -> dict[str, Any]:
     group_topk = c.moe_router_group_topk or 1
     score_topk = c.moe_router_group_score_topk or c.moe_router_topk // group_topk
     why = "transformers scores a group by its top-2 sum: set it to 2"
-    _require(groups == 1 or score_topk == 2, "moe_router_group_score_topk", c.moe_router_group_score_topk, f, why)
+    require(groups == 1 or score_topk == 2, "moe_router_group_score_topk", c.moe_router_group_score_topk, f, why)
     return {
         "attention_bias": False,
         "num_key_value_heads": c.num_attention_heads,
@@ -477,5 +471,5 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     ours, back = _architecture(config), _architecture(config_from_hf(out))
     for name, value in ours.items():
         held = back.get(name, "nothing")  # a field the read-back config has no use for (dense width, all MoE)
-        _require(held == value, name, value, config.family, f"its config.json holds {held!r} instead")
+        require(held == value, name, value, config.family, f"its config.json holds {held!r} instead")
     return out

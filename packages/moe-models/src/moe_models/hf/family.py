@@ -124,6 +124,22 @@ def require(ok: bool, field: str, value: Any, family: str, why: str) -> None:
         raise HFCheckpointError(f"ModelConfig {field}={value!r} cannot be written as a {family} checkpoint: {why}")
 
 
+def leading_dense_layers(c: ModelConfig) -> tuple[int, bool]:
+    """(the dense layers before the first MoE layer, whether every later layer is MoE): config.json's
+    ``first_k_dense_replace`` where the second holds."""
+    pattern = c.moe_layer_pattern()
+    first = pattern.index(1) if 1 in pattern else c.num_layers
+    return first, pattern == [0] * first + [1] * (c.num_layers - first)
+
+
+def require_dense_first(c: ModelConfig) -> int:
+    """``first_k_dense_replace`` of ``c``, refusing a layer pattern with a dense layer after a MoE one."""
+    first, dense_first = leading_dense_layers(c)
+    why = "dense layers first, then MoE (first_k_dense_replace)"
+    require(dense_first, "moe_layer_freq", c.moe_layer_freq, c.family, why)
+    return first
+
+
 def refuse_unless(hf: dict[str, Any], key: str, allowed: Any, default: Any, why: str) -> None:
     """Refuse ``hf[key]`` (``default`` when absent) unless it is ``allowed`` (a value, or a tuple of values)."""
     value = hf.get(key, default)

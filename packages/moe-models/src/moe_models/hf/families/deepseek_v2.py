@@ -9,7 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from moe_models.config import ModelConfig
-from moe_models.hf.family import HFFamily, ReadFields, compact, refuse_unless, require, required, unsupported
+from moe_models.hf.family import (
+    HFFamily,
+    ReadFields,
+    compact,
+    refuse_unless,
+    require,
+    require_dense_first,
+    required,
+    unsupported,
+)
 
 
 def mla_from_hf(hf: ReadFields, family: str, defaults: dict[str, int | None]) -> dict[str, Any]:
@@ -150,10 +159,7 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:
-    f, pattern = c.family, c.moe_layer_pattern()
-    first_dense = pattern.index(1) if 1 in pattern else c.num_layers
-    ok = pattern == [0] * first_dense + [1] * (c.num_layers - first_dense)
-    require(ok, "moe_layer_freq", c.moe_layer_freq, f, "dense layers first, then MoE (first_k_dense_replace)")
+    f, first_dense = c.family, require_dense_first(c)
     require(c.moe_router_score_function == "softmax", "moe_router_score_function", "sigmoid", f, "softmax only")
     require(c.moe_router_pre_softmax, "moe_router_pre_softmax", False, f, "the top-k softmax is not renormalised")
     score_topk = group_score_topk(c)

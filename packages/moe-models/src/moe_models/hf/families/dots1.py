@@ -21,6 +21,7 @@ from moe_models.hf.family import (
     compact,
     refuse_unless,
     require,
+    require_dense_first,
     required,
     unsupported,
 )
@@ -128,10 +129,7 @@ def sigmoid_moe_from_hf(
 
 def sigmoid_moe_to_hf(c: ModelConfig) -> dict[str, Any]:
     """config.json's MLP and router fields of a DeepSeek-V3-style MoE (Dots1, Glm4Moe) of ``c``."""
-    f, pattern = c.family, c.moe_layer_pattern()
-    first_dense = pattern.index(1) if 1 in pattern else c.num_layers
-    dense_first = pattern == [0] * first_dense + [1] * (c.num_layers - first_dense)
-    require(dense_first, "moe_layer_freq", c.moe_layer_freq, f, "dense layers first, then MoE (first_k_dense_replace)")
+    first_dense = require_dense_first(c)
     router = sigmoid_router_to_hf(c)
     return {
         "n_routed_experts": c.num_moe_experts,

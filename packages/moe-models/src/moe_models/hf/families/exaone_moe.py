@@ -28,6 +28,7 @@ from moe_models.hf.family import (
     HFFamily,
     ReadFields,
     compact,
+    leading_dense_layers,
     require,
     unsupported,
 )
@@ -125,7 +126,7 @@ def _attention_to_hf(c: ModelConfig) -> dict[str, Any]:
 def _moe_to_hf(c: ModelConfig) -> dict[str, Any]:
     pattern = c.moe_layer_pattern()
     router = sigmoid_router_to_hf(c)
-    first_dense = pattern.index(1) if 1 in pattern else c.num_layers
+    first_dense = leading_dense_layers(c)[0]
     return {
         "num_experts": c.num_moe_experts,
         "moe_intermediate_size": c.moe_ffn_hidden_size,

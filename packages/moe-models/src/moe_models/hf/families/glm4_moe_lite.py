@@ -21,6 +21,7 @@ from moe_models.hf.family import (
     HFFamily,
     ReadFields,
     compact,
+    leading_dense_layers,
     refuse_unless,
     require,
     required,
@@ -94,8 +95,7 @@ def _to_hf(c: ModelConfig) -> dict[str, Any]:
     score_topk = group_score_topk(c)
     ok = score_topk in (None, _GROUP_SCORE_TOPK)
     require(ok, "moe_router_group_score_topk", score_topk, f, "a group scores its top-2 experts")
-    first_dense = pattern.index(1) if 1 in pattern else c.num_layers
-    dense_first = pattern == [0] * first_dense + [1] * (c.num_layers - first_dense)
+    first_dense, dense_first = leading_dense_layers(c)
     return mla_to_hf(c) | {
         "rope_interleave": c.rotary_interleaved,
         "n_routed_experts": c.num_moe_experts,

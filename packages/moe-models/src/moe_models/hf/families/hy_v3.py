@@ -24,6 +24,7 @@ from moe_models.hf.family import (
     ReadFields,
     compact,
     default_rotary_base,
+    leading_dense_layers,
     refuse_unless,
     require,
     unsupported,
@@ -124,7 +125,7 @@ def _to_hf(c: ModelConfig) -> dict[str, Any]:
     require(shared is not None and shared % width == 0, "moe_shared_expert_intermediate_size", shared, f, why)
     require(not c.moe_shared_expert_gate, "moe_shared_expert_gate", True, f, "the shared experts are not gated")
     pattern = c.moe_layer_pattern()
-    first_dense = pattern.index(1) if 1 in pattern else c.num_layers
+    first_dense = leading_dense_layers(c)[0]
     out = {
         "attention_bias": False,
         "mlp_bias": False,
