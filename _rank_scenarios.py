@@ -195,6 +195,9 @@ class Outcomes:
             text = [f"scenario {name!r} failed on rank {', '.join(str(r) for r, _ in failed)}"]
             text += [f"--- rank {rank} ---\n{error.rstrip()}" for rank, error in failed]
             text += [self._missing(name, rank, started) for rank, started in missing]
+            # a distributed failure on one rank is often explained by another's output (it crashed, or left early)
+            shown = {rank for rank, _ in failed} | {rank for rank, _ in missing}
+            text += [self._others(name, rank) for rank in range(len(self.exits)) if rank not in shown]
             return "\n".join(text)
         if missing:
             return "\n".join(self._missing(name, rank, started) for rank, started in missing)
@@ -217,6 +220,12 @@ class Outcomes:
         where = "started scenario" if started else "recorded nothing for scenario"
         end = self.exits[rank] or "exited cleanly"
         return f"rank {rank} {where} {name!r} and {end}; the end of its output:\n{self._tail(rank)}"
+
+    def _others(self, name: str, rank: int) -> str:
+        outcome = self.by_rank[rank].get(name)
+        status = outcome["status"] if outcome else "nothing recorded"
+        end = self.exits[rank] or "exited cleanly"
+        return f"rank {rank} ({status} in {name!r}) {end}; the end of its output:\n{self._tail(rank)}"
 
     def _tail(self, rank: int) -> str:
         return self.logs[rank][-4000:]

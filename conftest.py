@@ -49,6 +49,8 @@ def _spawn_gloo_ranks(worker: Path, world: int, out: Path, timeout: float) -> tu
             "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
+            # a rank killed by a signal (a crash in gloo or torch) still prints its threads' Python stacks
+            "PYTHONFAULTHANDLER": "1",
             # the shared helpers beside this file (_rank_scenarios.py)
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
@@ -70,10 +72,12 @@ def _spawn_gloo_ranks(worker: Path, world: int, out: Path, timeout: float) -> tu
         for proc, kill in zip(procs, killed, strict=True)
     ]
     texts = []
-    for log in logs:
+    for rank, log in enumerate(logs):
         log.seek(0)
         texts.append(log.read().decode(errors="replace"))
         log.close()
+        # every rank's whole output stays beside its outcomes: a group that failed on one rank is explained by another
+        (out / f"rank{rank}.log").write_text(f"{ends[rank] or 'exited with 0'}\n{texts[-1]}")
     return ends, texts
 
 
