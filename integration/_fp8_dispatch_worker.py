@@ -1,8 +1,9 @@
 """One rank of test_fp8_dispatch.py: ``python _fp8_dispatch_worker.py OUT_DIR`` (2 gloo ranks, torchrun's environment).
 
 Both expert-parallel dispatchers with moe-precision's blockwise FP8 wire against the same dispatcher without it, fed
-the tokens after the format's round trip: the received tokens, the combined output and the tokens' gradient (straight
-through), the bytes the dispatcher reports against what the encoded parts hold, and the error against bf16.
+the tokens after the format's round trip (the blockwise quantiser's own, not the codec's): the received tokens, the
+combined output and the tokens' gradient (straight through), the bytes the dispatcher reports against what the
+encoded parts hold, and the error against bf16.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from _rank_scenarios import Scenarios
 from moe_dispatch import RoutingResult, build_dispatcher
-from moe_precision import BlockwiseFP8Wire
+from moe_precision import BlockwiseFP8Wire, quantize_fp8_blockwise
 
 HIDDEN, EXPERTS, TOPK = 256, 4, 2
 # scenario name -> (dispatcher, token dtype): one scenario each (_rank_scenarios.py)
@@ -48,7 +49,8 @@ def compare(name: str, dtype: torch.dtype, wire: BlockwiseFP8Wire, rank: int) ->
     x = (torch.randn(num_tokens, HIDDEN, generator=gen) * torch.logspace(-2, 2, HIDDEN)).to(dtype)
     route = routing(num_tokens, gen)
     cot = torch.randn(num_tokens, HIDDEN, generator=gen)
-    round_trip = wire.decode(wire.encode(x), dtype)
+    # the blockwise quantiser's own round trip, not the codec under test's decode(encode(x))
+    round_trip = quantize_fp8_blockwise(x, (1, 128)).dequantize(dtype)
     tokens, out, grad, wire_bytes, disp = run(name, wire, x, route, cot)
     ref_tokens, ref_out, ref_grad, plain_bytes, _ = run(name, None, round_trip, route, cot)
     bf16_tokens, *_ = run(name, None, x, route, cot)

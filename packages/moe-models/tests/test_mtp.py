@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_models import ModelConfig, build_model, causal_lm_loss
+from moe_models import ModelConfig, build_model, causal_lm_loss, next_token_loss
 
 CFG = {
     "vocab_size": 40,
@@ -102,3 +102,40 @@ def test_without_mtp_the_loss_is_plain_cross_entropy(tied):
     torch.testing.assert_close(loss.total, F.cross_entropy(out.logits.reshape(-1, 40), ids.reshape(-1)))
     assert loss.mtp == ()
     assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+
+
+def _load_balanced(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Context-parallel rank ``rank``'s positions as load balancing cuts (written out here, not moe_parallel's):
+    chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
+    chunk = seq // (2 * cp)
+    return torch.cat(
+        [
+            torch.arange(rank * chunk, (rank + 1) * chunk),
+            torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk),
+        ]
+    )
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_context_parallel_shares_of_the_mtp_loss_average_to_the_whole_sequences(cp: int, per_token: bool) -> None:
+    """Each cp rank's loss over its positions (the MTP depths' last positions, which have no target, all sit on the
+    last rank's chunks): the mean over the ranks is the whole sequences' loss, depth by depth, the mean loss and the
+    per-token loss alike."""
+    gen = torch.Generator().manual_seed(cp)
+    batch, seq, vocab, depths = 2, 16, 11, 2
+    logits = torch.randn(batch, seq, vocab, generator=gen)
+    mtp = tuple(torch.randn(batch, seq, vocab, generator=gen) for _ in range(depths))
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labelled = float(batch * seq) if per_token else None
+    whole = next_token_loss(logits, mtp, labels, 0.3, None, labelled)
+    shares = []
+    for rank in range(cp):
+        pos = _load_balanced(seq, cp, rank)
+        share = None if labelled is None else labelled / cp
+        shares.append(next_token_loss(logits[:, pos], [m[:, pos] for m in mtp], labels, 0.3, pos, share))
+    for depth in range(depths):
+        got = torch.stack([s.mtp[depth] for s in shares]).mean()
+        torch.testing.assert_close(got, whole.mtp[depth], rtol=1e-6, atol=1e-7, msg=f"MTP depth {depth + 1}")
+    torch.testing.assert_close(torch.stack([s.lm for s in shares]).mean(), whole.lm, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.stack([s.total for s in shares]).mean(), whole.total, rtol=1e-6, atol=1e-7)

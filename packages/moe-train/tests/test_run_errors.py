@@ -3,14 +3,17 @@ one line with exit code 2, found before the model is built; a diverging run stop
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_models import build_model
 from moe_models.presets import preset
-from moe_train import cli
+from moe_train import cli, loop
 from moe_train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 
 SMALL = ["--model.num_layers", "1", "--data.seq_len", "16", "--train.global_batch_size", "2", "--run.log_interval", "1"]
@@ -139,3 +142,50 @@ def test_non_finite_loss_stops_the_run(tmp_path: Path, capsys: pytest.CaptureFix
     # two non-finite steps skipped (no update), the third stops the run; the last record is that third step
     non_finite = [r["step"] for r in records if r.get("skipped")]
     assert len(non_finite) == 3 and records[-1]["step"] == non_finite[-1]
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """The identity forward; its backward makes every gradient infinite: a finite loss with non-finite gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf
+
+
+@pytest.mark.parametrize("bad", ["loss", "gradients"])
+def test_the_non_finite_step_itself_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    """Step 2 alone has a non-finite loss with finite gradients (or the reverse), one skip allowed: step 2 makes no
+    update and is recorded as skipped, steps 1, 3 and 4 update. A guard reading another step's values skips the
+    wrong step."""
+    bad_step, state, moved = 2, {"step": 0}, {}
+    real_loss, real_step = loop.next_token_loss, loop.TrainLoop.step
+
+    def loss_of_step(*args, **kwargs):
+        loss = real_loss(*args, **kwargs)
+        if state["step"] != bad_step:
+            return loss
+        if bad == "loss":  # what is logged and checked, not what is backwarded
+            return dataclasses.replace(loss, lm=torch.full_like(loss.lm, math.nan))
+        return dataclasses.replace(loss, total=_InfiniteGradient.apply(loss.total))
+
+    def step(self, index: int, *args, **kwargs):
+        state["step"] = index + 1
+        before = [p.detach().clone() for p in self.params]
+        result = real_step(self, index, *args, **kwargs)
+        moved[index + 1] = any(not torch.equal(a, p) for a, p in zip(before, self.params, strict=True))
+        return result
+
+    monkeypatch.setattr(loop, "next_token_loss", loss_of_step)
+    monkeypatch.setattr(loop.TrainLoop, "step", step)
+    out = tmp_path / "out"
+    assert _train(out, "--train.skip_nonfinite_steps", "1", steps=4) == 0
+    assert moved == {1: True, 2: False, 3: True, 4: True}
+    records = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("skipped")] == [bad_step]
+    at_bad = records[bad_step - 1]
+    assert (at_bad["loss"] is None) == (bad == "loss") and (at_bad["grad_norm"] is None) == (bad == "gradients")
+    assert all(r["loss"] is not None and r["grad_norm"] is not None for r in records if r["step"] != bad_step)
