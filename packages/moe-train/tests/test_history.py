@@ -140,3 +140,16 @@ def test_resume_passes_over_incomplete_saves_says_so_and_cleans_up(
     assert "removed what interrupted writes left: metrics.jsonl.tmp" in err
     assert not (checkpoints / ".step_10.partial").exists() and not (out / "metrics.jsonl.tmp").exists()
     assert [r["step"] for r in _records(out)] == list(range(1, 10))
+
+
+def test_a_resumed_run_continues_exactly(original: Path, tmp_path: Path) -> None:
+    """Resumed from step 4, steps 5 to 8 repeat the original's losses and gradient norms bit for bit (one process, the
+    same data order and random state): the weights, the optimizer's moments and step counts, the learning-rate
+    schedule and the random generators all came back. A fresh optimizer state, for one, changes step 6's loss."""
+    out = _copy(original, tmp_path)
+    assert _train(out, "--run.resume", str(out / "checkpoints" / "step_4"), "--run.exit_interval", "8", steps=12) == 0
+    want = {r["step"]: r for r in _records(original)}
+    got = {r["step"]: r for r in _records(out)}
+    for step in range(5, 9):
+        for key in ("loss", "grad_norm", "lr"):
+            assert got[step][key] == want[step][key], (step, key)
