@@ -97,13 +97,19 @@ PIPELINE_LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
     ),
     "pp=2 x ep=2": (4, {"parallel.pp": "2", "parallel.ep": "2"}),
     "pp=2 x dp_shard=2 (FSDP2 per stage)": (4, {"parallel.pp": "2"}),
+    # a split backward (input, then weight pass) over FSDP units kept gathered from the forward to the reduction
+    "pp=2 ZBVZeroBubble x dp_shard=2": (4, {"parallel.pp": "2", "parallel.pp_schedule": "ZBVZeroBubble"}),
     "pp=2 x tp=2": (4, {"parallel.pp": "2", "parallel.tp": "2"}),
     "pp=4": (4, {"parallel.pp": "4"}),
     # context parallelism inside each stage: the stages pass the rank's share of every sequence (DeepSeek-V3's MTP,
     # on the last stage, takes its labels from the whole sequence)
     "pp=2 x cp=2": (4, {"parallel.pp": "2", "parallel.cp": "2"}),
 }
-PIPELINE_PRESETS = {"pp=2 x cp=2": ("tiny-deepseek-v3",)}  # the other rows run on every one of PRESETS
+# the rows that run on these proxies only (the others run on every one of PRESETS)
+PIPELINE_PRESETS = {
+    "pp=2 x cp=2": ("tiny-deepseek-v3",),
+    "pp=2 ZBVZeroBubble x dp_shard=2": ("tiny-deepseek-v3",),
+}
 # Llama 4: chunks of 12 positions, so that they cross the cp chunks of 8 (a NoPE layer in four, its temperature
 # changing every 4 positions), the router's probability applied to the experts' input. Its top-1 routing is prone to
 # near-ties: with seeds 3, 7 and 11 some token's two best experts are closer than the layouts' rounding at some step

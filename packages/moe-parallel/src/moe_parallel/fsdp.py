@@ -4,13 +4,20 @@ cp ranks included), routed experts over the expert data-parallel mesh only.
 Experts are wrapped first, as their own FSDP units on the ``edp`` mesh, so the enclosing layer's unit (on the
 ``dp`` mesh) leaves them alone: no parameter is sharded twice. When an edp group has more ranks than a rank has
 experts, sharding dim 0 would leave ranks empty, so the experts shard along their first dim that divides evenly.
+
+Pipeline stages under a schedule that splits each backward in two (ZBVZeroBubble, DualPipeV) keep their units
+gathered from the forward to the gradient reduction (:func:`keep_gathered_after_forward`), and the units torch's
+pipeline stage does not see have their reduction deferred to the end of the step (:func:`with_deferred_reduction`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe_parallel.expert_parallel import moe_blocks
@@ -62,3 +69,70 @@ def apply_fsdp(
         for path in plan.fsdp_units:
             fully_shard(submodule(model, path), mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)
         fully_shard(model, mesh=meshes.dp_mesh, mp_policy=mp, ignored_params=ignored)
+
+
+def keep_gathered_after_forward(module: nn.Module) -> None:
+    """Keep every FSDP unit in ``module`` gathered from its forward until its gradients are reduced
+    (``reshard_after_forward=False``), as a pipeline stage whose backward is split in two needs.
+
+    torch's split backward (the I and W actions of ZBVZeroBubble and DualPipeV:
+    ``torch.distributed.pipelining._backward.stage_backward_input`` / ``stage_backward_weight``) finds the weights
+    to differentiate by ``PipelineStage.submod.parameters()`` when each part runs. FSDP2 registers the gathered
+    (unsharded) parameters on the modules only while a unit is gathered, the sharded ones otherwise; autograd saw
+    the gathered ones. A unit resharded after its forward (the default for every unit but the root) therefore
+    offers its sharded parameters to the input pass, which are not in the graph: their weight gradients are never
+    computed (``None``), or computed for whichever parameters happen to be registered when the weight pass runs.
+    Kept gathered, the parameters are the ones autograd saw from the schedule's first forward of the stage to its
+    gradient reduction (``finalize_backward``, which reshards), as torch's runtime schedules expect of FSDP stages
+    (their UNSHARD / RESHARD actions gather and release whole stages).
+    """
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_reshard_after_forward(False, recurse=False)
+
+
+def reshard(module: nn.Module) -> None:
+    """Release the gathered parameters of every FSDP unit in ``module`` (those :func:`keep_gathered_after_forward`
+    keeps after a forward that no backward follows, as an evaluation's)."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def detached_units(module: nn.Module) -> list[FSDPModule]:
+    """The outermost FSDP units of ``module`` when it is not one itself, in module order: the experts' units on the
+    edp mesh of a layout without attention data parallelism (``edp > 1 = dp x cp``, e.g. tp=2 with etp=1). Each is
+    an FSDP root of its own, which torch's pipeline stages do not see (they handle a stage that is one)."""
+    if isinstance(module, FSDPModule):
+        return []
+    units: list[FSDPModule] = []
+    covered: set[int] = set()
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule) and id(unit) not in covered:
+            units.append(unit)
+            covered.update(id(m) for m in unit.modules())
+    return units
+
+
+T = TypeVar("T")
+
+
+def with_deferred_reduction(units: list[FSDPModule], run: Callable[[], T]) -> T:
+    """``run()`` with the gradients of ``units`` (FSDP roots) accumulated gathered and unreduced, then reduced once:
+    what torch's ``PipelineStage`` does for a stage that is an FSDP unit (``backward_maybe_with_nosync``, then
+    ``start_gradient_reduction``), for roots inside a stage that is not. Needed by a split backward: an FSDP root
+    left to itself reduces and reshards at the end of each autograd pass, the input pass, before the weight pass
+    has computed its gradients from the gathered parameters (freed by then)."""
+    if not units:
+        return run()
+    for unit in units:
+        unit.set_requires_gradient_sync(False)
+        unit.set_reshard_after_backward(False)
+        unit.set_manual_backward_finalization(True)
+    out = run()
+    for unit in units:  # the same order on every rank of the edp groups: the stages' module order
+        unit.set_requires_gradient_sync(True)
+        unit.set_reshard_after_backward(True)
+        unit.finalize_backward()
+        unit.set_manual_backward_finalization(False)
+    return out

@@ -33,6 +33,7 @@ from torch import nn
 
 from moe_dispatch import WireCodec
 from moe_parallel.config import ParallelConfig
+from moe_parallel.fsdp import detached_units, keep_gathered_after_forward, reshard, with_deferred_reduction
 from moe_parallel.grads import GradientSync, local_grad
 from moe_parallel.materialize import ParameterSource, materialize
 from moe_parallel.mesh import ParallelMeshes
@@ -99,6 +100,8 @@ class StagedModel:
         self._bound_to: tuple[int, ...] = ()
         self._schedule: Any = None
         self._schedule_key: tuple = ()
+        # V-shaped schedules split each backward into an input and a weight pass (torch's I and W actions)
+        self._split_backward = self.pp > 1 and style(config.pp_schedule) == "v"
 
     # ----- what the rank holds
     @property
@@ -241,7 +244,12 @@ class StagedModel:
             self._schedule = cls(stages[0] if single else stages, microbatches, loss_fn=loss_fn, scale_grads=False)
             self._schedule_key = key
         args = (local_ids_BS,) if self.is_first else ()
-        self._schedule.step(*args, target=labels_BS if self.is_last else None, input_ids_BS=input_ids_BS, **kwargs)
+        target = labels_BS if self.is_last else None
+        # the FSDP roots torch's stages do not handle (see parallelize_stages): reduced once, after the step
+        units = [unit for stage in self.stages for unit in detached_units(stage)] if self._split_backward else []
+        with_deferred_reduction(
+            units, lambda: self._schedule.step(*args, target=target, input_ids_BS=input_ids_BS, **kwargs)
+        )
 
     def _stage_objects(self, micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> list:
         from torch.distributed.pipelining import PipelineStage
@@ -287,6 +295,9 @@ class StagedModel:
             out = stage(x, input_ids_BS=input_ids_BS, **kwargs)
             if index + 1 < self.num_stages and index + 1 not in held:
                 dist.send(out.contiguous(), self._pipeline_peer(index + 1), group=self.pp_group)
+        if self._split_backward:  # kept gathered after their forward (parallelize_stages): release them now
+            for stage in self.stages:
+                reshard(stage)
         return out if self.is_last else None
 
     def _pipeline_peer(self, stage: int) -> int:
@@ -352,4 +363,9 @@ def parallelize_stages(
     parts = [
         split_module(stage, meshes, config, restrict_plan(plan, stage), before_fsdp, dispatch_wire) for stage in stages
     ]
+    if pp > 1 and style(config.pp_schedule) == "v":
+        # a split backward differentiates the parameters the stage holds when its weight pass runs: the gathered
+        # ones autograd saw, only if FSDP keeps them gathered from the forward to the gradient reduction
+        for stage in stages:
+            keep_gathered_after_forward(stage)
     return StagedModel(stages, indices, parts, split, meshes, plan.pipeline, config)
