@@ -25,6 +25,19 @@ SMALL = {
     "moe_router_topk": 2,
     "moe_ffn_hidden_size": 32,
 }
+# Qwen3-Next: layer 0 a Gated DeltaNet (2 q/k heads of 8, 4 value heads of 6, a 3-tap convolution), layer 1 full
+# attention with the output gate (q_proj twice as wide); zero-centred norms (no parameter of their own)
+_QWEN3_NEXT = {
+    "experimental_attention_variant": "gated_delta_net",
+    "linear_attention_freq": 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 6,
+    "linear_conv_kernel_dim": 3,
+    "attention_output_gate": True,
+    "layernorm_zero_centered_gamma": True,
+}
 _MLA = {
     "multi_latent_attention": True,
     "qk_layernorm": False,
@@ -123,6 +136,13 @@ def _built_counts(cfg: ModelConfig) -> tuple[int, int, int]:
         {"moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True},  # Qwen2-MoE: + H for the gate
         {"moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True, "mtp_num_layers": 1},
         {"moe_router_num_groups": 4, "moe_router_group_topk": 2, "moe_router_group_score_topk": 1},  # DeepSeek-V2
+        _QWEN3_NEXT,  # a Gated DeltaNet layer, then a full attention layer with the output gate
+        {
+            **_QWEN3_NEXT,
+            "linear_attention_freq": [1, 1],
+            "moe_shared_expert_intermediate_size": 24,
+            "mtp_num_layers": 1,
+        },
     ],
 )
 def test_count_parameters_matches_the_built_model(overrides):
@@ -180,6 +200,37 @@ def test_new_blocks_parameters_and_flops_by_hand():
     # torchtitan: 6 x active non-embedding parameters (the norms' and the gate's too) + SMALL's attention term
     torchtitan = 6 * (92_800 - 256 * 64) + 24_576
     assert training_flops_per_token(cfg, 16, convention="torchtitan") == torchtitan == 483_072
+
+
+def test_gated_delta_net_hybrid_parameters_and_flops_by_hand():
+    cfg = ModelConfig(**SMALL, **_QWEN3_NEXT)
+    # Gated DeltaNet: key width 2 x 8 = 16, value width 4 x 6 = 24, 4 value heads
+    in_proj = 64 * (2 * 16 + 2 * 24 + 2 * 4)  # q, k, v, z, b, a: 5632
+    conv = (2 * 16 + 24) * 3  # depthwise over q, k, v: 168
+    out_proj = 24 * 64  # 1536
+    linear = in_proj + conv + out_proj + 2 * 4 + 6  # + A_log, dt_bias per value head, the gated norm's weight: 7350
+    gated_attention = 64 * (2 * 64 + 2 * 32) + 64 * 64 + 2 * 16  # q_proj doubled, k, v, o, q/k norms: 16416
+    moe_total, moe_active = 8 * 64 + 8 * 3 * 64 * 32, 8 * 64 + 2 * 3 * 64 * 32  # router + experts: 49664, 12800
+    outside = 2 * 256 * 64 + 64  # 32832
+    assert (linear, gated_attention, moe_total, moe_active) == (7350, 16_416, 49_664, 12_800)
+    counted = count_parameters(cfg)
+    assert counted.total == outside + 2 * 128 + linear + gated_attention + 2 * moe_total == 156_182
+    assert counted.active == outside + 2 * 128 + linear + gated_attention + 2 * moe_active == 82_454
+    assert (counted.total, counted.active, counted.mtp) == _built_counts(cfg)
+    # Megatron: the DeltaNet's GEMMs and convolution, 6 FLOPs per multiply-add, and its rule 6 x 3 x 4 x 8 x 6; the
+    # gated attention's projections and core attention (causal half of 16 keys); experts and logits as SMALL's
+    rule = 6 * 3 * 4 * 8 * 6  # 3456
+    linear_layer = 6 * (in_proj + conv + out_proj) + rule  # 47472
+    attention_layer = 6 * (gated_attention - 2 * 16) + 6 * 4 * 8 * (16 + 16)  # 104448
+    experts, logits = 18 * 64 * 32 * 2, 6 * 64 * 256  # 73728, 98304
+    assert (rule, linear_layer, attention_layer) == (3456, 47_472, 104_448)
+    assert training_flops_per_token(cfg, 16) == linear_layer + attention_layer + 2 * experts + logits == 397_680
+    # torchtitan: 6 x active non-embedding parameters, the rule, and the attention layer's 6 x 4 heads x 16 keys x 32
+    torchtitan = 6 * (82_454 - 256 * 64) + rule + 6 * 4 * 16 * 32
+    assert training_flops_per_token(cfg, 16, convention="torchtitan") == torchtitan == 412_164
+    # the DeltaNet layer's cost does not grow with the sequence
+    linear_only = ModelConfig(**{**SMALL, **_QWEN3_NEXT, "linear_attention_freq": [1, 1]})
+    assert training_flops_per_token(linear_only, 16) == training_flops_per_token(linear_only, 4096)
 
 
 def test_megatron_flops_by_hand():

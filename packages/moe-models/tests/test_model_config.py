@@ -13,6 +13,10 @@ from moe_dispatch import RouterConfig
 from moe_models import FAMILIES, ModelConfig, ModelConfigError, build_model
 from moe_models.config import ROUTER_FIELDS
 
+# a Gated DeltaNet hybrid (every 2nd layer full attention), and multi-latent attention, to build invalid configs on
+_GDN = {"experimental_attention_variant": "gated_delta_net", "linear_attention_freq": 2}
+_MLA = {"multi_latent_attention": True, "num_query_groups": 4}
+
 
 def test_defaults_are_valid_and_build():
     cfg = ModelConfig()
@@ -63,6 +67,25 @@ def test_router_config_carries_the_moe_fields():
         ({"multi_latent_attention": True, "window_size": 4}, "window_size", ["multi_latent_attention"]),
         ({"mtp_num_layers": 0}, "mtp_num_layers", []),
         ({"moe_shared_expert_intermediate_size": 0}, "moe_shared_expert_intermediate_size", []),
+        ({"experimental_attention_variant": "mamba"}, "experimental_attention_variant", ["gated_delta_net"]),
+        ({**_GDN, "linear_attention_freq": None}, "linear_attention_freq", ["int N", "list"]),
+        ({"linear_attention_freq": 4}, "linear_attention_freq", ["experimental_attention_variant"]),
+        ({**_GDN, "linear_attention_freq": 0}, "linear_attention_freq", ["at least 1"]),
+        ({**_GDN, "linear_attention_freq": [1, 0, 1]}, "linear_attention_freq", ["num_layers=2"]),
+        ({**_GDN, "linear_attention_freq": [1, 2]}, "linear_attention_freq", ["0/1"]),
+        ({**_GDN, "linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim", ["at least 1"]),
+        ({**_GDN, "linear_key_head_dim": 0}, "linear_key_head_dim", ["at least 1"]),
+        ({**_GDN, "linear_value_head_dim": 0}, "linear_value_head_dim", ["at least 1"]),
+        ({**_GDN, "linear_num_key_heads": 0}, "linear_num_key_heads", ["at least 1"]),
+        ({**_GDN, "linear_attention_chunk_size": 0}, "linear_attention_chunk_size", ["at least 1"]),
+        (
+            {**_GDN, "linear_num_key_heads": 4, "linear_num_value_heads": 6},
+            "linear_num_value_heads",
+            ["linear_num_key_heads (4)"],
+        ),
+        ({**_MLA, **_GDN}, "experimental_attention_variant", ["MLA"]),
+        ({**_MLA, "attention_output_gate": True}, "attention_output_gate", ["MLA"]),
+        ({**_MLA, "layernorm_zero_centered_gamma": True}, "layernorm_zero_centered_gamma", ["MLA"]),
     ],
 )
 def test_invalid_config_carries_the_model_field(kwargs, field, words):
@@ -149,3 +172,67 @@ def test_layer_patterns_follow_megatron(freq, num_layers, pattern):
     assert [int(layer.is_moe) for layer in model.layers] == pattern
     assert [int(layer.attention.core_attention.window is None) for layer in model.layers] == pattern
     assert len(model.routers()) == sum(pattern)
+
+
+@pytest.mark.parametrize(
+    ("freq", "num_layers", "kinds"),
+    [
+        (4, 4, ["linear_attention"] * 3 + ["attention"]),  # Qwen3-Next's full_attention_interval
+        (1, 2, ["attention", "attention"]),
+        ([1, 0, 1], 3, ["linear_attention", "attention", "linear_attention"]),
+    ],
+)
+def test_linear_attention_layers_follow_megatron(freq, num_layers, kinds):
+    """linear_attention_freq as Megatron-Core's: an int N makes every N-th layer (1-based) full attention and the
+    others linear, a list gives 1 per linear layer; the model builds a Gated DeltaNet for those and runs."""
+    from moe_models.linear_attention import GatedDeltaNet
+
+    cfg = ModelConfig(
+        num_layers=num_layers,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=freq,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+    assert cfg.attention_kinds() == kinds
+    assert cfg.linear_attention_pattern() == [int(kind == "linear_attention") for kind in kinds]
+    model = build_model(cfg, seed=0)
+    assert [isinstance(layer.attention, GatedDeltaNet) for layer in model.layers] == [
+        kind == "linear_attention" for kind in kinds
+    ]
+    assert all(
+        layer.is_linear_attention == (kind == "linear_attention")
+        for layer, kind in zip(model.layers, kinds, strict=True)
+    )
+    logits = model(torch.arange(10).view(1, 10)).logits
+    assert logits.shape == (1, 10, cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_without_linear_attention_every_layer_attends():
+    cfg = ModelConfig()
+    assert cfg.experimental_attention_variant is None and cfg.linear_attention_freq is None
+    assert cfg.attention_kinds() == ["attention"] * cfg.num_layers
+
+
+def test_zero_centered_norms_and_output_gate_build():
+    """layernorm_zero_centered_gamma: every RMSNorm (not the DeltaNet's gated norm) starts at weight 0 and scales by
+    1 + weight; attention_output_gate doubles q_proj (per head [q, gate])."""
+    from moe_models.layers import RMSNorm
+
+    cfg = ModelConfig(layernorm_zero_centered_gamma=True, attention_output_gate=True, **_GDN)
+    model = build_model(cfg, seed=0)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.zero_centered and not m.weight.any() for m in norms)
+    gated_norm = model.layers[0].attention.norm
+    assert not isinstance(gated_norm, RMSNorm) and bool((gated_norm.weight == 1).all())
+    attention = model.layers[1].attention
+    assert attention.q_proj.out_features == 2 * cfg.num_attention_heads * cfg.kv_channels
+    x = torch.randn(3, cfg.hidden_size)
+    plain = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+    centred = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, zero_centered=True)
+    with torch.no_grad():
+        centred.weight.fill_(0.5)
+        plain.weight.fill_(1.5)
+    torch.testing.assert_close(centred(x), plain(x))

@@ -64,8 +64,10 @@ BLOCKS = [
         },
     ),
 ]
+# Qwen3-Next's layers are not estimated yet (moe_models.memory.NOT_ESTIMATED): model_shape refuses them
+NOT_ESTIMATED_PRESETS = ("tiny-qwen3-next",)
 CASES = (
-    [(name, torch.float32, {}) for name in TINY_PRESETS]
+    [(name, torch.float32, {}) for name in TINY_PRESETS if name not in NOT_ESTIMATED_PRESETS]
     + [(name, torch.bfloat16, {}) for name in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")]
     + [(name, dtype, overrides) for name, overrides in BLOCKS for dtype in (torch.float32, torch.bfloat16)]
 )
@@ -94,3 +96,25 @@ def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype, 
     declared = estimate_memory(shape, run).activations_by_module()
     declared["dispatch"] = declared.get("dispatch", 0) + declared.pop("combine", 0)  # both run in the block's forward
     assert declared == measured_by_module
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"experimental_attention_variant": "gated_delta_net", "linear_attention_freq": 2}, "linear_attention"),
+        ({"attention_output_gate": True}, "attention_output_gate"),
+        ({"layernorm_zero_centered_gamma": True}, "layernorm_zero_centered_gamma"),
+    ],
+)
+def test_features_not_estimated_are_refused(overrides, field):
+    """Gated DeltaNet layers, the attention output gate and zero-centred norms save what no declaration here says
+    yet: the estimate refuses them, naming the field, rather than be silently wrong."""
+    from moe_models import ModelConfigError
+    from moe_models.memory import NOT_ESTIMATED
+
+    name = "experimental_attention_variant" if field == "linear_attention" else field
+    assert name in NOT_ESTIMATED
+    with pytest.raises(ModelConfigError, match=f"^{name}=.*not estimated"):
+        model_shape(preset("tiny-qwen3-moe", **overrides))
+    with pytest.raises(ModelConfigError, match="not estimated"):
+        model_shape(preset("tiny-qwen3-next"))

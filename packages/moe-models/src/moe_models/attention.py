@@ -1,8 +1,8 @@
 """Causal grouped-query attention: QK-norm per head (Qwen3; after the rotation: Hunyuan) or across heads (OLMoE,
 MiniMax-M2), q/k/v clamps (OLMoE), partial rotary embeddings (GLM-4.5), biases and learned attention sinks (GPT-OSS),
-sliding windows (GPT-OSS, Mixtral). Plain causal attention over a whole sequence goes to SDPA's fused kernels;
-sinks, windows, a value head size other than q/k's on CPU (MLA), queries and keys at given positions (a
-context-parallel rank's) and packed documents (:mod:`moe_models.documents`) go to
+sliding windows (GPT-OSS, Mixtral), a sigmoid gate on the output (Qwen3-Next). Plain causal attention over a whole
+sequence goes to SDPA's fused kernels; sinks, windows, a value head size other than q/k's on CPU (MLA), queries and keys
+at given positions (a context-parallel rank's) and packed documents (:mod:`moe_models.documents`) go to
 :func:`~moe_models.blockwise.blockwise_attention`. Both keep memory linear in the sequence."""
 
 from __future__ import annotations
@@ -90,15 +90,18 @@ class Attention(nn.Module):
         self.temperature_tuning = c.attn_temperature_tuning and not rope
         self.interleaved, self.rotary_dim, self.clip_qkv = c.rotary_interleaved, c.rotary_dim, c.clip_qkv
         h, q_width, kv_width = c.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(h, q_width, bias=c.add_qkv_bias)
+        # with the output gate, q_proj's rows are per head [the head's q, the head's gate] (Qwen3-Next's layout)
+        self.output_gate = c.attention_output_gate
+        self.q_proj = nn.Linear(h, q_width * (2 if self.output_gate else 1), bias=c.add_qkv_bias)
         self.k_proj = nn.Linear(h, kv_width, bias=c.add_qkv_bias)
         self.v_proj = nn.Linear(h, kv_width, bias=c.add_qkv_bias)
         self.o_proj = nn.Linear(q_width, h, bias=c.add_bias_linear)
         # across heads: one norm over the projection's whole width, before the heads are split
         self.qk_norm_across_heads, self.qk_norm_after_rotary = c.qk_layernorm_across_heads, c.qk_layernorm_after_rotary
         q_norm_width, k_norm_width = (q_width, kv_width) if self.qk_norm_across_heads else (self.head_dim,) * 2
-        self.q_norm = RMSNorm(q_norm_width, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
-        self.k_norm = RMSNorm(k_norm_width, c.norm_epsilon) if c.qk_layernorm else nn.Identity()
+        zero_centered = c.layernorm_zero_centered_gamma
+        self.q_norm = RMSNorm(q_norm_width, c.norm_epsilon, zero_centered) if c.qk_layernorm else nn.Identity()
+        self.k_norm = RMSNorm(k_norm_width, c.norm_epsilon, zero_centered) if c.qk_layernorm else nn.Identity()
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if c.softmax_type == "learnable" else None
 
     def forward(
@@ -114,7 +117,7 @@ class Attention(nn.Module):
         ``document_ids_BS``: the whole sequences' document ids, each query then sees its own document alone."""
         b, s, _ = x_BSH.shape
         # head counts come from the projections' widths, so a tensor-parallel rank computes its share of the heads
-        q, k, v = self._qkv(x_BSH)
+        q, k, v, gate_BSQ = self._qkv(x_BSH)
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -129,16 +132,23 @@ class Attention(nn.Module):
             q = (q * self._temperature(positions)).to(q.dtype)  # the fp32 scale must not promote a bf16 q
         documents = () if document_ids_BS is None else (document_ids_BS,)  # a 7th argument only with documents
         out_BNSD = self.core_attention(q, k, v, self.sinks, positions_S, positions_S, *documents)
-        return self.o_proj(out_BNSD.transpose(1, 2).reshape(b, s, -1))
+        out_BSQ = out_BNSD.transpose(1, 2).reshape(b, s, -1)
+        if gate_BSQ is not None:
+            out_BSQ = out_BSQ * torch.sigmoid(gate_BSQ)
+        return self.o_proj(out_BSQ)
 
     def _temperature(self, positions_S: torch.Tensor) -> torch.Tensor:
         """Llama 4's per-position q scale of NoPE layers, ``[S, 1]`` (broadcast over batch and heads)."""
         scale, floor_scale = self.temperature
         return (torch.log1p(torch.floor((positions_S.float() + 1.0) / floor_scale)) * scale + 1.0).unsqueeze(-1)
 
-    def _qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v ``[B, S, heads x head dim]`` after the projections, the q/k norms and the clamp."""
-        q, k, v = self.q_proj(x_BSH), self.k_proj(x_BSH), self.v_proj(x_BSH)
+    def _qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q, k, v ``[B, S, heads x head dim]`` after the projections, the q/k norms and the clamp, and the output
+        gate's logits (``[B, S, heads x head dim]``; None without the gate)."""
+        q, k, v, gate = self.q_proj(x_BSH), self.k_proj(x_BSH), self.v_proj(x_BSH), None
+        if self.output_gate:  # per head [q, gate]
+            q, gate = q.unflatten(-1, (-1, 2 * self.head_dim)).chunk(2, dim=-1)
+            q, gate = q.flatten(-2), gate.flatten(-2)
         if self.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         elif not self.qk_norm_after_rotary:
@@ -146,7 +156,7 @@ class Attention(nn.Module):
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        return q, k, v
+        return q, k, v, gate
 
     def _rotate(self, x_BNSD: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
         """Rotary embeddings on the first ``rotary_dim`` dimensions of each head; the others pass through."""

@@ -32,6 +32,7 @@ FAMILIES = (
     "exaone_moe",
     "flint",
     "mellum",
+    "qwen3_next",
 )
 
 # ModelConfig field (Megatron flag) -> RouterConfig field
@@ -166,6 +167,21 @@ class ModelConfig:
     attn_temperature_tuning: bool = False
     attn_temperature_scale: float = 0.1
     attn_temperature_floor_scale: int = 8192
+    # q_proj also produces one gate per query channel: the attention output (heads merged) times sigmoid(gate) before
+    # o_proj (Qwen3-Next's gated attention; Megatron-Core's --attention-output-gate). The projection's rows are
+    # per head [q of the head, gate of the head]
+    attention_output_gate: bool = False
+    # --- linear attention (Qwen3-Next's Gated DeltaNet layers; Megatron-Core's names) ---
+    experimental_attention_variant: str | None = None  # None | gated_delta_net: the linear layers' kind
+    # which layers are linear: int N = every N-th layer is full attention and the others linear (Qwen3-Next's
+    # full_attention_interval: 4), or one 0/1 per layer (1 = linear); None with no experimental_attention_variant
+    linear_attention_freq: int | list[int] | None = None
+    linear_conv_kernel_dim: int = 4  # the causal depthwise convolution over q, k, v
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16  # query/key heads; each serves linear_num_value_heads / this consecutive v heads
+    linear_num_value_heads: int = 32
+    linear_attention_chunk_size: int = 64  # positions per chunk of the chunked gated delta rule (a compute choice)
     # --- MLPs ---
     activation_func: str = "swiglu"  # a moe_experts activation: swiglu | swiglu_oai | geglu | ...
     ffn_hidden_size: int = 512  # dense-MLP layers
@@ -211,6 +227,9 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = 0.1
     # --- the rest ---
     norm_epsilon: float = 1e-6
+    # the RMSNorms (input, post-attention, q/k, final and MTP norms; not the Gated DeltaNet's gated norm) scale by
+    # 1 + weight, the weight starting at 0 (Qwen3-Next; Megatron-Core's --apply-layernorm-1p)
+    layernorm_zero_centered_gamma: bool = False
     share_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
 
@@ -277,6 +296,7 @@ class ModelConfig:
             )
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             raise ModelConfigError("mtp_num_layers", self.mtp_num_layers, "must be at least 1, or null for no MTP")
+        self._validate_linear_attention()
         self.router_config()  # validates the fields of ROUTER_FIELDS
 
     def _validate_gqa(self) -> None:
@@ -343,6 +363,44 @@ class ModelConfig:
             if getattr(self, name) not in (None, False):
                 raise ModelConfigError(name, getattr(self, name), "grouped-query attention only: unset it for MLA")
 
+    def _validate_linear_attention(self) -> None:
+        variant = self.experimental_attention_variant
+        if variant not in (None, "gated_delta_net"):
+            raise ModelConfigError(
+                "experimental_attention_variant", variant, "choose 'gated_delta_net', or null for attention only"
+            )
+        if variant is None and self.linear_attention_freq is not None:
+            raise ModelConfigError(
+                "linear_attention_freq",
+                self.linear_attention_freq,
+                "needs experimental_attention_variant='gated_delta_net': set both or neither",
+            )
+        if variant is not None and self.linear_attention_freq is None:
+            raise ModelConfigError(
+                "linear_attention_freq", None, "say which layers are linear: an int N (every N-th is full) or a list"
+            )
+        self.linear_attention_pattern()  # validates linear_attention_freq
+        for name in (
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_attention_chunk_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(name, getattr(self, name), "must be at least 1")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelConfigError(
+                "linear_num_value_heads",
+                self.linear_num_value_heads,
+                f"must be a multiple of linear_num_key_heads ({self.linear_num_key_heads})",
+            )
+        if self.multi_latent_attention:
+            for name in ("experimental_attention_variant", "attention_output_gate", "layernorm_zero_centered_gamma"):
+                if getattr(self, name) not in (None, False):
+                    raise ModelConfigError(name, getattr(self, name), "grouped-query attention only: unset it for MLA")
+
     @property
     def rotary_dim(self) -> int:
         """Dimensions per head that get rotary embeddings (the first ones of each head)."""
@@ -383,6 +441,16 @@ class ModelConfig:
         if self.window_attn_skip_freq is None:
             return [0] * self.num_layers
         return _layer_pattern(self.window_attn_skip_freq, self.num_layers, "window_attn_skip_freq", every_nth_is=1)
+
+    def linear_attention_pattern(self) -> list[int]:
+        """One 0/1 per layer: 1 = a linear-attention layer (``experimental_attention_variant``), 0 = attention."""
+        if self.linear_attention_freq is None:
+            return [0] * self.num_layers
+        return _layer_pattern(self.linear_attention_freq, self.num_layers, "linear_attention_freq", every_nth_is=0)
+
+    def attention_kinds(self) -> list[str]:
+        """Each layer's token mixer: ``"attention"`` (softmax attention, GQA or MLA) or ``"linear_attention"``."""
+        return ["linear_attention" if v else "attention" for v in self.linear_attention_pattern()]
 
     def router_config(self) -> RouterConfig:
         """The RouterConfig of the MoE layers; a RouterConfigError is re-raised naming our field."""

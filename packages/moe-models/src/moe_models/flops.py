@@ -7,7 +7,9 @@ F_d ffn_hidden_size (dense layers); the per-head q/k width is d_qk = d (GQA) or 
 or d_v (MLA).
 
 Parameters (:func:`count_parameters`): embedding, final norm and lm_head (once when tied), and per layer two
-norms, the attention (projections with their biases, q/k norms, sinks; MLA's latent norms), and the MLP: dense
+norms, the attention (projections with their biases, q/k norms, sinks; MLA's latent norms; q_proj twice as wide
+with the output gate) or the Gated DeltaNet layer (in_proj, conv, A_log, dt_bias, gated norm, out_proj), and the
+MLP: dense
 3 H F_d, or MoE = router E H (+ E bias) + E experts of a H F + F H (+ a F + H biases) + shared 3 H F_s (+ H for
 its gate). ``active``
 counts k of the E routed experts; ``total`` and ``active`` leave the MTP layers out, as published figures do,
@@ -17,12 +19,16 @@ Megatron convention (the default; how Megatron-LM reports TFLOPS/GPU and MFU): a
 multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per token:
 
 - attention projections: 6 x the weights' multiply-adds,
-  GQA ``H (N d + 2 G d) + N d H``; MLA q ``H N d_qk`` (or ``H r_q + r_q N d_qk`` through the q latent),
-  kv ``H (r_kv + d_r) + r_kv N (d_n + d_v)``, o ``N d_v H``;
+  GQA ``H (N d + 2 G d) + N d H`` (``H (2 N d + 2 G d) + N d H`` with the output gate); MLA q ``H N d_qk`` (or
+  ``H r_q + r_q N d_qk`` through the q latent), kv ``H (r_kv + d_r) + r_kv N (d_n + d_v)``, o ``N d_v H``;
 - core attention: ``6 N K (d_qk + d_v)`` (QK^T then AV over K keys), K the keys per query averaged over the
   sequence: causal ``S/2`` (Megatron's causal half), sliding window w < S: ``w - w^2 / (2 S)`` (the band of
   width w under the causal triangle, divided by S; ``S/2`` at w = S, so the two agree there), chunks of c < S
   positions (Llama 4) ``(m c^2 + r^2) / (2 S)`` with S = m c + r (a causal triangle per chunk);
+- a Gated DeltaNet layer (instead of the attention terms): its projections and short convolution, 6 x
+  ``H (2 K + 2 V + 2 N_v) + (2 K + V) W + V H`` (K = N_k d_k and V = N_v d_v its key and value widths, W the
+  convolution's kernel), and the gated delta rule ``6 x 3 N_v d_k d_v`` (per value head the state is read by k,
+  written and read by q: the recurrent form's count, whatever the chunk size);
 - MLP: MoE ``6 k (a + 1) H F + 18 H F_s``, dense ``18 H F_d``;
 - logits ``6 H V`` (tied embeddings too: the GEMM still runs);
 - MTP, per depth: eh_proj ``6 * 2 H^2``, one MoE decoder layer with full causal attention, its logits ``6 H V``;
@@ -31,8 +37,8 @@ multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per tok
 torchtitan convention: ``6 x (active parameters - the input embedding)`` (every weight a GEMM weight, routers
 and norms included) plus core attention ``6 N K (d_qk + d_v)`` per layer with K = S (no causal halving; for
 GQA this is torchtitan's ``12 L N d S``), K = ``min(w, S)`` in a sliding-window layer, ``min(c, S)`` in a chunked
-one. MTP depths add ``6 x`` their active parameters, their attention term with K = S, and ``6 H V`` for the shared
-head's logits.
+one; a Gated DeltaNet layer adds its gated delta rule ``6 x 3 N_v d_k d_v`` instead. MTP depths add ``6 x`` their
+active parameters, their attention term with K = S, and ``6 H V`` for the shared head's logits.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ def _attention_macs(c: ModelConfig) -> int:
         kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank * n * (c.qk_head_dim + v)
         return q + kv + n * v * h
     q, kv = n * c.kv_channels, c.num_query_groups * c.kv_channels
-    return h * (q + 2 * kv) + q * h
+    return h * (q * (1 + c.attention_output_gate) + 2 * kv) + q * h  # the output gate doubles q_proj
 
 
 def _attention_params(c: ModelConfig) -> int:
@@ -77,10 +83,33 @@ def _attention_params(c: ModelConfig) -> int:
     if c.multi_latent_attention:
         return params + c.kv_lora_rank + (c.q_lora_rank or 0)  # the latents' norms
     q, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
-    params += (q + 2 * kv) * c.add_qkv_bias + c.hidden_size * c.add_bias_linear
+    params += (q * (1 + c.attention_output_gate) + 2 * kv) * c.add_qkv_bias + c.hidden_size * c.add_bias_linear
     qk_norms = q + kv if c.qk_layernorm_across_heads else 2 * c.kv_channels  # one weight per q/k channel normed
     params += qk_norms * c.qk_layernorm + c.num_attention_heads * (c.softmax_type == "learnable")
     return params
+
+
+def _linear_value_width(c: ModelConfig) -> int:
+    return c.linear_num_value_heads * c.linear_value_head_dim
+
+
+def _linear_attention_macs(c: ModelConfig) -> int:
+    """Multiply-adds per token of a Gated DeltaNet layer's projections and short convolution (= their weight count):
+    in_proj ``H (2 K + 2 V + 2 N_v)``, conv ``(2 K + V) W``, out_proj ``V H``."""
+    h, key, value = c.hidden_size, c.linear_num_key_heads * c.linear_key_head_dim, _linear_value_width(c)
+    in_proj = h * (2 * key + 2 * value + 2 * c.linear_num_value_heads)
+    return in_proj + (2 * key + value) * c.linear_conv_kernel_dim + value * h
+
+
+def _linear_attention_params(c: ModelConfig) -> int:
+    """A Gated DeltaNet layer's parameters: its weights, A_log and dt_bias per value head, the gated norm's weight."""
+    return _linear_attention_macs(c) + 2 * c.linear_num_value_heads + c.linear_value_head_dim
+
+
+def _gated_delta_rule_flops(c: ModelConfig) -> float:
+    """Training FLOPs per token of the gated delta rule (both conventions): per value head the state ``[d_k, d_v]`` is
+    read by k, written and read by q (``3 d_k d_v`` multiply-adds, the recurrent form's count), 6 FLOPs each."""
+    return 6.0 * 3 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
 
 
 @dataclass(frozen=True)
@@ -104,9 +133,9 @@ def _mlp(c: ModelConfig, moe: bool) -> _MLP:
     return _MLP(router + e * expert + shared, router + topk * expert + shared, topk * expert_macs + shared)
 
 
-def _layer_params(c: ModelConfig, moe: bool) -> tuple[int, int]:
-    """(total, active) parameters of one decoder layer."""
-    fixed = 2 * c.hidden_size + _attention_params(c)
+def _layer_params(c: ModelConfig, moe: bool, linear: bool = False) -> tuple[int, int]:
+    """(total, active) parameters of one decoder layer (``linear``: a Gated DeltaNet layer)."""
+    fixed = 2 * c.hidden_size + (_linear_attention_params(c) if linear else _attention_params(c))
     mlp = _mlp(c, moe)
     return fixed + mlp.total, fixed + mlp.active
 
@@ -123,8 +152,8 @@ def count_parameters(c: ModelConfig) -> ParameterCount:
     """Total and active parameter counts of ``c`` (module docstring), and the MTP layers' separately."""
     h, v = c.hidden_size, c.vocab_size
     total = active = v * h + h + (0 if c.share_embeddings_and_output_weights else v * h)
-    for moe in c.moe_layer_pattern():
-        layer_total, layer_active = _layer_params(c, bool(moe))
+    for moe, linear in zip(c.moe_layer_pattern(), c.linear_attention_pattern(), strict=True):
+        layer_total, layer_active = _layer_params(c, bool(moe), bool(linear))
         total, active = total + layer_total, active + layer_active
     return ParameterCount(total=total, active=active, mtp=(c.mtp_num_layers or 0) * _mtp_params(c)[0])
 
@@ -169,9 +198,13 @@ def stage_costs(c: ModelConfig, seq_len: int) -> StageCosts:
     :func:`training_flops_per_token` (``megatron``) less the embedding's."""
     h, v = c.hidden_size, c.vocab_size
     attention = 6 * _attention_macs(c)
+    linear_attention = 6 * _linear_attention_macs(c) + _gated_delta_rule_flops(c)
     layers = tuple(
-        attention + _core_attention_flops(c, seq_len, window, True, chunk) + 6 * _mlp(c, bool(moe)).macs
-        for moe, (window, chunk) in zip(c.moe_layer_pattern(), _layer_spans(c), strict=True)
+        (linear_attention if linear else attention + _core_attention_flops(c, seq_len, window, True, chunk))
+        + 6 * _mlp(c, bool(moe)).macs
+        for moe, linear, (window, chunk) in zip(
+            c.moe_layer_pattern(), c.linear_attention_pattern(), _layer_spans(c), strict=True
+        )
     )
     mtp_depth = 6 * 2 * h * h + attention + _core_attention_flops(c, seq_len, None, True) + 6 * _mlp(c, True).macs
     return StageCosts(float(h), layers, 6.0 * h * v + (c.mtp_num_layers or 0) * (mtp_depth + 6 * h * v))
@@ -190,6 +223,9 @@ def training_flops_per_token(c: ModelConfig, seq_len: int, convention: str = "me
         costs = stage_costs(c, seq_len)
         return sum(costs.layers) + costs.head
     flops = 6.0 * (count_parameters(c).active - v * h)  # embedding lookups are not GEMMs
-    flops += sum(_core_attention_flops(c, seq_len, window, False, chunk) for window, chunk in _layer_spans(c))
+    flops += sum(
+        _gated_delta_rule_flops(c) if linear else _core_attention_flops(c, seq_len, window, False, chunk)
+        for linear, (window, chunk) in zip(c.linear_attention_pattern(), _layer_spans(c), strict=True)
+    )
     mtp_depth = 6 * _mtp_params(c)[1] + _core_attention_flops(c, seq_len, None, False) + 6 * h * v
     return flops + mtp_layers * mtp_depth

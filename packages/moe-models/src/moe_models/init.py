@@ -1,7 +1,8 @@
 """Initial weights as a function of ``(seed, parameter name)`` alone, so a rank can draw just the part it holds.
 
 Megatron's init (normal(0, std) weights, std / sqrt(2 * layers) for the projections that add to the residual
-stream, ones for norms, zeros for biases, sinks and the expert bias), but each tensor comes from its own generator
+stream, ones for norms (zeros for zero-centred ones), zeros for biases, sinks and the expert bias; the Gated DeltaNet's
+A_log, dt_bias and short convolution as :func:`_rules` says), but each tensor comes from its own generator
 seeded by the seed and its name, in blocks of rows with a generator each, and each routed expert from
 :meth:`~moe_experts.GroupedExperts.initial_expert`. A slice therefore has the same values whichever way the model is
 split and whichever device it is on: one process, a tensor-parallel shard or an FSDP shard of the same tensor agree,
@@ -25,15 +26,19 @@ from moe_experts import GroupedExperts, SharedExperts, expert_seed
 
 ROWS_PER_DRAW = 1024  # rows of dim 0 drawn from one generator: a slice draws only the blocks it touches
 # Linear layers whose output adds to the residual stream: initialised with std / sqrt(2 * layers), as Megatron
-_OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
+_OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
+# Gated DeltaNet: A = exp(A_log) drawn uniformly in this range per value head (Mamba-2's, Megatron-Core's)
+A_INIT_RANGE = (1.0, 16.0)
 
 
 @dataclass(frozen=True)
 class Rule:
-    """How one tensor starts: normal(0, std) when ``std`` is set, else filled with ``fill``."""
+    """How one tensor starts: normal(0, std) when ``std`` is set, the log of a uniform draw in ``log_uniform`` when
+    that is set, else filled with ``fill``."""
 
     std: float | None = None
     fill: float = 0.0
+    log_uniform: tuple[float, float] | None = None
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -54,12 +59,19 @@ def _rules(model: nn.Module, std: float, num_layers: int) -> tuple[dict[str, Rul
         for name, _ in module.named_parameters(recurse=False):
             if isinstance(module, nn.Linear) and name == "weight":
                 rule = Rule(out_std if path.endswith(_OUTPUT_PROJECTIONS) else std)
+            elif isinstance(module, nn.Conv1d) and name == "weight":
+                # the Gated DeltaNet's short convolution: the variance of torch's default U(-1/sqrt(W), 1/sqrt(W))
+                rule = Rule(std=(3.0 * module.kernel_size[0]) ** -0.5)
+            elif name == "A_log":  # Gated DeltaNet: log of the per-head decay rate
+                rule = Rule(log_uniform=A_INIT_RANGE)
+            elif name == "dt_bias":  # Gated DeltaNet: softplus(a + dt_bias), ones as transformers
+                rule = Rule(fill=1.0)
             elif isinstance(module, nn.Embedding | TopKRouter) and name == "weight":
                 rule = Rule(std)
             elif isinstance(module, SharedExperts):
                 rule = Rule(out_std if name == "w_down_FH" else std)
-            elif name == "weight":  # RMSNorm
-                rule = Rule(fill=1.0)
+            elif name == "weight":  # RMSNorm (scaled by 1 + weight when zero-centred), the gated norm
+                rule = Rule(fill=0.0 if getattr(module, "zero_centered", False) else 1.0)
             else:  # biases, attention sinks
                 rule = Rule()
             rules[prefix + name] = rule
@@ -82,7 +94,7 @@ class InitialWeights:
         rule = self.rules[name]
         box = box or tuple(slice(0, n) for n in shape)
         local = tuple(s.stop - s.start for s in box)
-        if rule.std is None:
+        if rule.std is None and rule.log_uniform is None:
             return torch.full(local, rule.fill, device="cpu")
         rows = box[0] if shape else slice(0, 1)
         first, last = rows.start // ROWS_PER_DRAW, max(rows.stop - 1, rows.start) // ROWS_PER_DRAW
@@ -92,9 +104,15 @@ class InitialWeights:
             # generator is a CPU one, and the values must not depend on the device
             gen = torch.Generator(device="cpu").manual_seed(expert_seed(name_seed(self.seed, name), block))
             n = min(ROWS_PER_DRAW, (shape[0] if shape else 1) - block * ROWS_PER_DRAW)
-            blocks.append(torch.randn(n, *shape[1:], generator=gen, device="cpu"))
+            draw = torch.randn if rule.log_uniform is None else torch.rand
+            blocks.append(draw(n, *shape[1:], generator=gen, device="cpu"))
         start = rows.start - first * ROWS_PER_DRAW
-        value = torch.cat(blocks)[start : start + (rows.stop - rows.start)].mul_(rule.std)
+        value = torch.cat(blocks)[start : start + (rows.stop - rows.start)]
+        if rule.log_uniform is None:
+            value = value.mul_(rule.std)
+        else:
+            low, high = rule.log_uniform
+            value = value.mul_(high - low).add_(low).log_()
         return value[(slice(None), *box[1:])] if shape else value.reshape(())
 
     def expert(self, path: str, index: int) -> dict[str, torch.Tensor]:

@@ -11,16 +11,21 @@ from moe_experts import GroupedExperts, SharedExperts
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight, as HuggingFace's Llama-family norms."""
+    """RMSNorm computed in fp32 and cast back before the weight, as HuggingFace's Llama-family norms.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    ``zero_centered``: the scale is ``1 + weight`` (the weight starts at 0), applied in fp32 before the cast back, as
+    Qwen3-Next's norms (Megatron-Core's ``layernorm_zero_centered_gamma``)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 

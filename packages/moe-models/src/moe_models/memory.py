@@ -29,10 +29,12 @@ from moe_memory.estimate import (
     ModelShape,
     RunShape,
 )
-from moe_models.config import ModelConfig
+from moe_models.config import ModelConfig, ModelConfigError
 from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
+# ModelConfig fields whose saved activations moe_models.saved_bytes does not declare yet: model_shape refuses them
+NOT_ESTIMATED = ("experimental_attention_variant", "attention_output_gate", "layernorm_zero_centered_gamma")
 
 __all__ = ["estimate_module", "local_parameters", "model_shape", "run_shape"]
 
@@ -69,8 +71,14 @@ def _attention(config: ModelConfig, full: bool, rope: bool) -> GQAShape | MLASha
 
 def model_shape(config: ModelConfig) -> ModelShape:
     """The layer shapes of ``config`` (one per decoder layer; the MTP depths are ``mtp_depth``), with what its modules
-    save for backward (:mod:`moe_models.saved_bytes`)."""
+    save for backward (:mod:`moe_models.saved_bytes`). Qwen3-Next's features (Gated DeltaNet layers, the attention
+    output gate, zero-centred norms) are not estimated yet: a config with any raises :class:`ModelConfigError`."""
     c = config
+    for name in NOT_ESTIMATED:
+        if getattr(c, name) not in (None, False):
+            raise ModelConfigError(
+                name, getattr(c, name), "not estimated: the saved-activation estimate does not model it yet"
+            )
     moe, full, rope = c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern()
     layers = tuple(
         LayerShape(_attention(c, bool(f), bool(r)), moe=bool(m)) for m, f, r in zip(moe, full, rope, strict=True)

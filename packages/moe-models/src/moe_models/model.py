@@ -9,6 +9,7 @@ Parameter names (the checkpoint layout; ``moe_models.hf`` maps them to HuggingFa
     layers.{i}.input_norm / post_attention_norm .weight
     layers.{i}.attention.{q,k,v,o}_proj.{weight,bias}, q_norm, k_norm, sinks              (GQA)
     layers.{i}.attention.q_proj | q_a_proj, q_a_norm, q_b_proj; kv_a_proj, kv_a_norm, kv_b_proj, o_proj  (MLA)
+    layers.{i}.attention.in_proj, conv1d, A_log, dt_bias, norm, out_proj              (Gated DeltaNet layers)
     layers.{i}.mlp.{gate,up,down}_proj.weight                                             (dense layers)
     layers.{i}.mlp.router.{weight,bias,expert_bias}, mlp.experts.*, mlp.shared_experts.*  (MoE layers)
     mtp.{k}.enorm, hnorm, eh_proj, final_norm, layer.*                                    (MTP depth k+1)
@@ -28,6 +29,7 @@ from moe_models.config import ModelConfig
 from moe_models.forward import at_positions, aux_loss_sum, rotary_tables, run_head, run_layers, tokens_per_expert
 from moe_models.init import InitialWeights
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
+from moe_models.linear_attention import GatedDeltaNet
 from moe_models.mla import MultiLatentAttention
 from moe_models.module_kinds import module_kinds as kinds_of
 from moe_models.parallel_plan import parallel_plan as plan_of
@@ -52,12 +54,26 @@ class ModelOutput:
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); the mlp is MoE or dense."""
 
-    def __init__(self, config: ModelConfig, moe: bool = True, full_attention: bool = True, rope: bool = True) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        moe: bool = True,
+        full_attention: bool = True,
+        rope: bool = True,
+        linear_attention: bool = False,
+    ) -> None:
         super().__init__()
         c = config
-        self.input_norm = RMSNorm(c.hidden_size, c.norm_epsilon)
-        self.attention = MultiLatentAttention(c) if c.multi_latent_attention else Attention(c, full_attention, rope)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.norm_epsilon)
+        zero_centered = c.layernorm_zero_centered_gamma
+        self.input_norm = RMSNorm(c.hidden_size, c.norm_epsilon, zero_centered)
+        self.attention: Attention | MultiLatentAttention | GatedDeltaNet
+        if linear_attention:  # the token mixer of experimental_attention_variant's layers
+            self.attention = GatedDeltaNet(c)
+        elif c.multi_latent_attention:
+            self.attention = MultiLatentAttention(c)
+        else:
+            self.attention = Attention(c, full_attention, rope)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.norm_epsilon, zero_centered)
         if moe:
             self.mlp: MoEBlock | DenseMLP = MoEBlock(
                 c.hidden_size,
@@ -76,6 +92,11 @@ class DecoderLayer(nn.Module):
     @property
     def is_moe(self) -> bool:
         return isinstance(self.mlp, MoEBlock)
+
+    @property
+    def is_linear_attention(self) -> bool:
+        """Whether the token mixer is a linear-attention layer (:class:`~moe_models.linear_attention.GatedDeltaNet`)."""
+        return isinstance(self.attention, GatedDeltaNet)
 
     def forward(
         self,
@@ -105,12 +126,12 @@ class MTPLayer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        h = config.hidden_size
-        self.enorm = RMSNorm(h, config.norm_epsilon)
-        self.hnorm = RMSNorm(h, config.norm_epsilon)
+        h, eps, zero_centered = config.hidden_size, config.norm_epsilon, config.layernorm_zero_centered_gamma
+        self.enorm = RMSNorm(h, eps, zero_centered)
+        self.hnorm = RMSNorm(h, eps, zero_centered)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(config, moe=True)
-        self.final_norm = RMSNorm(h, config.norm_epsilon)
+        self.final_norm = RMSNorm(h, eps, zero_centered)
 
     def forward(
         self,
@@ -134,13 +155,17 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(c, moe=bool(moe), full_attention=bool(full), rope=bool(rope))
-            for moe, full, rope in zip(
-                c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern(), strict=True
-            )
+        patterns = (
+            c.moe_layer_pattern(),
+            c.full_attention_pattern(),
+            c.rope_layer_pattern(),
+            c.linear_attention_pattern(),
         )
-        self.norm = RMSNorm(c.hidden_size, c.norm_epsilon)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, moe=bool(moe), full_attention=bool(full), rope=bool(rope), linear_attention=bool(linear))
+            for moe, full, rope, linear in zip(*patterns, strict=True)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.norm_epsilon, c.layernorm_zero_centered_gamma)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(c) for _ in range(c.mtp_num_layers or 0))
         self.tie_weights()

@@ -18,15 +18,19 @@ def _layer_kinds(prefix: str, layer: DecoderLayer) -> dict[str, list[str]]:
         "layernorm": [f"{prefix}.input_norm", f"{prefix}.post_attention_norm"],
         "attn_norm": [f"{prefix}.input_norm"],
         "mlp_norm": [f"{prefix}.post_attention_norm"],
-        "core_attn": [f"{prefix}.attention.core_attention"],
-        "attn_proj": [f"{prefix}.attention.o_proj"],
     }
-    if hasattr(attn, "up_proj"):  # multi-latent attention
-        projections = ["q_a_proj", "q_b_proj"] if attn.q_latent else ["q_proj"]
-        kinds["qkv_linear"] = [f"{prefix}.attention.{p}" for p in [*projections, "kv_a_proj", "kv_b_proj"]]
-        kinds["mla_up_proj"] = [f"{prefix}.attention.up_proj"]
+    if layer.is_linear_attention:  # a Gated DeltaNet: no core-attention module; its input and output projections
+        kinds["qkv_linear"] = [f"{prefix}.attention.in_proj"]
+        kinds["attn_proj"] = [f"{prefix}.attention.out_proj"]
     else:
-        kinds["qkv_linear"] = [f"{prefix}.attention.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        kinds["core_attn"] = [f"{prefix}.attention.core_attention"]
+        kinds["attn_proj"] = [f"{prefix}.attention.o_proj"]
+        if hasattr(attn, "up_proj"):  # multi-latent attention
+            projections = ["q_a_proj", "q_b_proj"] if attn.q_latent else ["q_proj"]
+            kinds["qkv_linear"] = [f"{prefix}.attention.{p}" for p in [*projections, "kv_a_proj", "kv_b_proj"]]
+            kinds["mla_up_proj"] = [f"{prefix}.attention.up_proj"]
+        else:
+            kinds["qkv_linear"] = [f"{prefix}.attention.{p}" for p in ("q_proj", "k_proj", "v_proj")]
     if layer.is_moe:
         kinds["moe"] = [f"{prefix}.mlp"]
         kinds["moe_act"] = [f"{prefix}.mlp.experts.act"]

@@ -23,6 +23,10 @@ their experts (moe_parallel's expert parallelism).
 
 Context parallelism: every core attention is listed, to be handed the keys and values of the whole sequence.
 
+Linear-attention layers (``experimental_attention_variant``, Qwen3-Next's Gated DeltaNet) have no tensor- or
+context-parallel form yet: a model with any refuses tp > 1 (``tp_unsupported``) and cp > 1 (no context-parallel
+attention listed); its MoE blocks split over ep and every layer is an FSDP unit as usual.
+
 Packed documents (``document_ids_BS``): attention takes the whole sequences' ids unchanged (its input is all-gathered
 along the sequence, so it sees every position of the rank's); a MoE block routes its local chunk, so the ids of the
 tokens it computes are cut along the sequence like its input.
@@ -93,6 +97,8 @@ class _AcrossHeadsRMSNormShard(RMSNorm):
         sum_sq = dist_nn.all_reduce(x32.pow(2).sum(-1, keepdim=True), group=self.tp_group)
         x32 = x32 * torch.rsqrt(sum_sq / (x.shape[-1] * self.tp_size) + self.eps)
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        if self.zero_centered:
+            return (x32 * (1.0 + weight.float())).to(x.dtype)
         return weight * x32.to(x.dtype)
 
 
@@ -109,14 +115,24 @@ def _attention_styles(prefix: str, layer: DecoderLayer, mla: bool) -> dict[str, 
 
 def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dict) -> None:
     """Add decoder layer ``prefix``'s entries to ``plan``'s tensor_parallel / partial / grad-column lists."""
-    styles, partial = plan["tensor_parallel"], plan["tp_partial_grads"]
+    styles = plan["tensor_parallel"]
     styles[f"{prefix}.input_norm"] = SequenceParallel()
-    styles[f"{prefix}.attention"] = PrepareModuleInput(  # (x, cos, sin, positions)
-        input_layouts=(Shard(1), None, None, None),
-        desired_input_layouts=(Replicate(), None, None, None),
-        use_local_output=True,  # the MLA latents are plain Linears on the whole sequence
-    )
-    styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
+    if layer.is_linear_attention:  # no tensor-parallel plan yet: the model refuses tp > 1 (tp_unsupported)
+        styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
+    else:
+        styles[f"{prefix}.attention"] = PrepareModuleInput(  # (x, cos, sin, positions)
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,  # the MLA latents are plain Linears on the whole sequence
+        )
+        styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
+        _attention_plan(prefix, layer, config, plan)
+    _mlp_plan(prefix, layer, plan)
+
+
+def _attention_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dict) -> None:
+    """Decoder layer ``prefix``'s attention entries: heads split over tp, the per-head or across-heads q/k norms."""
+    styles, partial = plan["tensor_parallel"], plan["tp_partial_grads"]
     styles.update(_attention_styles(f"{prefix}.attention", layer, config.multi_latent_attention))
     if getattr(layer.attention, "sinks", None) is not None:
         # one sink per head: split like the heads, and the core attention takes its local piece
@@ -130,6 +146,11 @@ def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dic
             plan["tp_shard_parameters"][f"{prefix}.attention.{norm}.weight"] = 0
     else:  # per-head norms over this rank's heads
         partial.extend(f"{prefix}.attention.{n}" for n, _ in layer.attention.named_parameters() if "_norm." in n)
+
+
+def _mlp_plan(prefix: str, layer: DecoderLayer, plan: dict) -> None:
+    """Decoder layer ``prefix``'s MLP entries: a MoE block routes the local chunk, a dense MLP splits its width."""
+    styles, partial = plan["tensor_parallel"], plan["tp_partial_grads"]
     mlp = f"{prefix}.mlp"
     if layer.is_moe:  # route this rank's sequence chunk (and take the documents' ids of its tokens)
         styles[mlp] = PrepareModuleInput(
@@ -182,6 +203,12 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         if isinstance(model.get_submodule(path), LoRALinear) and isinstance(style, ColwiseParallel | RowwiseParallel):
             column = isinstance(style, ColwiseParallel)
             adapters.update({f"{path}.lora_A": None if column else 1, f"{path}.lora_B": 0 if column else None})
+    tp_unsupported = {}
+    linear_layers = [prefix for prefix, layer in layers if layer.is_linear_attention]
+    if linear_layers:
+        tp_unsupported["experimental_attention_variant"] = (
+            f"{c.experimental_attention_variant} layers ({', '.join(linear_layers)}) have no tensor-parallel plan yet"
+        )
     tp_divides = {"num_attention_heads": c.num_attention_heads}
     if not c.multi_latent_attention:
         tp_divides["num_query_groups"] = c.num_query_groups
@@ -192,6 +219,7 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         tp_partial_grads=tuple(plan["tp_partial_grads"]),
         tp_sum_grad_columns=plan["tp_sum_grad_columns"],
         tp_divides=tp_divides,
+        tp_unsupported=tp_unsupported,
         tp_shard_parameters=plan["tp_shard_parameters"],
         tp_adapter_parameters=adapters,
         # an MTP depth's final norm runs outside its forward (the model applies it before the shared head), so the
@@ -199,7 +227,10 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         fsdp_units=tuple(prefix for prefix, _ in layers + depths),
         moe_blocks=tuple(MoEBlockPlan(f"{prefix}.mlp") for prefix, layer in layers + depths if layer.is_moe),
         tied_parameters=(("embed_tokens.weight", "lm_head.weight"),) if c.share_embeddings_and_output_weights else (),
-        # every attention: under context parallelism its core attention sees the keys and values of every cp rank
-        context_parallel=tuple(f"{prefix}.attention.core_attention" for prefix, _ in layers + depths),
+        # every attention: under context parallelism its core attention sees the keys and values of every cp rank;
+        # none with linear-attention layers (no context-parallel form yet): the model then takes cp=1 only
+        context_parallel=()
+        if linear_layers
+        else tuple(f"{prefix}.attention.core_attention" for prefix, _ in layers + depths),
         pipeline=pipeline_plan(model, seq_len),
     )

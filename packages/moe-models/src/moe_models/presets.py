@@ -360,6 +360,32 @@ def _tiny_hf(name: str, *, mla: bool = False, dense_first: bool = False, **field
     return replace(big, **fields)
 
 
+def _tiny_qwen3_next() -> ModelConfig:
+    """Qwen3-Next's features at the tiny sizes (no published preset yet): three Gated DeltaNet layers then one full
+    attention layer (full_attention_interval 4) with the output gate, per-head q/k norms and a quarter of each head
+    rotating; zero-centred norms; every layer MoE with top-2 of 8 experts, renormalised, and a gated shared expert."""
+    return ModelConfig(
+        family="qwen3_next",
+        **_TINY_GQA,
+        num_layers=4,
+        qk_layernorm=True,
+        rotary_percent=0.25,
+        rotary_base=10_000_000.0,
+        attention_output_gate=True,
+        layernorm_zero_centered_gamma=True,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=4,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_shared_expert_intermediate_size=64,
+        moe_shared_expert_gate=True,
+        moe_aux_loss_coeff=1e-3,
+    )
+
+
 def _tiny_llama4() -> ModelConfig:
     """Llama 4 Scout's features at the tiny sizes: four layers (the fourth NoPE, with temperature tuning every 16
     positions), chunks of 48 positions, top-1 of 8 experts applied to the input, a shared expert, Llama 3.1's rope
@@ -403,6 +429,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-ernie4-5-moe": lambda: _tiny_hf("ernie-4.5-21b-a3b", dense_first=True),
     "tiny-hunyuan-v1-moe": lambda: _tiny_hf("hunyuan-a13b"),
     "tiny-llama4": lambda: _tiny_llama4(),
+    "tiny-qwen3-next": _tiny_qwen3_next,
 }
 TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
 PUBLISHED_PRESETS = tuple(name for name in PRESETS if not name.startswith("tiny-"))

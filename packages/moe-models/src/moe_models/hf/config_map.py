@@ -408,6 +408,7 @@ _TRAINING_FIELDS = frozenset(
         "moe_expert_backend",
         "moe_permute_backend",
         "mtp_loss_scaling_factor",
+        "linear_attention_chunk_size",  # the chunked gated delta rule's chunk: a compute choice
     }
 )
 
@@ -432,6 +433,7 @@ def _architecture(c: ModelConfig) -> dict[str, Any]:
     values["moe_layer_freq"] = c.moe_layer_pattern()
     values["window_attn_skip_freq"] = c.full_attention_pattern()
     values["no_rope_freq"] = c.rope_layer_pattern()
+    values["linear_attention_freq"] = c.linear_attention_pattern()
     if c.multi_latent_attention:  # unused by MLA
         for name in ("kv_channels", "num_query_groups", "qk_layernorm"):
             values.pop(name)

@@ -109,7 +109,8 @@ def _shared_gate_up_to_hf(t_H2F: Tensor) -> list[Tensor]:
 
 def _gqa_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
     h, q_width, kv_width = c.hidden_size, c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
-    for name, rows, cols in (("q_proj", q_width, h), ("k_proj", kv_width, h), ("v_proj", kv_width, h)):
+    q_rows = 2 * q_width if c.attention_output_gate else q_width  # per head [q, gate] in both layouts
+    for name, rows, cols in (("q_proj", q_rows, h), ("k_proj", kv_width, h), ("v_proj", kv_width, h)):
         _copy(plan, f"{ours}.{name}.weight", f"{hf}.{name}.weight", (rows, cols))
         if c.add_qkv_bias:
             _copy(plan, f"{ours}.{name}.bias", f"{hf}.{name}.bias", (rows,))
@@ -123,6 +124,46 @@ def _gqa_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
         _copy(plan, f"{ours}.k_norm.weight", f"{hf}.{names.k_norm}.weight", (k_norm,))
     if c.softmax_type == "learnable":
         _copy(plan, f"{ours}.sinks", f"{hf}.{FAMILIES[c.family].names.sinks}", (c.num_attention_heads,))
+
+
+def _gated_delta_net_in_proj(
+    c: ModelConfig,
+) -> tuple[Callable[[list[Tensor]], Tensor], Callable[[Tensor], list[Tensor]]]:
+    """Our ``in_proj`` rows ``[q, k, v, z, b, a]`` (each all heads) <-> transformers' ``in_proj_qkvz`` (per key head
+    ``[q, k, v, z]`` of the head and its value heads) and ``in_proj_ba`` (per key head ``[b, a]`` of its value
+    heads)."""
+    key_heads, per_key = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    qkvz_parts = [dk, dk, per_key * dv, per_key * dv]
+    ba_parts = [per_key, per_key]
+
+    def to_ours(ts: list[Tensor]) -> Tensor:
+        qkvz, ba = (t.unflatten(0, (key_heads, -1)) for t in ts)
+        parts = [*qkvz.split(qkvz_parts, dim=1), *ba.split(ba_parts, dim=1)]
+        return torch.cat([p.flatten(0, 1) for p in parts])
+
+    def to_hf(t: Tensor) -> list[Tensor]:
+        parts = [p.unflatten(0, (key_heads, -1)) for p in t.split([key_heads * n for n in qkvz_parts + ba_parts])]
+        return [torch.cat(parts[:4], dim=1).flatten(0, 1), torch.cat(parts[4:], dim=1).flatten(0, 1)]
+
+    return to_ours, to_hf
+
+
+def _gated_delta_net(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
+    """A Gated DeltaNet layer (``linear_attn`` in transformers' Qwen3-Next)."""
+    h, key = c.hidden_size, c.linear_num_key_heads * c.linear_key_head_dim
+    value, heads = c.linear_num_value_heads * c.linear_value_head_dim, c.linear_num_value_heads
+    sources = (
+        Source(f"{hf}.in_proj_qkvz.weight", (2 * key + 2 * value, h)),
+        Source(f"{hf}.in_proj_ba.weight", (2 * heads, h)),
+    )
+    plan.entries.append(Entry(f"{ours}.in_proj.weight", sources, *_gated_delta_net_in_proj(c)))
+    conv = 2 * key + value
+    _copy(plan, f"{ours}.conv1d.weight", f"{hf}.conv1d.weight", (conv, 1, c.linear_conv_kernel_dim))
+    _copy(plan, f"{ours}.A_log", f"{hf}.A_log", (heads,))
+    _copy(plan, f"{ours}.dt_bias", f"{hf}.dt_bias", (heads,))
+    _copy(plan, f"{ours}.norm.weight", f"{hf}.norm.weight", (c.linear_value_head_dim,))
+    _copy(plan, f"{ours}.out_proj.weight", f"{hf}.out_proj.weight", (h, value))
 
 
 def _mla_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
@@ -207,13 +248,23 @@ def _moe_mlp(
 
 
 def _decoder_layer(
-    plan: Plan, c: ModelConfig, ours: str, hf: str, moe: bool, experts: tuple[int, ...], available: set[str] | None
+    plan: Plan,
+    c: ModelConfig,
+    ours: str,
+    hf: str,
+    moe: bool,
+    experts: tuple[int, ...],
+    available: set[str] | None,
+    linear: bool = False,
 ) -> None:
     h = c.hidden_size
     _copy(plan, f"{ours}.input_norm.weight", f"{hf}.input_layernorm.weight", (h,))
     _copy(plan, f"{ours}.post_attention_norm.weight", f"{hf}.post_attention_layernorm.weight", (h,))
-    attention = _mla_attention if c.multi_latent_attention else _gqa_attention
-    attention(plan, c, f"{ours}.attention", f"{hf}.self_attn")
+    if linear:
+        _gated_delta_net(plan, c, f"{ours}.attention", f"{hf}.linear_attn")
+    else:
+        attention = _mla_attention if c.multi_latent_attention else _gqa_attention
+        attention(plan, c, f"{ours}.attention", f"{hf}.self_attn")
     if moe:
         _moe_mlp(plan, c, f"{ours}.mlp", hf, experts, available)
     else:
@@ -244,8 +295,8 @@ def build_plan(c: ModelConfig, *, experts: Sequence[int] | None = None, availabl
     expert_ids = tuple(range(c.num_moe_experts)) if experts is None else tuple(int(i) for i in experts)
     plan, v, h = Plan(), c.vocab_size, c.hidden_size
     _copy(plan, "embed_tokens.weight", "model.embed_tokens.weight", (v, h))
-    for i, moe in enumerate(c.moe_layer_pattern()):
-        _decoder_layer(plan, c, f"layers.{i}", f"model.layers.{i}", bool(moe), expert_ids, available)
+    for i, (moe, linear) in enumerate(zip(c.moe_layer_pattern(), c.linear_attention_pattern(), strict=True)):
+        _decoder_layer(plan, c, f"layers.{i}", f"model.layers.{i}", bool(moe), expert_ids, available, bool(linear))
     _copy(plan, "norm.weight", "model.norm.weight", (h,))
     if c.share_embeddings_and_output_weights:
         plan.ignored.add("lm_head.weight")  # some tied checkpoints still carry it

@@ -18,6 +18,7 @@ from moe_models.hf.families import (
     minimax_m2,
     olmoe,
     qwen2_moe,
+    qwen3_next,
     solar_open,
 )
 
@@ -37,4 +38,5 @@ FAMILY_MODULES = (
     exaone_moe,
     flint,
     mellum,
+    qwen3_next,
 )
