@@ -139,6 +139,12 @@ CONTEXT_MODELS: dict[str, tuple[str, dict[str, str]]] = {
     "tiny-deepseek-v2": ("tiny-deepseek-v2", {}),
     "tiny-llama4": ("tiny-llama4", LLAMA4),
     "tiny-llama4 2 micro-batches": ("tiny-llama4", {**LLAMA4, "train.micro_batch_size": "2"}),  # for ep=2's dp 2
+    # Qwen3-Next: three Gated DeltaNet layers and one gated softmax attention layer, zero-centred norms, a gated
+    # shared expert (moe_models' preset; two micro-batches of 2 a step, for ep=2's dp 2 and the pipeline)
+    "tiny-qwen3-next 2 micro-batches": (
+        "tiny-qwen3-moe",
+        {"model.preset": "tiny-qwen3-next", "train.micro_batch_size": "2"},
+    ),
 }
 CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # + the models each runs on
     "cp=2": (
@@ -154,9 +160,9 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
             "tiny-deepseek-v2",
         ),
     ),
-    "ep=2": (2, {"parallel.ep": "2"}, ("tiny-llama4 2 micro-batches",)),
+    "ep=2": (2, {"parallel.ep": "2"}, ("tiny-llama4 2 micro-batches", "tiny-qwen3-next 2 micro-batches")),
     "tp=2 x ep=2 (etp=1)": (2, {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"}, ("tiny-glm4-moe",)),
-    "pp=2": (2, {"parallel.pp": "2"}, ("tiny-glm4-moe 2 micro-batches",)),
+    "pp=2": (2, {"parallel.pp": "2"}, ("tiny-glm4-moe 2 micro-batches", "tiny-qwen3-next 2 micro-batches")),
     # the experts over the cp ranks (parallel folding: ep borrows them)
     "cp=2 x ep=2": (
         2,
