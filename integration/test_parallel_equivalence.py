@@ -139,8 +139,9 @@ CONTEXT_MODELS: dict[str, tuple[str, dict[str, str]]] = {
     "tiny-deepseek-v2": ("tiny-deepseek-v2", {}),
     "tiny-llama4": ("tiny-llama4", LLAMA4),
     "tiny-llama4 2 micro-batches": ("tiny-llama4", {**LLAMA4, "train.micro_batch_size": "2"}),  # for ep=2's dp 2
-    # Qwen3-Next: three Gated DeltaNet layers and one gated softmax attention layer, zero-centred norms, a gated
-    # shared expert (moe_models' preset; two micro-batches of 2 a step, for ep=2's dp 2 and the pipeline)
+    # Qwen3-Next: three Gated DeltaNet layers (heads split under tp) and one gated softmax attention layer,
+    # zero-centred norms, a gated shared expert (moe_models' preset; two micro-batches of 2 a step, for ep=2's dp 2
+    # and the pipeline)
     "tiny-qwen3-next 2 micro-batches": (
         "tiny-qwen3-moe",
         {"model.preset": "tiny-qwen3-next", "train.micro_batch_size": "2"},
@@ -186,6 +187,7 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
             "tiny-qwen2-moe",
             "tiny-minimax-m2",
             "tiny-hunyuan-v1-moe",
+            "tiny-qwen3-next 2 micro-batches",
         ),
     ),
 }

@@ -134,7 +134,9 @@ def _pytest(paths: list[str], timeout: float) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"caught": True, "by": f"timed out after {timeout:g} s", "seconds": timeout}
-    failed = [line.split(maxsplit=2)[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    # pytest's summary lines ("FAILED path::test - why"), not captured log lines that start with a level name
+    summary = [line.split(maxsplit=1)[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    failed = [test.split(" - ")[0] for test in summary if "::" in test.split(" ")[0]]
     # a run that ended without naming a failed test (a crash, a collection error) counts as caught, with its output
     ending = (proc.stdout + proc.stderr).strip()[-400:]
     return {

@@ -9,7 +9,8 @@ Checks that need real process groups, each against the same model in this proces
 - building on meta and materialising gives each rank exactly the tensors an eager build split the same way holds;
 - the experts' gradient scale when ep and dp both exceed 1 (edp / dp);
 - activation checkpointing applied through ``before_fsdp`` recomputes the experts that run, in every layout;
-- the flex (DeepEP) dispatcher on moe-dispatch's strict DeepEP stand-in: one buffer shared by every MoE layer.
+- the flex (DeepEP) dispatcher on moe-dispatch's strict DeepEP stand-in: one buffer shared by every MoE layer;
+- Qwen3-Next's Gated DeltaNet layers at tp=2 (their heads split over tp), on plain and on packed rows.
 
 Each section is a scenario of its own (``_rank_scenarios.py``) recording what it saw; the test module asserts.
 """
@@ -192,6 +193,8 @@ META_CASES = {
     # sinks split with the heads, and tied embeddings one vocabulary-parallel parameter again after the styles
     "tp=2, GPT-OSS sinks": ("tiny-gpt-oss", {"tp": 2}, {}),
     "tp=2, tied embeddings": ("tiny-qwen3-moe", {"tp": 2}, {"share_embeddings_and_output_weights": True}),
+    # Gated DeltaNet layers: in_proj and the conv channels grouped per key head, A_log / dt_bias split with the heads
+    "tp=2, Qwen3-Next linear attention": ("tiny-qwen3-next", {"tp": 2}, {}),
 }
 
 
@@ -473,6 +476,62 @@ def few_experts(world: int) -> dict:
     return result
 
 
+# the documents of each row of tiny-qwen3-next's inputs (16 positions; -1: a padding tail), two rows per dp replica
+LINEAR_PACKING = [[5, 7, 4], [16], [3, 3, 6, -4], [9, 7]]
+
+
+def _packed_ids(rows: list[list[int]]) -> torch.Tensor:
+    out = []
+    for lengths in rows:
+        out.append([doc if n > 0 else -1 for doc, n in enumerate(lengths) for _ in range(abs(n))])
+    return torch.tensor(out)
+
+
+def linear_attention_tp(world: int) -> dict:
+    """tiny-qwen3-next (three Gated DeltaNet layers, then full attention) at tp=2 x dp_shard=2: one step, on plain
+    and on packed rows, against one process accumulating the replicas' slices. Balancing loss off (the sequence split
+    of routing statistics is not what this checks)."""
+    config = preset("tiny-qwen3-next", moe_aux_loss_coeff=[0.0])
+    out = {}
+    for case, packed in (("rows", False), ("packed documents", True)):
+        cfg = ParallelConfig(tp=2)
+        meshes = build_meshes(cfg.layout(world), "cpu")
+        model = build_model(config, seed=5)
+        parallel = parallelize(model, meshes, cfg)
+        dp = meshes.layout.dp
+        ids_BS = torch.randint(0, config.vocab_size, (2 * dp, 17), generator=torch.Generator().manual_seed(9))
+        docs_BS = _packed_ids(LINEAR_PACKING[: 2 * dp]) if packed else None
+
+        def lm_loss(m, rows: slice, ids_BS=ids_BS, docs_BS=docs_BS):
+            documents = {} if docs_BS is None else {"document_ids_BS": docs_BS[rows]}
+            out = m(ids_BS[rows, :-1], **documents)
+            return causal_lm_loss(out, ids_BS[rows, 1:], config.mtp_loss_scaling_factor).total
+
+        slices = [slice(2 * r, 2 * r + 2) for r in range(dp)]
+        with loss_parallel():
+            loss = lm_loss(model, slices[parallel.dp_index])
+            loss.backward()
+        parallel.finalize_grads()
+        norm = parallel.clip_grad_norm_(float("inf")).item()
+        reference = build_model(config, seed=5)
+        ref_losses = []
+        for rows in slices:
+            ref_loss = lm_loss(reference, rows)
+            ref_loss.backward()
+            ref_losses.append(ref_loss.item())
+        for p in reference.parameters():
+            p.grad /= dp
+        out[case] = {
+            "placements": {n: v for n, v in _placements(model).items() if n.startswith("layers.0.attention.")},
+            "loss": full_value(loss).item(),
+            "ref_loss": ref_losses[parallel.dp_index],
+            "norm": norm,
+            "ref_norm": nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item(),
+            "grads": _grad_pairs(model, reference),
+        }
+    return out
+
+
 def _keyed(key: str, section, *args) -> dict:
     return {key: section(*args)}
 
@@ -494,6 +553,7 @@ def main(out_dir: Path) -> None:
         ("bytes", materialised_bytes),
         ("checkpoint", from_checkpoint, out_dir),
         ("flex", flex_dispatch),
+        ("linear_attention_tp", linear_attention_tp),
     ]:
         scenarios.run(key, _keyed, key, section, world, *args)
     scenarios.finish()

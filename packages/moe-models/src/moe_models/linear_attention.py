@@ -11,9 +11,17 @@ and the chunked gated delta rule (:func:`~moe_models.gated_delta.chunk_gated_del
 each q/k head serving its consecutive value heads) reads the state with q. Each value head's output is RMS-normalised,
 scaled by the norm's weight and gated by ``silu(z)`` (:class:`GatedRMSNorm`), and the heads go through ``out_proj``.
 
-Our ``in_proj`` rows are ``[q (all heads), k, v, z, b, a]``; transformers' ``in_proj_qkvz`` / ``in_proj_ba`` group
-them per key head (``moe_models.hf`` converts). Rotary tables are taken and ignored (the layer has no positions);
-given positions (context parallelism) and packed documents are refused, for now.
+Layout, grouped per key head so that a contiguous split of the rows is a split of the heads (tensor parallelism splits
+``in_proj`` by columns, the conv channels, ``A_log`` / ``dt_bias`` and ``out_proj``'s inputs alike): ``in_proj`` rows
+are, for each key head, ``[q, k, v, z, b, a]`` of the head and of its value heads (as transformers' ``in_proj_qkvz``
+then ``in_proj_ba`` rows of that head), the conv channels, for each key head, ``[q, k, v]``. The layer reads how many
+heads it holds from its input projection's output, so a rank holding some of them computes those.
+
+Packed documents (``document_ids_BS``): neither the convolution window nor the recurrent state crosses a document
+boundary. Each document of each row is computed alone, from zero states: the documents (read back to the host: one
+synchronisation) are batched by length, padded at their end (causal, so the padding changes nothing before it) into
+at most one batch per power of two of length, and the outputs put back in place. Rotary tables are taken and ignored
+(the layer has no positions); given positions (context parallelism) are refused, for now.
 """
 
 from __future__ import annotations
@@ -44,6 +52,38 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
+class _Documents:
+    """Where each document of packed rows goes in the batches of documents of similar lengths, and back.
+
+    ``gathers``: per batch, int64 ``[D, L]``, the flat ``[B * S]`` position of each document's tokens (D documents
+    padded to the longest, L; padding points at ``B * S``, a zero row appended); ``scatter``: int64 ``[B * S]``, each
+    token's row in the batches' outputs flattened and concatenated in order."""
+
+    def __init__(self, document_ids_BS: torch.Tensor) -> None:
+        batch, seq = document_ids_BS.shape
+        starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
+        starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]  # a row's first token starts one
+        starts_D = starts_BS.flatten().nonzero().squeeze(-1).cpu()  # the one synchronisation
+        lengths_D = torch.diff(starts_D, append=torch.tensor([batch * seq]))
+        self.count = len(starts_D)
+        device = document_ids_BS.device
+        buckets_D = torch.ceil(torch.log2(lengths_D.double())).long()  # lengths in (2^(k-1), 2^k] batch together
+        scatter = torch.empty(batch * seq, dtype=torch.long)
+        self.gathers: list[torch.Tensor] = []
+        offset = 0
+        for bucket in buckets_D.unique().tolist():
+            picked = buckets_D == bucket
+            starts, lengths = starts_D[picked], lengths_D[picked]
+            width = int(lengths.max())
+            steps_L = torch.arange(width)
+            valid_DL = steps_L < lengths[:, None]
+            flat_DL = starts[:, None] + steps_L
+            self.gathers.append(torch.where(valid_DL, flat_DL, batch * seq).to(device))
+            scatter[flat_DL[valid_DL]] = offset + torch.arange(flat_DL.numel()).view_as(flat_DL)[valid_DL]
+            offset += flat_DL.numel()
+        self.scatter = scatter.to(device)
+
+
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer (module docstring); called as :class:`~moe_models.attention.Attention` is."""
 
@@ -53,18 +93,24 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
         self.chunk_size = c.linear_attention_chunk_size
-        key_width, value_width = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
-        # the widths of in_proj's parts, in order: q, k, v, z, b, a
-        self.split_sizes = (key_width, key_width, value_width, value_width, self.num_v_heads, self.num_v_heads)
-        self.in_proj = nn.Linear(c.hidden_size, sum(self.split_sizes), bias=False)
-        conv_channels = 2 * key_width + value_width
+        per_key = self.num_v_heads // self.num_k_heads  # the value heads each key head serves
+        # the widths of one key head's in_proj rows, in order: q, k, v, z, b, a (its value heads' v, z, b, a)
+        dk, dv = self.head_k_dim, self.head_v_dim
+        self.split_sizes = (dk, dk, per_key * dv, per_key * dv, per_key, per_key)
+        self.in_proj = nn.Linear(c.hidden_size, self.num_k_heads * sum(self.split_sizes), bias=False)
+        conv_channels = self.num_k_heads * sum(self.split_sizes[:3])
         self.conv1d = nn.Conv1d(
             conv_channels, conv_channels, c.linear_conv_kernel_dim, groups=conv_channels, bias=False
         )  # weight [C, 1, W]; applied causally by gated_delta.causal_conv1d
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, c.norm_epsilon)
-        self.out_proj = nn.Linear(value_width, c.hidden_size, bias=False)
+        self.out_proj = nn.Linear(self.num_v_heads * dv, c.hidden_size, bias=False)
+
+    def head_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv weight ``[C, W]``, ``A_log`` and ``dt_bias`` of the heads this module computes (all of them here;
+        a tensor-parallel plan may override it to give a rank's part)."""
+        return self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias
 
     def forward(
         self,
@@ -74,27 +120,51 @@ class GatedDeltaNet(nn.Module):
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The layer's output ``[B, S, H]`` for whole sequences ``x_BSH`` (the rotary tables are not used)."""
+        """The layer's output ``[B, S, H]`` for whole sequences ``x_BSH`` (the rotary tables are not used), each
+        document of packed rows (``document_ids_BS``, ``[B, S]``) computed alone."""
         if positions_S is not None:
             raise ValueError(
                 "experimental_attention_variant='gated_delta_net': its layers compute whole sequences only; given "
                 "positions (context parallelism, cached generation) are not supported yet"
             )
-        if document_ids_BS is not None:
-            raise ValueError(
-                "experimental_attention_variant='gated_delta_net': packed documents (document_ids_BS) are not "
-                "supported by its layers yet; train on unpacked rows"
-            )
-        q, k, v, z, b, a = self.in_proj(x_BSH).split(self.split_sizes, dim=-1)
-        qkv, _ = causal_conv1d(torch.cat([q, k, v], dim=-1), self.conv1d.weight.squeeze(1), activation="silu")
-        q, k, v = qkv.split(self.split_sizes[:3], dim=-1)
-        q_BSHK = q.unflatten(-1, (-1, self.head_k_dim))
-        k_BSHK = k.unflatten(-1, (-1, self.head_k_dim))
-        v_BSNV = v.unflatten(-1, (-1, self.head_v_dim))
-        beta_BSN = b.sigmoid()
-        g_BSN = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # fp32 whatever the activations
+        conv_weight_CW, a_log_N, dt_bias_N = self.head_parameters()
+        per_key_head = self.in_proj(x_BSH).unflatten(-1, (-1, sum(self.split_sizes)))  # [B, S, heads, rows]
+        qkv_BSHX, z_BSHX, b_BSHR, a_BSHR = per_key_head.split([sum(self.split_sizes[:3]), *self.split_sizes[3:]], -1)
+        beta_BSN = b_BSHR.flatten(-2).sigmoid()
+        g_BSN = -a_log_N.float().exp() * F.softplus(a_BSHR.flatten(-2).float() + dt_bias_N)  # fp32 always
+        inputs = (qkv_BSHX.flatten(-2), g_BSN, beta_BSN)
+        if document_ids_BS is None:
+            o_BSNV = self._mix(*inputs, conv_weight_CW)
+        else:
+            documents = _Documents(document_ids_BS)
+            if documents.count <= x_BSH.shape[0]:  # one document per row (or empty rows): as unpacked rows
+                o_BSNV = self._mix(*inputs, conv_weight_CW)
+            else:
+                o_BSNV = self._mix_documents(inputs, conv_weight_CW, documents)
+        o_BSNV = self.norm(o_BSNV, z_BSHX.unflatten(-1, (-1, self.head_v_dim)).flatten(2, 3))
+        return self.out_proj(o_BSNV.flatten(-2))
+
+    def _mix(
+        self, qkv_BSC: torch.Tensor, g_BSN: torch.Tensor, beta_BSN: torch.Tensor, conv_weight_CW: torch.Tensor
+    ) -> torch.Tensor:
+        """The convolution and the gated delta rule over whole rows from zero states: the output ``[B, S, N, V]``."""
+        qkv_BSC, _ = causal_conv1d(qkv_BSC, conv_weight_CW, activation="silu")
+        q_BSHK, k_BSHK, v_BSHX = qkv_BSC.unflatten(-1, (-1, sum(self.split_sizes[:3]))).split(
+            self.split_sizes[:3], dim=-1
+        )
+        v_BSNV = v_BSHX.unflatten(-1, (-1, self.head_v_dim)).flatten(2, 3)  # each key head's value heads in turn
         o_BSNV, _ = chunk_gated_delta_rule(
             q_BSHK, k_BSHK, v_BSNV, g_BSN, beta_BSN, chunk_size=self.chunk_size, use_qk_l2norm=True
         )
-        o_BSNV = self.norm(o_BSNV, z.unflatten(-1, (-1, self.head_v_dim)))
-        return self.out_proj(o_BSNV.flatten(-2))
+        return o_BSNV
+
+    def _mix_documents(
+        self, inputs: tuple[torch.Tensor, ...], conv_weight_CW: torch.Tensor, documents: _Documents
+    ) -> torch.Tensor:
+        """:meth:`_mix` of each document alone (:class:`_Documents`), back in the packed rows' places."""
+        batch, seq = inputs[0].shape[:2]
+        flat = [torch.cat([t.flatten(0, 1), t.new_zeros(1, *t.shape[2:])]) for t in inputs]  # + the padding row
+        outputs = [
+            self._mix(*(t[gather_DL] for t in flat), conv_weight_CW).flatten(0, 1) for gather_DL in documents.gathers
+        ]
+        return torch.cat(outputs)[documents.scatter].unflatten(0, (batch, seq))

@@ -23,9 +23,13 @@ their experts (moe_parallel's expert parallelism).
 
 Context parallelism: every core attention is listed, to be handed the keys and values of the whole sequence.
 
-Linear-attention layers (``experimental_attention_variant``, Qwen3-Next's Gated DeltaNet) have no tensor- or
-context-parallel form yet: a model with any refuses tp > 1 (``tp_unsupported``) and cp > 1 (no context-parallel
-attention listed); its MoE blocks split over ep and every layer is an FSDP unit as usual.
+Linear-attention layers (``experimental_attention_variant``, Qwen3-Next's Gated DeltaNet) split their heads over tp as
+attention does: the input all-gathered along the sequence, ``in_proj`` column-parallel (its rows are grouped per key
+head, so a contiguous split gives each rank whole key heads with their value heads' v, z, b and a), the conv channels
+(grouped alike), ``A_log`` and ``dt_bias`` split with the heads (``tp_shard_parameters``; the layer computes with its
+local pieces), ``out_proj`` row-parallel; the gated norm's weight (one per value-head channel) stays whole and sees
+the local heads only (its gradient summed over tp). ``linear_num_key_heads`` must divide by tp. They have no
+context-parallel form yet: a model with any refuses cp > 1 (no context-parallel attention listed).
 
 Packed documents (``document_ids_BS``): attention takes the whole sequences' ids unchanged (its input is all-gathered
 along the sequence, so it sees every position of the rank's); a MoE block routes its local chunk, so the ids of the
@@ -49,6 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from moe_models.layers import RMSNorm
+from moe_models.linear_attention import GatedDeltaNet
 from moe_models.lora import LoRALinear
 from moe_models.pipeline import pipeline_plan
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan
@@ -102,6 +107,42 @@ class _AcrossHeadsRMSNormShard(RMSNorm):
         return weight * x32.to(x.dtype)
 
 
+class LinearAttentionInput(PrepareModuleInput):
+    """A Gated DeltaNet's input all-gathered along the sequence (``PrepareModuleInput``), and the module set to
+    compute with this rank's pieces of its head parameters (the conv weight, ``A_log``, ``dt_bias``: DTensors split
+    with the heads by ``tp_shard_parameters``)."""
+
+    def __init__(self) -> None:
+        super().__init__(  # (x, cos, sin, positions); the documents' ids, a keyword, pass whole
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.__class__ = _GatedDeltaNetShard
+        return super()._apply(module, device_mesh)
+
+
+class _GatedDeltaNetShard(GatedDeltaNet):
+    """:class:`~moe_models.linear_attention.GatedDeltaNet` over this rank's heads."""
+
+    def head_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        conv_CW, a_log_N, dt_bias_N = super().head_parameters()
+        return tuple(p.to_local() if isinstance(p, DTensor) else p for p in (conv_CW, a_log_N, dt_bias_N))
+
+
+def _linear_attention_plan(prefix: str, plan: dict) -> None:
+    """Decoder layer ``prefix``'s Gated DeltaNet entries: heads split over tp (module docstring)."""
+    mixer = f"{prefix}.attention"
+    styles = plan["tensor_parallel"]
+    styles[mixer] = LinearAttentionInput()
+    styles[f"{mixer}.in_proj"] = ColwiseParallel()
+    styles[f"{mixer}.out_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    plan["tp_shard_parameters"].update({f"{mixer}.{name}": 0 for name in ("conv1d.weight", "A_log", "dt_bias")})
+    plan["tp_partial_grads"].append(f"{mixer}.norm.weight")
+
+
 def _attention_styles(prefix: str, layer: DecoderLayer, mla: bool) -> dict[str, ParallelStyle]:
     attention = layer.attention
     styles: dict[str, ParallelStyle] = {f"{prefix}.o_proj": RowwiseParallel(output_layouts=Shard(1))}
@@ -117,8 +158,9 @@ def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dic
     """Add decoder layer ``prefix``'s entries to ``plan``'s tensor_parallel / partial / grad-column lists."""
     styles = plan["tensor_parallel"]
     styles[f"{prefix}.input_norm"] = SequenceParallel()
-    if layer.is_linear_attention:  # no tensor-parallel plan yet: the model refuses tp > 1 (tp_unsupported)
+    if layer.is_linear_attention:
         styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
+        _linear_attention_plan(prefix, plan)
     else:
         styles[f"{prefix}.attention"] = PrepareModuleInput(  # (x, cos, sin, positions)
             input_layouts=(Shard(1), None, None, None),
@@ -203,23 +245,19 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         if isinstance(model.get_submodule(path), LoRALinear) and isinstance(style, ColwiseParallel | RowwiseParallel):
             column = isinstance(style, ColwiseParallel)
             adapters.update({f"{path}.lora_A": None if column else 1, f"{path}.lora_B": 0 if column else None})
-    tp_unsupported = {}
     linear_layers = [prefix for prefix, layer in layers if layer.is_linear_attention]
-    if linear_layers:
-        tp_unsupported["experimental_attention_variant"] = (
-            f"{c.experimental_attention_variant} layers ({', '.join(linear_layers)}) have no tensor-parallel plan yet"
-        )
     tp_divides = {"num_attention_heads": c.num_attention_heads}
     if not c.multi_latent_attention:
         tp_divides["num_query_groups"] = c.num_query_groups
     if not all(layer.is_moe for layer in model.layers):  # only dense layers split their FFN width
         tp_divides["ffn_hidden_size"] = c.ffn_hidden_size
+    if linear_layers:  # their key heads (each with its value heads) split over tp
+        tp_divides["linear_num_key_heads"] = c.linear_num_key_heads
     return ParallelPlan(
         tensor_parallel=plan["tensor_parallel"],
         tp_partial_grads=tuple(plan["tp_partial_grads"]),
         tp_sum_grad_columns=plan["tp_sum_grad_columns"],
         tp_divides=tp_divides,
-        tp_unsupported=tp_unsupported,
         tp_shard_parameters=plan["tp_shard_parameters"],
         tp_adapter_parameters=adapters,
         # an MTP depth's final norm runs outside its forward (the model applies it before the shared head), so the

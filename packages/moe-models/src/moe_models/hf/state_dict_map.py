@@ -129,22 +129,36 @@ def _gqa_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
 def _gated_delta_net_in_proj(
     c: ModelConfig,
 ) -> tuple[Callable[[list[Tensor]], Tensor], Callable[[Tensor], list[Tensor]]]:
-    """Our ``in_proj`` rows ``[q, k, v, z, b, a]`` (each all heads) <-> transformers' ``in_proj_qkvz`` (per key head
-    ``[q, k, v, z]`` of the head and its value heads) and ``in_proj_ba`` (per key head ``[b, a]`` of its value
-    heads)."""
+    """Our ``in_proj`` rows, per key head ``[q, k, v, z, b, a]`` of the head and its value heads <-> transformers'
+    ``in_proj_qkvz`` (per key head ``[q, k, v, z]``) and ``in_proj_ba`` (per key head ``[b, a]``): each head's rows
+    of the one, then of the other."""
     key_heads, per_key = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
-    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-    qkvz_parts = [dk, dk, per_key * dv, per_key * dv]
-    ba_parts = [per_key, per_key]
+    qkvz = 2 * c.linear_key_head_dim + 2 * per_key * c.linear_value_head_dim
 
     def to_ours(ts: list[Tensor]) -> Tensor:
-        qkvz, ba = (t.unflatten(0, (key_heads, -1)) for t in ts)
-        parts = [*qkvz.split(qkvz_parts, dim=1), *ba.split(ba_parts, dim=1)]
-        return torch.cat([p.flatten(0, 1) for p in parts])
+        return torch.cat([t.unflatten(0, (key_heads, -1)) for t in ts], dim=1).flatten(0, 1)
 
     def to_hf(t: Tensor) -> list[Tensor]:
-        parts = [p.unflatten(0, (key_heads, -1)) for p in t.split([key_heads * n for n in qkvz_parts + ba_parts])]
-        return [torch.cat(parts[:4], dim=1).flatten(0, 1), torch.cat(parts[4:], dim=1).flatten(0, 1)]
+        return [p.flatten(0, 1) for p in t.unflatten(0, (key_heads, -1)).split([qkvz, 2 * per_key], dim=1)]
+
+    return to_ours, to_hf
+
+
+def _gated_delta_net_conv(
+    c: ModelConfig,
+) -> tuple[Callable[[list[Tensor]], Tensor], Callable[[Tensor], list[Tensor]]]:
+    """Our conv channels, per key head ``[q, k, v]`` of the head and its value heads <-> transformers' ``conv1d``
+    channels ``[q, k, v]``, each over all heads."""
+    key_heads, dk = c.linear_num_key_heads, c.linear_key_head_dim
+    parts = [key_heads * dk, key_heads * dk, c.linear_num_value_heads * c.linear_value_head_dim]
+    per_head = [n // key_heads for n in parts]
+
+    def to_ours(ts: list[Tensor]) -> Tensor:
+        heads = [p.unflatten(0, (key_heads, -1)) for p in ts[0].split(parts)]
+        return torch.cat(heads, dim=1).flatten(0, 1)
+
+    def to_hf(t: Tensor) -> list[Tensor]:
+        return [torch.cat([p.flatten(0, 1) for p in t.unflatten(0, (key_heads, -1)).split(per_head, dim=1)])]
 
     return to_ours, to_hf
 
@@ -158,8 +172,8 @@ def _gated_delta_net(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
         Source(f"{hf}.in_proj_ba.weight", (2 * heads, h)),
     )
     plan.entries.append(Entry(f"{ours}.in_proj.weight", sources, *_gated_delta_net_in_proj(c)))
-    conv = 2 * key + value
-    _copy(plan, f"{ours}.conv1d.weight", f"{hf}.conv1d.weight", (conv, 1, c.linear_conv_kernel_dim))
+    conv = (Source(f"{hf}.conv1d.weight", (2 * key + value, 1, c.linear_conv_kernel_dim)),)
+    plan.entries.append(Entry(f"{ours}.conv1d.weight", conv, *_gated_delta_net_conv(c)))
     _copy(plan, f"{ours}.A_log", f"{hf}.A_log", (heads,))
     _copy(plan, f"{ours}.dt_bias", f"{hf}.dt_bias", (heads,))
     _copy(plan, f"{ours}.norm.weight", f"{hf}.norm.weight", (c.linear_value_head_dim,))

@@ -1,0 +1,172 @@
+"""The Gated DeltaNet layer (Qwen3-Next's linear attention) on packed documents: neither its convolution window nor
+its recurrent state crosses a document boundary, so each document of a packed row computes what it computes alone.
+
+The reference is each document run by itself (a row of its own, no document ids). The layer alone, fp32: outputs
+within 1e-6 and the gradients of the input and every parameter alike, over documents of one token, documents shorter
+and longer than the chunk, several chunks, a row holding one document, and a padding tail. The whole tiny-qwen3-next
+model (three Gated DeltaNet layers and one full attention layer): logits within 1e-5 relative at every position, and
+its gradients (those of the decay's A_log and dt_bias, ill-conditioned in fp32, within 1e-3), with the balancing loss
+off (it couples the tokens of a batch) and dropless routing.
+
+Tensor parallelism, in one process: halves of the layer's rows / channels / heads are layers of half the heads whose
+outputs sum to the whole's (what tp=2 computes; moe-parallel's test_parallelize_dist.py runs it on 4 gloo ranks), and
+the plan needs tp to divide ``linear_num_key_heads``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_models import build_model, preset
+from moe_models.linear_attention import GatedDeltaNet
+from moe_parallel import LayoutError, check_tensor_parallel
+
+# the documents of each row (lengths; a padding tail of id -1 fills the row); chunks of 4 positions
+PACKING = [[1, 6, 13, 4, 1], [25], [3, 3, 8, 8]]
+SEQ = 25
+
+
+def _row_ids(lengths: list[int], seq: int) -> list[int]:
+    ids = [doc for doc, length in enumerate(lengths) for _ in range(length)]
+    return ids + [-1] * (seq - len(ids))
+
+
+def _spans(packing: list[list[int]], seq: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document, the padding tail included."""
+    out = []
+    for row, lengths in enumerate(packing):
+        start = 0
+        for length in [*lengths, seq - sum(lengths)]:
+            if length:
+                out.append((row, start, start + length))
+            start += length
+    return out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
+
+
+def _layer() -> GatedDeltaNet:
+    config = dataclasses.replace(preset("tiny-qwen3-next"), linear_attention_chunk_size=4)
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(config)
+    with torch.no_grad():  # away from the initial values, so every parameter matters
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def test_a_packed_row_computes_each_document_as_alone_with_gradients() -> None:
+    layer = _layer()
+    docs_BS = torch.tensor([_row_ids(lengths, SEQ) for lengths in PACKING])
+    gen = torch.Generator().manual_seed(1)
+    x_BSH = torch.randn(*docs_BS.shape, layer.in_proj.in_features, generator=gen, requires_grad=True)
+    weights_BSH = torch.randn(*docs_BS.shape, layer.out_proj.out_features, generator=gen)
+
+    packed = layer(x_BSH, document_ids_BS=docs_BS)
+    (weights_BSH * packed).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    x_grad = x_BSH.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    x_BSH.grad = None
+
+    errors = {}
+    for row, start, end in _spans(PACKING, SEQ):
+        alone = layer(x_BSH[row : row + 1, start:end])
+        (weights_BSH[row : row + 1, start:end] * alone).sum().backward()
+        errors[(row, start)] = _relative(packed[row : row + 1, start:end], alone)
+    assert max(errors.values()) < 1e-6, errors
+    assert _relative(x_grad, x_BSH.grad) < 1e-6
+    for name, p in layer.named_parameters():
+        assert _relative(grads[name], p.grad) < 1e-6, name
+    # without the documents the state crosses them: the outputs differ
+    assert _relative(layer(x_BSH, document_ids_BS=None), packed) > 1e-2
+
+
+def test_rows_of_one_document_each_compute_as_unpacked_rows() -> None:
+    layer = _layer()
+    x_BSH = torch.randn(2, 9, layer.in_proj.in_features, generator=torch.Generator().manual_seed(2))
+    docs_BS = torch.tensor([[4] * 9, [-1] * 9])
+    assert torch.equal(layer(x_BSH, document_ids_BS=docs_BS), layer(x_BSH))
+
+
+def test_given_positions_are_refused() -> None:
+    layer = _layer()
+    with pytest.raises(ValueError, match="positions"):
+        layer(torch.zeros(1, 4, layer.in_proj.in_features), positions_S=torch.arange(4))
+
+
+def test_a_packed_batch_of_the_model_computes_each_document_as_alone() -> None:
+    config = preset("tiny-qwen3-next", moe_aux_loss_coeff=[0.0])  # the balancing loss couples a batch's tokens
+    assert config.moe_expert_capacity_factor is None  # dropless: a token's expert output is its own
+    model = build_model(config, seed=3)
+    packing, seq = [[5, 17, 1, 9], [32], [12, 20]], 34
+    docs_BS = torch.tensor([_row_ids(lengths, seq) for lengths in packing])
+    ids_BS = torch.randint(0, config.vocab_size, docs_BS.shape, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(*docs_BS.shape, config.vocab_size, generator=torch.Generator().manual_seed(9))
+    spans = [(row, start, end) for row, start, end in _spans(packing, seq) if docs_BS[row, start] >= 0]
+
+    packed = model(ids_BS, document_ids_BS=docs_BS).logits
+    sum(((weights[r, s:e] * packed[r, s:e]).sum() for r, s, e in spans), torch.zeros(())).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    errors = {}
+    for row, start, end in spans:
+        alone = model(ids_BS[row : row + 1, start:end]).logits[0]
+        (weights[row, start:end] * alone).sum().backward()
+        errors[(row, start)] = _relative(packed[row, start:end], alone)
+    assert max(errors.values()) < 1e-5, errors
+    alone_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert packed_grads.keys() == alone_grads.keys()
+    assert any(".attention.in_proj." in n for n in packed_grads)
+    for name, grad in packed_grads.items():
+        # the decay's parameters sum many cancelling terms: in fp32 their gradients move by up to ~1e-3 relative with
+        # the summation order alone (measured: the same unpacked rows as one batch or row by row, 1.3e-3)
+        tolerance = 1e-3 if name.endswith((".A_log", ".dt_bias")) else 1e-5
+        assert _relative(grad, alone_grads[name]) < tolerance, name
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_contiguous_split_of_the_rows_is_a_split_of_the_heads(packed: bool) -> None:
+    """What tp=2 computes, in one process: each half of in_proj's rows, of the conv channels, of A_log / dt_bias and of
+    out_proj's columns is a layer of half the key heads (each with its value heads); their outputs sum to the whole
+    layer's."""
+    layer = _layer()
+    half = dataclasses.replace(
+        preset("tiny-qwen3-next"),
+        linear_attention_chunk_size=4,
+        linear_num_key_heads=layer.num_k_heads // 2,
+        linear_num_value_heads=layer.num_v_heads // 2,
+    )
+    docs_BS = torch.tensor([_row_ids(lengths, SEQ) for lengths in PACKING]) if packed else None
+    x_BSH = torch.randn(len(PACKING), SEQ, layer.in_proj.in_features, generator=torch.Generator().manual_seed(3))
+    total = torch.zeros(())
+    for rank in range(2):
+        shard = GatedDeltaNet(half)
+        with torch.no_grad():
+            for name, p in shard.named_parameters():
+                whole = layer.get_parameter(name)
+                dim = 1 if name == "out_proj.weight" else 0
+                p.copy_(whole if name == "norm.weight" else whole.chunk(2, dim=dim)[rank])
+        total = total + shard(x_BSH, document_ids_BS=docs_BS)
+    assert _relative(total, layer(x_BSH, document_ids_BS=docs_BS)) < 1e-6
+
+
+def test_the_parallel_plan_splits_the_heads_and_needs_tp_to_divide_the_key_heads() -> None:
+    config = preset("tiny-qwen3-next")
+    plan = build_model(config, seed=0).parallel_plan()
+    assert not plan.tp_unsupported and plan.tp_divides["linear_num_key_heads"] == config.linear_num_key_heads
+    assert {n: d for n, d in plan.tp_shard_parameters.items() if n.startswith("layers.0.")} == {
+        "layers.0.attention.conv1d.weight": 0,
+        "layers.0.attention.A_log": 0,
+        "layers.0.attention.dt_bias": 0,
+    }
+    assert "layers.0.attention.norm.weight" in plan.tp_partial_grads
+    check_tensor_parallel(plan, 2)
+    odd = dataclasses.replace(config, linear_num_key_heads=1, linear_num_value_heads=2)
+    with pytest.raises(LayoutError, match="linear_num_key_heads=1 is not divisible by it"):
+        check_tensor_parallel(build_model(odd, seed=0).parallel_plan(), 2)
