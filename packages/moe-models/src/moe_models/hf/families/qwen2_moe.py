@@ -85,29 +85,37 @@ def _window_from_hf(hf: ReadFields, num_layers: int) -> dict[str, Any]:
     return {"window_size": int(window), "window_attn_skip_freq": compact(full) if any(full) else None}
 
 
-def _from_hf(hf: ReadFields) -> dict[str, Any]:
-    refuse_partial_rotary(hf, "qwen2_moe")
-    num_layers, experts = hf["num_hidden_layers"], hf.get("num_experts", 60)
+def gated_shared_moe_from_hf(
+    hf: ReadFields, family: str, experts: int, shared: int, moe_ffn: int, norm_topk_prob: bool
+) -> dict[str, Any]:
+    """The MoE fields of Qwen2-MoE and the families built like it (Qwen3-Next): ``num_experts`` experts on every
+    ``decoder_sparse_step``-th layer but ``mlp_only_layers``, one shared expert gated per token, softmax routing; the
+    arguments after ``family`` are the family's config-class defaults of those keys."""
+    num_layers, experts = hf["num_hidden_layers"], hf.get("num_experts", experts)
     if (experts or 0) < 1:
         raise unsupported("num_experts", experts, "a MoE model needs experts: give at least 1")
     step = hf.get("decoder_sparse_step", 1)
     if (step or 0) < 1:
         raise unsupported("decoder_sparse_step", step, "every step-th layer is MoE: give at least 1")
-    shared = hf.get("shared_expert_intermediate_size", 5632)
+    shared = hf.get("shared_expert_intermediate_size", shared)
     if (shared or 0) < 1:
-        raise unsupported("shared_expert_intermediate_size", shared, "Qwen2-MoE has one gated shared expert: >= 1")
-    dense = set(hf.get("mlp_only_layers") or [])
+        raise unsupported("shared_expert_intermediate_size", shared, f"{family} has one gated shared expert: >= 1")
     return {
-        "add_qkv_bias": bool(hf.get("qkv_bias", True)),
         "num_moe_experts": experts,
-        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 1408),
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", moe_ffn),
         "ffn_hidden_size": hf.get("intermediate_size", 5632),
-        "moe_layer_freq": sparse_step_pattern(num_layers, step, dense),
+        "moe_layer_freq": sparse_step_pattern(num_layers, step, set(hf.get("mlp_only_layers") or [])),
         "moe_shared_expert_intermediate_size": shared,
         "moe_shared_expert_gate": True,
         # softmax over all experts, top-k, no renormalisation == Megatron's pre-softmax
-        "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
-    } | _window_from_hf(hf, num_layers)
+        "moe_router_pre_softmax": not hf.get("norm_topk_prob", norm_topk_prob),
+    }
+
+
+def _from_hf(hf: ReadFields) -> dict[str, Any]:
+    refuse_partial_rotary(hf, "qwen2_moe")
+    moe = gated_shared_moe_from_hf(hf, "Qwen2-MoE", experts=60, shared=5632, moe_ffn=1408, norm_topk_prob=False)
+    return {"add_qkv_bias": bool(hf.get("qkv_bias", True)), **moe} | _window_from_hf(hf, hf["num_hidden_layers"])
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from moe_models.config import ModelConfig
-from moe_models.hf.families.qwen2_moe import cannot_write, experts_to_hf, sparse_step_pattern
+from moe_models.hf.families.qwen2_moe import cannot_write, experts_to_hf, gated_shared_moe_from_hf
 from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, compact, require, unsupported
 from moe_models.hf.rope_fields import rope_to_hf
 
@@ -64,17 +64,9 @@ def _linear_attention_freq(linear: list[int]) -> int | list[int]:
 def _from_hf(hf: ReadFields) -> dict[str, Any]:
     if hf.get("attention_bias", False):
         raise unsupported("attention_bias", True, "it would bias o_proj too, which the stack has no field for")
-    num_layers, experts = hf["num_hidden_layers"], hf.get("num_experts", 512)
-    if (experts or 0) < 1:
-        raise unsupported("num_experts", experts, "a MoE model needs experts: give at least 1")
-    step = hf.get("decoder_sparse_step", 1)
-    if (step or 0) < 1:
-        raise unsupported("decoder_sparse_step", step, "every step-th layer is MoE: give at least 1")
-    shared = hf.get("shared_expert_intermediate_size", 512)
-    if (shared or 0) < 1:
-        raise unsupported("shared_expert_intermediate_size", shared, "Qwen3-Next has one gated shared expert: >= 1")
+    moe = gated_shared_moe_from_hf(hf, "Qwen3-Next", experts=512, shared=512, moe_ffn=512, norm_topk_prob=True)
     heads = hf["num_attention_heads"]
-    linear = _linear_pattern(hf, num_layers)
+    linear = _linear_pattern(hf, hf["num_hidden_layers"])
     return {
         "num_query_groups": hf.get("num_key_value_heads", 2) or heads,
         "kv_channels": hf.get("head_dim", 256) or hf["hidden_size"] // heads,
@@ -85,14 +77,7 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
         "experimental_attention_variant": "gated_delta_net" if any(linear) else None,
         "linear_attention_freq": _linear_attention_freq(linear) if any(linear) else None,
         **{name: hf.get(name, default) for name, default in _LINEAR_DEFAULTS.items()},
-        "num_moe_experts": experts,
-        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 512),
-        "ffn_hidden_size": hf.get("intermediate_size", 5632),
-        "moe_layer_freq": sparse_step_pattern(num_layers, step, set(hf.get("mlp_only_layers") or [])),
-        "moe_shared_expert_intermediate_size": shared,
-        "moe_shared_expert_gate": True,
-        # softmax over all experts, top-k, no renormalisation == Megatron's pre-softmax
-        "moe_router_pre_softmax": not hf.get("norm_topk_prob", True),
+        **moe,
         "moe_aux_loss_coeff": [float(hf.get("router_aux_loss_coef", 0.001))],  # Qwen3NextConfig's default
     }
 
