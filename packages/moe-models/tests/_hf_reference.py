@@ -289,7 +289,7 @@ def assert_import_refused(hf: dict, key: str) -> None:
     from moe_models.hf import config_from_hf
     from moe_models.hf.errors import HFCheckpointError
 
-    with pytest.raises(HFCheckpointError, match=f"config.json {key}="):
+    with pytest.raises(HFCheckpointError, match=rf"config\.json {key}="):
         config_from_hf(hf)
 
 

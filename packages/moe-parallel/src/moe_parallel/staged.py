@@ -102,6 +102,8 @@ class StagedModel:
         self._schedule_key: tuple = ()
         # V-shaped schedules split each backward into an input and a weight pass (torch's I and W actions)
         self._split_backward = self.pp > 1 and style(config.pp_schedule) == "v"
+        # the FSDP roots torch's stages do not handle (see parallelize_stages): reduced once, after each step
+        self._detached_units = [u for stage in stages for u in detached_units(stage)] if self._split_backward else []
 
     # ----- what the rank holds
     @property
@@ -245,10 +247,9 @@ class StagedModel:
             self._schedule_key = key
         args = (local_ids_BS,) if self.is_first else ()
         target = labels_BS if self.is_last else None
-        # the FSDP roots torch's stages do not handle (see parallelize_stages): reduced once, after the step
-        units = [unit for stage in self.stages for unit in detached_units(stage)] if self._split_backward else []
         with_deferred_reduction(
-            units, lambda: self._schedule.step(*args, target=target, input_ids_BS=input_ids_BS, **kwargs)
+            self._detached_units,
+            lambda: self._schedule.step(*args, target=target, input_ids_BS=input_ids_BS, **kwargs),
         )
 
     def _stage_objects(self, micro_batch: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> list:
