@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _hf_reference import rel_err
+from _recurrence_reference import assert_matches_reference, grads_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen3_next.modeling_qwen3_next import (
@@ -86,12 +88,6 @@ def run_ours(fn, x, **kwargs):
     )
 
 
-def grads_of(x, out, state, cotangents):
-    loss = (out * cotangents[0]).sum() + (state * cotangents[1]).sum()
-    leaves = [t for t in x.values() if t is not None]
-    return torch.autograd.grad(loss, leaves)
-
-
 @st.composite
 def problems(draw):
     return {
@@ -131,14 +127,7 @@ def test_matches_the_naive_recurrence_with_gradients(problem, chunk_size: int, s
     ]:
         out, state = run_ours(fn, x, **options, **kwargs)
         assert out.dtype == F64 and state.dtype == F64
-        torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"{n} output: {m}")
-        torch.testing.assert_close(state, ref_state, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"{n} state: {m}")
-        grads = grads_of(x, out, state, cotangents)
-        names = [n for n, t in x.items() if t is not None]
-        for grad_name, grad, ref_grad in zip(names, grads, ref_grads, strict=True):
-            torch.testing.assert_close(
-                grad, ref_grad, rtol=1e-9, atol=1e-9, msg=lambda m, n=name, g=grad_name: f"{n} d{g}: {m}"
-            )
+        assert_matches_reference(name, x, out, state, (ref_out, ref_state, ref_grads), cotangents)
 
 
 @pytest.mark.parametrize("seq,split,chunk_size", [(40, 17, 8), (32, 16, 8), (13, 1, 16), (9, 8, 4), (6, 0, 4)])
@@ -155,10 +144,6 @@ def test_split_sequence_with_carried_state_gives_the_whole(seq: int, split: int,
         torch.testing.assert_close(state_2, whole_state, rtol=1e-10, atol=1e-10)
 
 
-def _max_relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
 @pytest.mark.parametrize("l2norm", [True, False])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_matches_transformers_torch_kernels_in_fp32(l2norm: bool, groups: int) -> None:
@@ -172,8 +157,8 @@ def test_matches_transformers_torch_kernels_in_fp32(l2norm: bool, groups: int) -
     ours_recurrent = run_ours(recurrent_gated_delta_rule, x, use_qk_l2norm=l2norm)
     for ours, ref in [(ours_chunk, ref_chunk), (ours_recurrent, ref_recurrent)]:
         assert ours[0].shape == ref[0].shape and ours[0].dtype == torch.float32
-        assert _max_relative_error(ours[0], ref[0]) < 1e-5
-        assert _max_relative_error(ours[1], ref[1]) < 1e-5
+        assert rel_err(ours[0], ref[0]) < 1e-5
+        assert rel_err(ours[1], ref[1]) < 1e-5
 
 
 def test_bf16_inputs_compute_in_fp32() -> None:
@@ -198,8 +183,8 @@ def test_extreme_gates_stay_finite_in_fp32(gate: float) -> None:
     assert all(t.isfinite().all() for t in (out, state, *grads))
     x64 = {n: t.detach().to(F64) for n, t in x.items()}
     ref_out, ref_state = naive_gated_delta_rule(*x64.values(), use_qk_l2norm=True, scale=None)
-    assert _max_relative_error(out.to(F64), ref_out) < 1e-5
-    assert _max_relative_error(state.to(F64), ref_state) < 1e-5
+    assert rel_err(out.to(F64), ref_out) < 1e-5
+    assert rel_err(state.to(F64), ref_state) < 1e-5
 
 
 def _saved(seq: int, chunk_size: int = 64) -> tuple[int, int]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _hf_reference import rel_err
+from _recurrence_reference import assert_matches_reference, grads_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
@@ -101,12 +103,6 @@ def run_steps(x):
     return torch.stack(outputs, dim=1), state
 
 
-def grads_of(x, out, state, cotangents):
-    loss = (out * cotangents[0]).sum() + (state * cotangents[1]).sum()
-    leaves = [t for t in x.values() if t is not None]
-    return torch.autograd.grad(loss, leaves)
-
-
 @st.composite
 def problems(draw):
     heads = draw(st.integers(1, 4))
@@ -142,14 +138,7 @@ def test_matches_the_naive_recurrence_with_gradients(problem, chunk_size: int, s
     ]:
         out, state = run()
         assert out.dtype == F64 and state.dtype == F64
-        torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"{n} output: {m}")
-        torch.testing.assert_close(state, ref_state, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"{n} state: {m}")
-        grads = grads_of(x, out, state, cotangents)
-        names = [n for n, t in x.items() if t is not None]
-        for grad_name, grad, ref_grad in zip(names, grads, ref_grads, strict=True):
-            torch.testing.assert_close(
-                grad, ref_grad, rtol=1e-9, atol=1e-9, msg=lambda m, n=name, g=grad_name: f"{n} d{g}: {m}"
-            )
+        assert_matches_reference(name, x, out, state, (ref_out, ref_state, ref_grads), cotangents)
 
 
 @pytest.mark.parametrize("seq,split,chunk_size", [(40, 17, 8), (32, 16, 8), (13, 1, 16), (9, 8, 4), (6, 0, 4)])
@@ -169,10 +158,6 @@ def test_split_sequence_with_carried_state_gives_the_whole(seq: int, split: int,
         out_2, state_2 = run({**second, "state": state_1})
         torch.testing.assert_close(torch.cat([out_1, out_2], dim=1), whole_out, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(state_2, whole_state, rtol=1e-10, atol=1e-10)
-
-
-def _max_relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
 def _raw_dt_inputs(seed: int, batch: int, seq: int, groups: int, per_group: int, dim_p: int, dim_d: int):
@@ -206,8 +191,8 @@ def test_chunked_scan_matches_transformers_torch_scan_in_fp32() -> None:
     dt = F.softplus(x["dt_raw"] + x["dt_bias"]).clamp(*dt_limit)
     out, state = run_ours(chunk_ssd_scan, {**x, "dt": dt}, chunk_size=64)
     assert out.shape == ref_out.shape and out.dtype == torch.float32
-    assert _max_relative_error(out, ref_out) < 1e-5
-    assert _max_relative_error(state, ref_state) < 1e-5
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(state, ref_state) < 1e-5
 
 
 def test_step_matches_transformers_torch_step_in_fp32() -> None:
@@ -230,8 +215,8 @@ def test_step_matches_transformers_torch_step_in_fp32() -> None:
     dt = F.softplus(x["dt_raw"][:, 0] + x["dt_bias"])
     out, state = recurrent_ssd_step(x["x"][:, 0], dt, x["A"], x["B"][:, 0], x["C"][:, 0], x["state"], D_N=x["D"])
     assert out.shape == (batch, heads, dim_p)
-    assert _max_relative_error(out, ref_out) < 1e-5
-    assert _max_relative_error(state, ref_state) < 1e-5
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(state, ref_state) < 1e-5
 
 
 def _tiny_mixer(groups: int) -> NemotronHMamba2Mixer:
@@ -293,7 +278,7 @@ def test_mixer_from_our_pieces_matches_transformers_mixer_in_fp32(groups: int) -
         ref = mixer(hidden_BSE)
         ours = mixer_from_our_pieces(mixer, hidden_BSE)
     assert ours.shape == ref.shape
-    assert _max_relative_error(ours, ref) < 1e-5
+    assert rel_err(ours, ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -353,8 +338,8 @@ def test_extreme_decays_stay_finite_in_fp32(dt_a: float) -> None:
     grads = torch.autograd.grad(out.square().sum() + state.square().sum(), list(x.values()))
     assert all(t.isfinite().all() for t in (out, state, *grads))
     ref_out, ref_state = naive_ssd(*(x[n].detach().to(F64) for n in NAMES))
-    assert _max_relative_error(out, ref_out) < 1e-5
-    assert _max_relative_error(state, ref_state) < 1e-5
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(state, ref_state) < 1e-5
 
 
 @pytest.mark.parametrize("decay", ["mixed", "typical"])
@@ -366,8 +351,8 @@ def test_fp32_error_stays_small_when_small_decays_follow_large_ones(decay: str) 
     x = {n: t.detach() for n, t in x.items()}
     ref_out, ref_state = naive_ssd(*x.values())
     out, state = run_ours(chunk_ssd_scan, {n: t.float() for n, t in x.items()}, chunk_size=64)
-    assert _max_relative_error(out, ref_out) < 1e-6
-    assert _max_relative_error(state, ref_state) < 1e-6
+    assert rel_err(out, ref_out) < 1e-6
+    assert rel_err(state, ref_state) < 1e-6
 
 
 def _saved(seq: int, chunk_size: int = 64) -> tuple[int, int]:
