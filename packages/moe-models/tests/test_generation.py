@@ -64,3 +64,18 @@ def test_stop_tokens_and_sampling() -> None:
     assert one == two and one.tokens != other.tokens
     with pytest.raises(ValueError, match="prompt"):
         generate(model, [], 3)
+
+
+def test_a_model_with_linear_attention_layers_generates_by_whole_forwards() -> None:
+    """Qwen3-Next's Gated DeltaNet layers keep no cache yet: each greedy token is the argmax of a whole forward of the
+    sequence so far, computed here by hand."""
+    from moe_models.presets import preset
+
+    model = build_model(preset("tiny-qwen3-next"), seed=0).eval()
+    prompt = [3, 14, 15, 9, 2]
+    got = generate(model, prompt, 4).tokens
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(4):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert got == ids[len(prompt) :]

@@ -82,12 +82,15 @@ def generate(
     """Continue ``prompt`` (token ids) by up to ``max_new_tokens`` tokens: greedy for ``temperature`` 0 (what
     transformers' ``generate(do_sample=False)`` does), else sampled from softmax(logits / temperature) with
     ``generator``; stops after a token of ``stop_tokens``. ``use_cache=False`` recomputes the whole sequence each
-    step (the reference the cache is tested against). The model is put in eval mode."""
+    step (the reference the cache is tested against), as it does for a model with linear-attention layers (their
+    recurrent state is not cached yet). The model is put in eval mode."""
     if not prompt:
         raise ValueError("prompt: empty; give at least one token")
     if max_new_tokens < 0 or temperature < 0:
         raise ValueError("max_new_tokens and temperature must be >= 0")
     model.eval()
+    # a Gated DeltaNet layer computes whole sequences only: no cache of its state, so every step recomputes
+    use_cache = use_cache and getattr(getattr(model, "config", None), "experimental_attention_variant", None) is None
     device = next(model.parameters()).device
     ids_1S = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     new: list[int] = []
