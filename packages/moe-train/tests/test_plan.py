@@ -361,3 +361,14 @@ def test_context_parallel_ranks_shard_with_the_data_parallel_ones_and_hold_their
     # q, the output and the log-sum-exp are the rank's quarter; k and v (4 of 32 heads of 128) the whole sequence's
     kv_whole = 48 * 2 * 32768 * 4 * 128 * 2  # 48 layers, k and v, bf16
     assert (a["core_attn"] - kv_whole) * 4 == b["core_attn"] - kv_whole > 0
+
+
+def test_a_memory_plan_of_a_model_the_estimate_cannot_describe_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3-Next's linear-attention layers are not in the saved-activation estimate: ``plan --memory`` says so in one
+    line naming the model key, before any planning; ``plan`` alone still prints the shards."""
+    assert cli.main(["plan", "--model.preset", "tiny-qwen3-next", "--memory"]) == cli.EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("moe-train: error: model.experimental_attention_variant='gated_delta_net': not")
+    assert captured.err.count("\n") == 1
+    assert cli.main(["plan", "--model.preset", "tiny-qwen3-next"]) == 0

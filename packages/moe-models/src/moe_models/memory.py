@@ -77,7 +77,10 @@ def model_shape(config: ModelConfig) -> ModelShape:
     for name in NOT_ESTIMATED:
         if getattr(c, name) not in (None, False):
             raise ModelConfigError(
-                name, getattr(c, name), "not estimated: the saved-activation estimate does not model it yet"
+                name,
+                getattr(c, name),
+                "not estimated: the saved-activation estimate does not model it yet "
+                "(measure with moe_memory.SavedTensorBytes)",
             )
     moe, full, rope = c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern()
     layers = tuple(

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from moe_train import __version__
-from moe_train.config import ConfigError, load_config, preset_names
+from moe_train.config import ConfigError, config_error, load_config, preset_names
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3  # the loss or gradient norm stopped being finite
@@ -314,6 +314,7 @@ def _plan(
 ) -> int:
     import torch
 
+    from moe_models.memory import model_shape
     from moe_train.plan_report import (
         RANK_MAP_MAX_WORLD,
         format_memory,
@@ -339,6 +340,11 @@ def _plan(
         world_size = math.lcm(attention, (p.etp or p.tp) * p.ep * p.pp)
     if device_memory is not None and device_memory <= 0:
         raise ConfigError(f"--device-memory={device_memory:g}: give the memory of one device in GiB, > 0")
+    if memory or device_memory is not None:  # a model the estimate cannot describe: one line, before any planning
+        try:
+            model_shape(cfg.model)
+        except ValueError as err:  # ModelConfigError
+            raise config_error(err) from None
     param_dtype = torch.bfloat16 if getattr(cfg.train, "params_dtype", "fp32") == "bf16" else torch.float32
     report = plan_report(
         cfg.model, p, world_size, param_dtype, cfg.run, cfg.data.seq_len, cfg.peft
