@@ -146,6 +146,8 @@ CONTEXT_MODELS: dict[str, tuple[str, dict[str, str]]] = {
         "tiny-qwen3-moe",
         {"model.preset": "tiny-qwen3-next", "train.micro_batch_size": "2"},
     ),
+    # under cp each Gated DeltaNet layer starts a rank's chunks from the states of the chunks before them
+    "tiny-qwen3-next": ("tiny-qwen3-moe", {"model.preset": "tiny-qwen3-next"}),
 }
 CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # + the models each runs on
     "cp=2": (
@@ -159,6 +161,7 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
             "tiny-llama4",
             "tiny-ernie4-5-moe",
             "tiny-deepseek-v2",
+            "tiny-qwen3-next",
         ),
     ),
     "ep=2": (2, {"parallel.ep": "2"}, ("tiny-llama4 2 micro-batches", "tiny-qwen3-next 2 micro-batches")),

@@ -10,7 +10,10 @@ off (it couples the tokens of a batch) and dropless routing.
 
 Tensor parallelism, in one process: halves of the layer's rows / channels / heads are layers of half the heads whose
 outputs sum to the whole's (what tp=2 computes; moe-parallel's test_parallelize_dist.py runs it on 4 gloo ranks), and
-the plan needs tp to divide ``linear_num_key_heads``."""
+the plan needs tp to divide ``linear_num_key_heads``.
+
+Given positions (context parallelism, in one process): the positions in other orders, each run a segment chained to
+the states before it, compute what the whole row does (fp64, 1e-12)."""
 
 from __future__ import annotations
 
@@ -93,10 +96,41 @@ def test_rows_of_one_document_each_compute_as_unpacked_rows() -> None:
     assert torch.equal(layer(x_BSH, document_ids_BS=docs_BS), layer(x_BSH))
 
 
-def test_given_positions_are_refused() -> None:
+# chunks of 4 of a 24-position row, in the order a rank would hold them: runs of consecutive positions (segments)
+# out of order, one run of two chunks, the whole row as one run
+CHUNK_ORDERS = [[0, 5, 1, 4, 2, 3], [3, 1, 0, 2, 4, 5], [2, 3, 0, 1, 4, 5], [0, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("order", CHUNK_ORDERS, ids=str)
+def test_given_positions_compute_each_segment_from_the_states_before_it(order: list[int]) -> None:
+    """What a context-parallel rank computes, in one process (moe_parallel makes ``segments`` return every rank's
+    rows; moe-parallel's test_parallelize_dist.py runs cp=2 on gloo): the layer on the positions in another order, each
+    run of them a segment starting from its predecessor's convolution tail and chained delta-rule state, equals the
+    whole row's output at those positions, in fp64, with the input's and every parameter's gradient."""
+    layer = _layer().double()
+    gen = torch.Generator().manual_seed(4)
+    x_BSH = torch.randn(2, 24, layer.in_proj.in_features, generator=gen, dtype=torch.float64, requires_grad=True)
+    weights_BSH = torch.randn(2, 24, layer.out_proj.out_features, generator=gen, dtype=torch.float64)
+    positions_S = torch.arange(24).view(6, 4)[order].flatten()
+
+    whole = layer(x_BSH)
+    whole_grads = torch.autograd.grad((weights_BSH * whole).sum(), [x_BSH, *layer.parameters()])
+    mine = layer(x_BSH[:, positions_S], positions_S=positions_S)
+    mine_grads = torch.autograd.grad((weights_BSH[:, positions_S] * mine).sum(), [x_BSH, *layer.parameters()])
+    assert _relative(mine, whole[:, positions_S]) < 1e-12
+    for name, got, want in zip(["x", *(n for n, _ in layer.named_parameters())], mine_grads, whole_grads, strict=True):
+        assert _relative(got, want) < 1e-12, name
+
+
+def test_given_positions_must_tile_the_sequences_and_not_come_with_documents() -> None:
     layer = _layer()
-    with pytest.raises(ValueError, match="positions"):
-        layer(torch.zeros(1, 4, layer.in_proj.in_features), positions_S=torch.arange(4))
+    x_BSH = torch.zeros(1, 8, layer.in_proj.in_features)
+    with pytest.raises(ValueError, match="a segment starts at 4 where 0 was expected"):
+        layer(x_BSH, positions_S=torch.arange(4, 12))  # one process: its positions are every position
+    with pytest.raises(ValueError, match="shorter than the convolution's history"):
+        layer(x_BSH, positions_S=torch.tensor([6, 7, 0, 1, 2, 3, 4, 5]))
+    with pytest.raises(ValueError, match="packed documents or given positions"):
+        layer(x_BSH, positions_S=torch.arange(8), document_ids_BS=torch.zeros(1, 8, dtype=torch.long))
 
 
 def test_a_packed_batch_of_the_model_computes_each_document_as_alone() -> None:

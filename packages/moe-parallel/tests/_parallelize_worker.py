@@ -487,14 +487,22 @@ def _packed_ids(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def linear_attention_tp(world: int) -> dict:
-    """tiny-qwen3-next (three Gated DeltaNet layers, then full attention) at tp=2 x dp_shard=2: one step, on plain
-    and on packed rows, against one process accumulating the replicas' slices. Balancing loss off (the sequence split
-    of routing statistics is not what this checks)."""
+def linear_attention(world: int) -> dict:
+    """tiny-qwen3-next (three Gated DeltaNet layers, then full attention): one step under tp=2 x dp_shard=2 on plain
+    and on packed rows, and under cp=2 x dp_shard=2 and cp=2 x tp=2 (each rank its load-balanced chunks of 16
+    positions: the second cp rank's two chunks are one run of positions, the first rank's two), against one process
+    accumulating the replicas' slices. Balancing loss off (the sequence split of routing statistics is not what this
+    checks). Under cp a rank's loss is its share of the whole sequences' mean, as the trainer takes it."""
     config = preset("tiny-qwen3-next", moe_aux_loss_coeff=[0.0])
     out = {}
-    for case, packed in (("rows", False), ("packed documents", True)):
-        cfg = ParallelConfig(tp=2)
+    cases = (
+        ("rows", {"tp": 2}, False),
+        ("packed documents", {"tp": 2}, True),
+        ("cp=2", {"cp": 2}, False),
+        ("cp=2 x tp=2", {"cp": 2, "tp": 2}, False),
+    )
+    for case, sizes, packed in cases:
+        cfg = ParallelConfig(**sizes)
         meshes = build_meshes(cfg.layout(world), "cpu")
         model = build_model(config, seed=5)
         parallel = parallelize(model, meshes, cfg)
@@ -502,14 +510,16 @@ def linear_attention_tp(world: int) -> dict:
         ids_BS = torch.randint(0, config.vocab_size, (2 * dp, 17), generator=torch.Generator().manual_seed(9))
         docs_BS = _packed_ids(LINEAR_PACKING[: 2 * dp]) if packed else None
 
-        def lm_loss(m, rows: slice, ids_BS=ids_BS, docs_BS=docs_BS):
+        def lm_loss(m, rows: slice, positions=None, ids_BS=ids_BS, docs_BS=docs_BS):
             documents = {} if docs_BS is None else {"document_ids_BS": docs_BS[rows]}
-            out = m(ids_BS[rows, :-1], **documents)
-            return causal_lm_loss(out, ids_BS[rows, 1:], config.mtp_loss_scaling_factor).total
+            out = m(ids_BS[rows, :-1], positions_S=positions, **documents)
+            loss = causal_lm_loss(out, ids_BS[rows, 1:], config.mtp_loss_scaling_factor, positions_S=positions)
+            return loss.total
 
         slices = [slice(2 * r, 2 * r + 2) for r in range(dp)]
+        positions = parallel.positions(16)
         with loss_parallel():
-            loss = lm_loss(model, slices[parallel.dp_index])
+            loss = lm_loss(model, slices[parallel.dp_index], positions)
             loss.backward()
         parallel.finalize_grads()
         norm = parallel.clip_grad_norm_(float("inf")).item()
@@ -521,10 +531,16 @@ def linear_attention_tp(world: int) -> dict:
             ref_losses.append(ref_loss.item())
         for p in reference.parameters():
             p.grad /= dp
+        with torch.no_grad():  # the rank's share of its replica's loss, from the whole sequences' logits
+            rows = slices[parallel.dp_index]
+            whole = reference(ids_BS[rows, :-1], **({} if docs_BS is None else {"document_ids_BS": docs_BS[rows]}))
+            mine = whole if positions is None else dataclasses.replace(whole, logits=whole.logits[:, positions])
+            ref_share = causal_lm_loss(mine, ids_BS[rows, 1:], positions_S=positions).total.item()
         out[case] = {
             "placements": {n: v for n, v in _placements(model).items() if n.startswith("layers.0.attention.")},
             "loss": full_value(loss).item(),
-            "ref_loss": ref_losses[parallel.dp_index],
+            "ref_loss": ref_share,
+            "ref_replica_loss": ref_losses[parallel.dp_index],
             "norm": norm,
             "ref_norm": nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item(),
             "grads": _grad_pairs(model, reference),
@@ -553,7 +569,7 @@ def main(out_dir: Path) -> None:
         ("bytes", materialised_bytes),
         ("checkpoint", from_checkpoint, out_dir),
         ("flex", flex_dispatch),
-        ("linear_attention_tp", linear_attention_tp),
+        ("linear_attention", linear_attention),
     ]:
         scenarios.run(key, _keyed, key, section, world, *args)
     scenarios.finish()

@@ -95,18 +95,24 @@ def test_context_parallel_attention_equals_one_process(outcomes) -> None:
             assert all(d < 1e-5 for d in diffs.values()), (case, rank, diffs)
 
 
-@pytest.mark.parametrize("case", ["rows", "packed documents"])
-def test_gated_deltanet_heads_split_over_tp_train_as_one_process(outcomes, case: str) -> None:
-    ranks = outcomes["linear_attention_tp"]
+@pytest.mark.parametrize("case", ["rows", "packed documents", "cp=2", "cp=2 x tp=2"])
+def test_gated_deltanet_layers_split_over_tp_or_cp_train_as_one_process(outcomes, case: str) -> None:
+    ranks = outcomes["linear_attention"]
     for rank, result in enumerate(ranks):
-        got = result["linear_attention_tp"][case]
+        got = result["linear_attention"][case]
         placements = got["placements"]
         for name in ("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "out_proj.weight"):
             kind, mesh, split, _ = placements[f"layers.0.attention.{name}"]
-            dim = 1 if name == "out_proj.weight" else 0
-            assert (kind, mesh, split[-1]) == ("dtensor", ("dp_shard", "tp"), f"Shard(dim={dim})"), (name, split)
-        assert placements["layers.0.attention.norm.weight"][1] == ("dp_shard",)  # whole over tp
+            fsdp = "dp_shard_cp" if "cp" in case else "dp_shard"  # FSDP over dp_shard x cp
+            if "tp" in case or "cp" not in case:  # heads split over tp, then FSDP over the rest
+                dim = 1 if name == "out_proj.weight" else 0
+                assert (kind, mesh, split[-1]) == ("dtensor", (fsdp, "tp"), f"Shard(dim={dim})"), (name, split)
+            else:  # the heads whole
+                assert (kind, mesh) == ("dtensor", (fsdp,)), (name, mesh)
+        assert placements["layers.0.attention.norm.weight"][1] == (fsdp,)  # whole over tp
         assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6), (case, rank)
+        if "cp" not in case:
+            assert got["ref_loss"] == pytest.approx(got["ref_replica_loss"], rel=1e-6)
         assert got["norm"] == pytest.approx(got["ref_norm"], rel=1e-5), (case, rank)
         # the decay's parameters sum many cancelling terms: their fp32 gradients move by ~1e-5..1e-3 relative with the
         # summation order alone (moe-models' test_linear_attention.py), so they are compared as a whole

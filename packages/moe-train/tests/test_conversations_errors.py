@@ -187,6 +187,11 @@ def test_a_template_refusing_a_record_is_a_bad_record(tmp_path: Path) -> None:
         ({"data.format": "prompt_completion", "data.completion_field": "prompt"}, "are both 'prompt'"),
         ({"data.format": "text", "data.loss_on": "assistant"}, "does not apply to data.format=text"),
         ({"model.mtp_num_layers": "1"}, "model.mtp_num_layers=1: multi-token prediction is not supported on packed"),
+        (
+            {"model.preset": "tiny-qwen3-next", "parallel.cp": "2"},
+            "parallel.cp=2: the model's linear-attention layers (model.experimental_attention_variant=gated_delta_net) "
+            "take packed conversations at cp=1 only yet; set --data.packing false or --parallel.cp 1",
+        ),
     ],
 )
 def test_config_checks_that_read_no_files(overrides: dict[str, str], expected: str) -> None:

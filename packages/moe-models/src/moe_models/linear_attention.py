@@ -21,7 +21,25 @@ Packed documents (``document_ids_BS``): neither the convolution window nor the r
 boundary. Each document of each row is computed alone, from zero states: the documents (read back to the host: one
 synchronisation) are batched by length, padded at their end (causal, so the padding changes nothing before it) into
 at most one batch per power of two of length, and the outputs put back in place. Rotary tables are taken and ignored
-(the layer has no positions); given positions (context parallelism) are refused, for now.
+(the layer has no positions).
+
+Given positions (``positions_S``, a context-parallel rank's share of each sequence: runs of consecutive positions,
+the load-balanced chunks), each run is a segment computed from its predecessor's states, exactly:
+
+- the convolution starts from the last W - 1 inputs of the segment that ends where it begins;
+- the delta rule is linear in its initial state: a segment's final state is ``M S_in + D`` and its outputs
+  ``o + (q M_t) S_in``, where ``D`` and ``o`` are those from a zero state and ``M`` (``[K, K]`` per head) is the
+  segment's state transition. One call of the chunked rule gives all of them: the values get K more columns, zero,
+  and the initial state is ``[0 | I]``, so the extra columns of the final state are ``M`` and those of the output
+  ``q M_t``. The segments' ``(M, D)`` are chained in position order to give each its ``S_in``.
+
+The segments' positions, conv tails and ``(M, D)`` pass through :attr:`GatedDeltaNet.segments`
+(:class:`SequenceSegments`), the identity in one process: there the given positions must cover the whole
+sequences (in any order of runs). Under context parallelism moe_parallel makes it return every cp rank's segments
+(an all-gather, whose backward returns each rank's gradient), so a rank chains the earlier ranks' summaries: three
+small collectives per layer (and one of the segment counts, as every rank's rows are padded to the most any has),
+of ``[segments, B, N, K, K + V]`` at most, and twice the delta rule's state width.
+Packed documents with given positions are refused for now.
 """
 
 from __future__ import annotations
@@ -33,7 +51,7 @@ from torch import nn
 from moe_models.config import ModelConfig
 from moe_models.gated_delta import causal_conv1d, chunk_gated_delta_rule
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm"]
+__all__ = ["GatedDeltaNet", "GatedRMSNorm", "SequenceSegments"]
 
 
 class GatedRMSNorm(nn.Module):
@@ -84,6 +102,45 @@ class _Documents:
         self.scatter = scatter.to(device)
 
 
+class SequenceSegments(nn.Module):
+    """The per-segment values of the sequence segments a module computes (one row per segment along dim 0), as
+    those of every segment of the sequences: the identity when one process computes them all. Context parallelism
+    (moe_parallel) makes it return every cp rank's rows, rank by rank."""
+
+    def forward(self, per_segment_R_: torch.Tensor) -> torch.Tensor:
+        return per_segment_R_
+
+
+def _position_runs(positions_S: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(index, length, first position)`` of each run of consecutive positions in ``positions_S``, in its order."""
+    pos = positions_S.tolist()
+    starts = [i for i in range(len(pos)) if i == 0 or pos[i] != pos[i - 1] + 1]
+    return [(i, end - i, pos[i]) for i, end in zip(starts, [*starts[1:], len(pos)], strict=True)]
+
+
+class _SegmentOrder:
+    """Where each of this module's segments stands among every segment of the sequences (after
+    :class:`SequenceSegments`): ``local`` the index among all segments of each local run, ``previous`` the index of the
+    segment ending where each segment starts (None at position 0), ``order`` all segments by position."""
+
+    def __init__(self, runs: list[tuple[int, int, int]], all_runs: list[list[int]]) -> None:
+        # rows of length 0 pad every rank's rows to the same count (a collective's parts are equal)
+        self.order = sorted((i for i in range(len(all_runs)) if all_runs[i][1]), key=lambda i: all_runs[i][0])
+        end = 0
+        for i in self.order:
+            first, length = all_runs[i]
+            if first != end:
+                raise ValueError(
+                    f"the given positions do not tile the sequences: a segment starts at {first} where {end} was "
+                    "expected (each position computed once, by one rank)"
+                )
+            end = first + length
+        ending_at = {all_runs[i][0] + all_runs[i][1]: i for i in self.order}
+        self.previous = {i: ending_at.get(all_runs[i][0]) for i in self.order}
+        self.local = [all_runs.index([first, length]) for _, length, first in runs]
+        self.lengths = [all_runs[i][1] for i in self.order]
+
+
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer (module docstring); called as :class:`~moe_models.attention.Attention` is."""
 
@@ -106,6 +163,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, c.norm_epsilon)
         self.out_proj = nn.Linear(self.num_v_heads * dv, c.hidden_size, bias=False)
+        self.segments = SequenceSegments()
 
     def head_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv weight ``[C, W]``, ``A_log`` and ``dt_bias`` of the heads this module computes (all of them here;
@@ -122,10 +180,10 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """The layer's output ``[B, S, H]`` for whole sequences ``x_BSH`` (the rotary tables are not used), each
         document of packed rows (``document_ids_BS``, ``[B, S]``) computed alone."""
-        if positions_S is not None:
+        if positions_S is not None and document_ids_BS is not None:
             raise ValueError(
-                "experimental_attention_variant='gated_delta_net': its layers compute whole sequences only; given "
-                "positions (context parallelism, cached generation) are not supported yet"
+                "experimental_attention_variant='gated_delta_net': its layers take packed documents or given "
+                "positions (context parallelism), not both yet: turn off document packing or use cp=1"
             )
         conv_weight_CW, a_log_N, dt_bias_N = self.head_parameters()
         per_key_head = self.in_proj(x_BSH).unflatten(-1, (-1, sum(self.split_sizes)))  # [B, S, heads, rows]
@@ -133,7 +191,9 @@ class GatedDeltaNet(nn.Module):
         beta_BSN = b_BSHR.flatten(-2).sigmoid()
         g_BSN = -a_log_N.float().exp() * F.softplus(a_BSHR.flatten(-2).float() + dt_bias_N)  # fp32 always
         inputs = (qkv_BSHX.flatten(-2), g_BSN, beta_BSN)
-        if document_ids_BS is None:
+        if positions_S is not None:
+            o_BSNV = self._mix_segments(*inputs, conv_weight_CW, positions_S)
+        elif document_ids_BS is None:
             o_BSNV = self._mix(*inputs, conv_weight_CW)
         else:
             documents = _Documents(document_ids_BS)
@@ -149,14 +209,84 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """The convolution and the gated delta rule over whole rows from zero states: the output ``[B, S, N, V]``."""
         qkv_BSC, _ = causal_conv1d(qkv_BSC, conv_weight_CW, activation="silu")
+        o_BSNV, _ = chunk_gated_delta_rule(
+            *self._qkv_heads(qkv_BSC), g_BSN, beta_BSN, chunk_size=self.chunk_size, use_qk_l2norm=True
+        )
+        return o_BSNV
+
+    def _qkv_heads(self, qkv_BSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolved channels as q, k ``[B, S, H, K]`` and v ``[B, S, N, V]``."""
         q_BSHK, k_BSHK, v_BSHX = qkv_BSC.unflatten(-1, (-1, sum(self.split_sizes[:3]))).split(
             self.split_sizes[:3], dim=-1
         )
-        v_BSNV = v_BSHX.unflatten(-1, (-1, self.head_v_dim)).flatten(2, 3)  # each key head's value heads in turn
-        o_BSNV, _ = chunk_gated_delta_rule(
-            q_BSHK, k_BSHK, v_BSNV, g_BSN, beta_BSN, chunk_size=self.chunk_size, use_qk_l2norm=True
-        )
-        return o_BSNV
+        return q_BSHK, k_BSHK, v_BSHX.unflatten(-1, (-1, self.head_v_dim)).flatten(2, 3)  # key heads' v heads in turn
+
+    def _mix_segments(
+        self,
+        qkv_BSC: torch.Tensor,
+        g_BSN: torch.Tensor,
+        beta_BSN: torch.Tensor,
+        conv_weight_CW: torch.Tensor,
+        positions_S: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`_mix` of the runs of consecutive ``positions_S``, each from the states its predecessor leaves
+        (module docstring: segments)."""
+        runs = _position_runs(positions_S)
+        device = qkv_BSC.device
+        rows = int(self.segments(torch.tensor([len(runs)], device=device)).max())  # the most segments of any rank
+        padding = rows - len(runs)
+        meta_R2 = torch.tensor([[first, length] for _, length, first in runs] + [[-1, 0]] * padding, device=device)
+        segments = _SegmentOrder(runs, self.segments(meta_R2).tolist())
+        history = conv_weight_CW.shape[-1] - 1
+        if history and min(segments.lengths) < history:
+            raise ValueError(
+                f"linear_conv_kernel_dim={history + 1}: a segment of {min(segments.lengths)} positions is shorter "
+                "than the convolution's history; use longer sequences or fewer cp ranks"
+            )
+        pieces = [qkv_BSC.narrow(1, index, length) for index, length, _ in runs]
+        tails = [piece[:, piece.shape[1] - history :] for piece in pieces]
+        tails_RBWC = self.segments(torch.stack(tails + [torch.zeros_like(tails[0])] * padding))
+
+        dim_k, dim_v = self.head_k_dim, self.head_v_dim
+        outputs, summaries = [], []
+        for piece_BLC, (index, length, _), segment in zip(pieces, runs, segments.local, strict=True):
+            previous = segments.previous[segment]
+            conv_state = None if previous is None else tails_RBWC[previous].transpose(1, 2)
+            piece_BLC, _ = causal_conv1d(piece_BLC, conv_weight_CW, activation="silu", initial_state_BCW1=conv_state)
+            q_BLHK, k_BLHK, v_BLNV = self._qkv_heads(piece_BLC)
+            batch, _, heads, _ = v_BLNV.shape
+            # K zero value columns read the transition from an identity initial state (module docstring)
+            v_BLNX = torch.cat([v_BLNV, v_BLNV.new_zeros(batch, length, heads, dim_k)], dim=-1)
+            eye_BNKK = torch.eye(dim_k, device=v_BLNV.device).expand(batch, heads, dim_k, dim_k)
+            state_BNKX = torch.cat([eye_BNKK.new_zeros(batch, heads, dim_k, dim_v), eye_BNKK], dim=-1)
+            o_BLNX, final_BNKX = chunk_gated_delta_rule(
+                q_BLHK,
+                k_BLHK,
+                v_BLNX,
+                g_BSN.narrow(1, index, length),
+                beta_BSN.narrow(1, index, length),
+                chunk_size=self.chunk_size,
+                initial_state_BNKV=state_BNKX,
+                output_final_state=True,
+                use_qk_l2norm=True,
+            )
+            outputs.append(o_BLNX)
+            summaries.append(final_BNKX)
+        summaries_RBNKX = self.segments(torch.stack(summaries + [torch.zeros_like(summaries[0])] * padding))
+
+        states_in = {}  # segment -> the state it starts from [B, N, K, V]
+        state_BNKV = summaries_RBNKX.new_zeros((*summaries_RBNKX.shape[1:-1], dim_v))
+        for segment in segments.order[: 1 + max(segments.order.index(s) for s in segments.local)]:
+            states_in[segment] = state_BNKV
+            d_BNKV, m_BNKK = summaries_RBNKX[segment].split([dim_v, dim_k], dim=-1)
+            state_BNKV = m_BNKK @ state_BNKV + d_BNKV
+        mixed = []
+        for o_BLNX, segment in zip(outputs, segments.local, strict=True):
+            o_BLNV, qm_BLNK = o_BLNX.split([dim_v, dim_k], dim=-1)
+            state_in_BNKV = states_in[segment]
+            correction_BLNV = torch.einsum("blnk,bnkv->blnv", qm_BLNK.to(state_in_BNKV.dtype), state_in_BNKV)
+            mixed.append((o_BLNV.to(state_in_BNKV.dtype) + correction_BLNV).to(o_BLNV.dtype))
+        return torch.cat(mixed, dim=1)
 
     def _mix_documents(
         self, inputs: tuple[torch.Tensor, ...], conv_weight_CW: torch.Tensor, documents: _Documents

@@ -28,8 +28,9 @@ attention does: the input all-gathered along the sequence, ``in_proj`` column-pa
 head, so a contiguous split gives each rank whole key heads with their value heads' v, z, b and a), the conv channels
 (grouped alike), ``A_log`` and ``dt_bias`` split with the heads (``tp_shard_parameters``; the layer computes with its
 local pieces), ``out_proj`` row-parallel; the gated norm's weight (one per value-head channel) stays whole and sees
-the local heads only (its gradient summed over tp). ``linear_num_key_heads`` must divide by tp. They have no
-context-parallel form yet: a model with any refuses cp > 1 (no context-parallel attention listed).
+the local heads only (its gradient summed over tp). ``linear_num_key_heads`` must divide by tp. Under context
+parallelism each computes its rank's load-balanced chunks from the chunk-final states of the chunks before them
+(:mod:`moe_models.linear_attention`): its ``segments`` module is listed, to return every cp rank's per-chunk states.
 
 Packed documents (``document_ids_BS``): attention takes the whole sequences' ids unchanged (its input is all-gathered
 along the sequence, so it sees every position of the rank's); a MoE block routes its local chunk, so the ids of the
@@ -266,9 +267,12 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         moe_blocks=tuple(MoEBlockPlan(f"{prefix}.mlp") for prefix, layer in layers + depths if layer.is_moe),
         tied_parameters=(("embed_tokens.weight", "lm_head.weight"),) if c.share_embeddings_and_output_weights else (),
         # every attention: under context parallelism its core attention sees the keys and values of every cp rank;
-        # none with linear-attention layers (no context-parallel form yet): the model then takes cp=1 only
-        context_parallel=()
-        if linear_layers
-        else tuple(f"{prefix}.attention.core_attention" for prefix, _ in layers + depths),
+        # a linear-attention layer chains the states of the segments before its own
+        context_parallel=tuple(
+            f"{prefix}.attention.core_attention" for prefix, layer in layers + depths if not layer.is_linear_attention
+        ),
+        context_parallel_segments=tuple(
+            f"{prefix}.attention.segments" for prefix, layer in layers + depths if layer.is_linear_attention
+        ),
         pipeline=pipeline_plan(model, seq_len),
     )

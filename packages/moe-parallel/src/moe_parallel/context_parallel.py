@@ -9,6 +9,13 @@ sorted by position, before it runs (:class:`GatherKeysValues`), and computes its
 the backward reduce-scatters the key / value gradients back to their ranks. All-gather (rather than a ring) keeps
 sliding windows, sinks and MLA's value head size exact with one kernel, as Transformer Engine does for windows.
 
+Recurrent layers (linear attention, state-space layers) need no keys: each computes its rank's runs of consecutive
+positions (segments) from the states the segment before leaves. The model hands a module the per-segment values it
+needs from the others (positions, convolution tails, chunk-final states and transitions) and the plan names it
+(``ParallelPlan.context_parallel_segments``); under cp its output becomes every rank's rows, all-gathered rank by
+rank, the backward returning each rank the sum of the gradients of its rows. The recurrence stays exact under the
+load-balanced layout: a rank's second chunk starts from the chain of every earlier chunk's summary.
+
 What the rest of the layout does with it: dense parameters are averaged by FSDP over ``dp_shard x cp`` (each rank's
 loss is the mean over its tokens, all ranks hold as many), experts are scaled by ``edp / (dp cp)``, and routers
 balance whole sequences (their sequence group is ``cp x tp``), their balancing gradients multiplied by ``cp`` so that
@@ -119,8 +126,21 @@ class GatherKeysValues:
         return (q, k_all, v_all, sinks, q_pos, pos_sorted, *documents), kwargs
 
 
-def apply_context_parallel(model: nn.Module, paths: tuple[str, ...], group: dist.ProcessGroup) -> None:
-    """Give every core-attention module at ``paths`` the keys and values of the whole sequence (module docstring)."""
+def _gather_segments(group: dist.ProcessGroup):
+    def hook(module: nn.Module, args: tuple, per_segment: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(per_segment, 0, group)
+
+    return hook
+
+
+def apply_context_parallel(
+    model: nn.Module, paths: tuple[str, ...], group: dist.ProcessGroup, segment_paths: tuple[str, ...] = ()
+) -> None:
+    """Give every core-attention module at ``paths`` the keys and values of the whole sequence, and every module at
+    ``segment_paths`` (called with per-segment rows, ``ParallelPlan.context_parallel_segments``) the rows of every cp
+    rank (module docstring)."""
     hook = GatherKeysValues(group)
     for path in paths:
         submodule(model, path).register_forward_pre_hook(hook, with_kwargs=True)
+    for path in segment_paths:
+        submodule(model, path).register_forward_hook(_gather_segments(group))

@@ -122,7 +122,7 @@ def split_module(
         by_id = {id(p): n for n, p in model.named_parameters()}
         tp_partial = [by_id[id(p)] for p in apply_tensor_parallel(model, meshes.tp_mesh, plan)]
     if layout.cp > 1:
-        apply_context_parallel(model, plan.context_parallel, meshes.group("cp"))
+        apply_context_parallel(model, plan.context_parallel, meshes.group("cp"), plan.context_parallel_segments)
     # FSDP averages the cp ranks' gradients: the balancing losses of whole sequences need their sum (the divisor)
     groups = RouterGroups(meshes.token_group, meshes.sequence_group, sequence_grad_divisor=layout.cp)
     for block in moe_blocks(model, plan):

@@ -34,6 +34,7 @@ def _check_plan_names(model: nn.Module, plan: ParallelPlan) -> None:
         *plan.fsdp_units,
         *plan.tp_sum_grad_columns,
         *plan.context_parallel,
+        *plan.context_parallel_segments,
     ]
     for path in paths:
         if path:
@@ -53,7 +54,7 @@ def check_context_parallel(plan: ParallelPlan, layout: ParallelLayout) -> None:
     """Raise :class:`LayoutError` (field ``cp``) when the planned model cannot split its sequences over cp ranks."""
     if layout.cp == 1:
         return
-    if not plan.context_parallel:
+    if not plan.context_parallel and not plan.context_parallel_segments:
         raise LayoutError("cp", layout.cp, "the model declares no context-parallel attention", "it takes cp=1 only")
 
 

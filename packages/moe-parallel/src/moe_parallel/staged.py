@@ -59,6 +59,7 @@ def restrict_plan(plan: ParallelPlan, module: nn.Module) -> ParallelPlan:
         tp_shard_parameters={n: d for n, d in plan.tp_shard_parameters.items() if n in params},
         tp_adapter_parameters={n: d for n, d in plan.tp_adapter_parameters.items() if n in params},
         context_parallel=tuple(p for p in plan.context_parallel if p in modules),
+        context_parallel_segments=tuple(p for p in plan.context_parallel_segments if p in modules),
         fsdp_units=tuple(p for p in plan.fsdp_units if p in modules),
         moe_blocks=tuple(b for b in plan.moe_blocks if b.path in modules),
         tied_parameters=tuple(pair for pair in plan.tied_parameters if all(n in params for n in pair)),

@@ -476,6 +476,13 @@ def _validate_data_format(cfg: ExperimentConfig) -> None:
             f"model.mtp_num_layers={cfg.model.mtp_num_layers}: multi-token prediction is not supported on packed "
             f"conversations (data.format={data.format}) yet; set --model.mtp_num_layers null to fine-tune without it"
         )
+    if data.format != "text" and data.packing and cfg.parallel.cp > 1 and cfg.model.experimental_attention_variant:
+        # a linear-attention layer chains its state across the cp ranks' chunks, not yet across documents' ends
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp}: the model's linear-attention layers (model.experimental_attention_variant="
+            f"{cfg.model.experimental_attention_variant}) take packed conversations at cp=1 only yet; set --data.packing "
+            "false or --parallel.cp 1"
+        )
     if data.loss_on not in LOSS_ON[data.format]:
         known = ("", "assistant", "completion", "all")
         what = "is not a choice" if data.loss_on not in known else f"does not apply to data.format={data.format}"
