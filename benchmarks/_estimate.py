@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moe_memory.estimate import MemoryEstimate, estimate_memory
 from moe_memory.measure import SavedTensorBytes
 from moe_models import MoETransformer, next_token_loss
+from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
 from moe_train.config import load_config
 from moe_train.optim import build_optimizer
@@ -80,9 +81,10 @@ def compare(
     by_estimate = dict(estimate.activations_by_module())
     by_estimate["dispatch"] = by_estimate.get("dispatch", 0) + by_estimate.pop("combine", 0)  # one module measured
     dense = {n for n, m in model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
+    linear = {n for n, m in model.named_modules() if isinstance(m, GatedDeltaNet)}
     by_measured: dict[str, int] = {}
     for storage in saved.storages:
-        module = estimate_module(storage.module, storage.module in dense)
+        module = estimate_module(storage.module, storage.module in dense, storage.module in linear)
         by_measured[module] = by_measured.get(module, 0) + storage.nbytes
     states = storage_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     return {

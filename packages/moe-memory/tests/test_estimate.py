@@ -4,6 +4,8 @@ What the modules save is declared by the packages that own them; the shapes carr
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from moe_dispatch.saved_bytes import expected_ranks_per_token
 from moe_memory.estimate import (
     ExpertsShape,
+    GatedDeltaNetShape,
     GQAShape,
     LayerShape,
     LocalParameters,
@@ -193,3 +196,48 @@ def test_tables_render_every_item_and_rank_kind() -> None:
     assert "activations: expert_fc1" in labels and labels[-1] == "total"
     assert lines[-1].split()[-1] == "GiB"
     assert isinstance(a, MemoryEstimate) and "activations (all)" in a.format()
+
+
+# 2 key heads, each serving one value head, of 2 dims; a 2-tap convolution; chunks of 4 positions
+GDN = GatedDeltaNetShape(key_heads=2, value_heads=2, key_dim=2, value_dim=2, conv_kernel=2, chunk=4)
+
+
+def test_gated_delta_net_layer_hand_counted_in_fp32() -> None:
+    """One sequence of 4 positions (one chunk, nothing padded), fp32: the Gated DeltaNet's own saves, by hand."""
+    model = ModelShape(8, 16, (LayerShape(GDN, moe=False),), dense_ffn=12, saved_bytes=SAVES)
+    by_module = estimate_memory(model, run()).activations_by_module()
+    t, n = 4, 2  # tokens, value heads; K = V = 2
+    per_token = t * n * 4  # one fp32 number per token and head
+    gates = per_token + 2 * n * 4 + 2 * per_token  # beta; exp(A_log), its negation; softplus input and output
+    conv = 12 * (t + 1) * 4 + 2 * 12 * t * 4  # 12 channels (q, k, v): input with 1 zero ahead; output, its SiLU
+    norms = 2 * per_token  # the q and k L2 norms' rsqrt (their inputs: views of the SiLU output)
+    square, position = n * 4 * 4 * 4, n * 4 * 4  # one [C, C] fp32 matrix per head; one fp32 number per position
+    # bool mask; decay, k k^T, beta k k^T, the system, q k^T, the decayed q k^T; k, q, v (2 wide); beta, exp(gamma),
+    # beta exp(gamma), exp(gamma) for q; the solution [v | k]; the zero state and the correction of the one chunk
+    rule = 16 + 6 * square + 3 * 2 * position + 4 * position + 4 * position + n * 2 * 2 * 4 + n * 4 * 2 * 4
+    assert by_module["linear_attn"] == gates + conv + norms + rule
+    # the rule's output, rsqrt, normalised rows, in_proj's whole output (z is a view of it), silu(z), weighted rows
+    assert by_module["linear_attn_norm"] == 2 * per_token + per_token + 2 * per_token + t * 20 * 4 + 4 * per_token
+    assert by_module["qkv_linear"] == t * 8 * 4 and by_module["attn_proj"] == 2 * per_token
+    assert not {"rope", "core_attn", "qk_norm"} & set(by_module)  # no rotary tables: nothing rotates
+
+
+def test_gated_delta_net_layers_split_heads_over_tp_and_count_per_chunk() -> None:
+    layers = (LayerShape(GDN, moe=False),) * 3 + (LayerShape(GQAShape(4, 2, 4), moe=False),)
+    model = ModelShape(8, 16, layers, dense_ffn=12, saved_bytes=SAVES)
+    one = estimate_memory(model, run(seq_len=8))
+    assert {t.where for t in one.activations} == {"dense layer x3 (Gated DeltaNet)", "dense layer x1 (GQA)", "model"}
+    two = estimate_memory(model, run(seq_len=8, tp=2)).activations_by_module()
+    assert two["qkv_linear"] == one.activations_by_module()["qkv_linear"]  # the gathered inputs, whole
+    assert 2 * two["attn_proj"] == one.activations_by_module()["attn_proj"]  # half the heads
+    # a longer sequence: each further chunk of 4 positions adds the same bytes
+    totals = [estimate_memory(model, run(seq_len=4 * n)).activation_bytes for n in range(2, 6)]
+    assert len({b - a for a, b in itertools.pairwise(totals)}) == 1
+
+
+def test_mtp_after_a_gated_delta_net_needs_its_attention() -> None:
+    shape = ModelShape(8, 16, (LayerShape(GDN, moe=True),), experts=EXPERTS, mtp_depth=1, saved_bytes=SAVES)
+    with pytest.raises(ValueError, match="^ModelShape.mtp_attention: the last layer is a Gated DeltaNet"):
+        estimate_memory(shape, run())
+    with_attention = dataclasses.replace(shape, mtp_attention=GQAShape(2, 2, 4))
+    assert "MTP moe layer x1 (GQA)" in {t.where for t in estimate_memory(with_attention, run()).activations}

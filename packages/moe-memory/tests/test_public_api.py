@@ -8,6 +8,7 @@ import moe_memory
 PUBLIC_NAMES = [
     "ExpertsShape",
     "GQAShape",
+    "GatedDeltaNetShape",
     "LayerShape",
     "LiveTensorBytes",
     "LocalParameters",

@@ -15,6 +15,7 @@ import moe_memory
 from moe_memory.estimate import MemoryEstimate, estimate_memory
 from moe_memory.measure import SavedTensorBytes
 from moe_models import MoETransformer, build_model, causal_lm_loss
+from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
 from moe_models.presets import preset
 
@@ -90,12 +91,16 @@ CASES = {
             "moe_router_sigmoid_norm_topk": False,
         },
     ),
+    # two chunks of 64 positions, the last padded (one chunk, or whole chunks of several rows, save tensors that are
+    # freed before the backward: test_saved_bytes measures those layers alone)
+    "qwen3-next (Gated DeltaNet, output gate, zero-centred norms)": ("tiny-qwen3-next", 2, 96, {}),
 }
 BLOCKS = [
     "partial rotary (GLM-4.5)",
     "q/k norms across heads, clip_qkv (OLMoE)",
     "gated shared expert (Qwen2-MoE)",
     "NoPE, chunks, q/k L2 norms, temperature, probabilities on the input (Llama 4)",
+    "qwen3-next (Gated DeltaNet, output gate, zero-centred norms)",
 ]
 
 
@@ -134,9 +139,10 @@ def _step(name: str, dtype: torch.dtype = torch.float32, **estimate_options) -> 
 
 def _measured_by_module(step: Step) -> dict[str, int]:
     dense = {n for n, m in step.model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
+    linear = {n for n, m in step.model.named_modules() if isinstance(m, GatedDeltaNet)}
     out: dict[str, int] = {}
     for saved in step.measured.storages:
-        module = estimate_module(saved.module, saved.module in dense)
+        module = estimate_module(saved.module, saved.module in dense, saved.module in linear)
         out[module] = out.get(module, 0) + saved.nbytes
     return out
 
@@ -200,6 +206,11 @@ def test_bf16_parameters_and_activations_match_too() -> None:
             "NoPE, chunks, q/k L2 norms, temperature, probabilities on the input (Llama 4)",
             {"core_attn", "moe_act"},
             {"qkv_linear", "expert_fc1"},
+        ),
+        (
+            "qwen3-next (Gated DeltaNet, output gate, zero-centred norms)",
+            {"layernorm", "moe_act", "core_attn"},
+            {"qkv_linear", "attn_proj"},
         ),
     ],
 )

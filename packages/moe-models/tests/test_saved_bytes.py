@@ -1,18 +1,24 @@
 """moe_models.saved_bytes (with moe_dispatch's and moe_experts' declarations it composes) against what a forward and
 loss of every family's tiny model really save for backward (moe_memory.measure.SavedTensorBytes), byte for byte and
-module by module: one process, CPU, dropless routing, fp32 and bf16 parameters and activations."""
+module by module: one process, CPU, dropless routing, fp32 and bf16 parameters and activations. A Gated DeltaNet
+layer alone, over its shapes, against what is still saved when the backward starts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from moe_memory.estimate import estimate_memory
+from moe_memory import measure
+from moe_memory.estimate import LocalParameters, RankSizes, RunShape, estimate_memory
 from moe_memory.measure import SavedTensorBytes
 from moe_models import build_model, causal_lm_loss
+from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
 from moe_models.presets import TINY_PRESETS, preset
-from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
+from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES, gated_delta_net_saved_bytes
 
 # the families' building blocks on a tiny preset: (preset, ModelConfig overrides), each in fp32 and bf16
 BLOCKS = [
@@ -53,6 +59,14 @@ BLOCKS = [
         "tiny-glm4-moe",
         {"no_rope_freq": [0, 0, 1], "attention_chunk_size": 16, "qk_l2_norm": True, "moe_apply_probs_on_input": True},
     ),
+    # Qwen3-Next's attention blocks on a GQA model with MTP: zero-centred norms (fp32 rows and scale) everywhere, the
+    # output gate (its sigmoid and the merged output kept for the product)
+    ("tiny-glm4-moe", {"layernorm_zero_centered_gamma": True, "attention_output_gate": True}),
+    # Gated DeltaNet layers only, and an MTP depth (full attention) after them
+    (
+        "tiny-qwen3-next",
+        {"linear_attention_freq": [1, 1, 1, 1], "mtp_num_layers": 1, "linear_attention_chunk_size": 24},
+    ),
     (  # Llama 3.1 / 4 frequencies: the same tables
         "tiny-qwen3-moe",
         {
@@ -64,11 +78,14 @@ BLOCKS = [
         },
     ),
 ]
-# Qwen3-Next's layers are not estimated yet (moe_models.memory.NOT_ESTIMATED): model_shape refuses them
-NOT_ESTIMATED_PRESETS = ("tiny-qwen3-next",)
+# Gated DeltaNet layers over 32 positions: in two chunks, the last padded. SavedTensorBytes counts what a forward
+# saves; with one chunk, or whole chunks of more than one row, the delta rule's scan saves tensors that are freed
+# before the backward (its last state update feeds nothing), which test_gated_delta_net_layer below measures
+LINEAR_CHUNKS = {"tiny-qwen3-next": {"linear_attention_chunk_size": 24}}
 CASES = (
-    [(name, torch.float32, {}) for name in TINY_PRESETS if name not in NOT_ESTIMATED_PRESETS]
+    [(name, torch.float32, LINEAR_CHUNKS.get(name, {})) for name in TINY_PRESETS]
     + [(name, torch.bfloat16, {}) for name in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")]
+    + [("tiny-qwen3-next", torch.bfloat16, LINEAR_CHUNKS["tiny-qwen3-next"])]
     + [(name, dtype, overrides) for name, overrides in BLOCKS for dtype in (torch.float32, torch.bfloat16)]
 )
 
@@ -82,9 +99,10 @@ def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype, 
     with SavedTensorBytes(model=model) as measured:
         causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
     dense = {n for n, m in model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
+    linear = {n for n, m in model.named_modules() if isinstance(m, GatedDeltaNet)}
     measured_by_module: dict[str, int] = {}
     for saved in measured.storages:
-        module = estimate_module(saved.module, saved.module in dense)
+        module = estimate_module(saved.module, saved.module in dense, saved.module in linear)
         measured_by_module[module] = measured_by_module.get(module, 0) + saved.nbytes
     size = dtype.itemsize
     params = local_parameters(model)
@@ -98,23 +116,89 @@ def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype, 
     assert declared == measured_by_module
 
 
-@pytest.mark.parametrize(
-    ("overrides", "field"),
-    [
-        ({"experimental_attention_variant": "gated_delta_net", "linear_attention_freq": 2}, "linear_attention"),
-        ({"attention_output_gate": True}, "attention_output_gate"),
-        ({"layernorm_zero_centered_gamma": True}, "layernorm_zero_centered_gamma"),
-    ],
-)
-def test_features_not_estimated_are_refused(overrides, field):
-    """Gated DeltaNet layers, the attention output gate and zero-centred norms save what no declaration here says
-    yet: the estimate refuses them, naming the field, rather than be silently wrong."""
-    from moe_models import ModelConfigError
-    from moe_models.memory import NOT_ESTIMATED
+class _SavedAtBackward(SavedTensorBytes):
+    """SavedTensorBytes counting only the storages still saved (alive) when asked: a storage freed after it was
+    saved drops out, and a later storage at its address counts as new."""
 
-    name = "experimental_attention_variant" if field == "linear_attention" else field
-    assert name in NOT_ESTIMATED
-    with pytest.raises(ModelConfigError, match=f"^{name}=.*not estimated"):
-        model_shape(preset("tiny-qwen3-moe", **overrides))
-    with pytest.raises(ModelConfigError, match="not estimated"):
-        model_shape(preset("tiny-qwen3-next"))
+    def __enter__(self) -> _SavedAtBackward:
+        self._refs: dict[int, StorageWeakRef] = {}
+        return super().__enter__()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        for pointer, _, plain in measure._storage_keys(tensor):
+            if pointer in self._seen and self._refs[pointer].expired():
+                del self._seen[pointer]
+            if pointer not in self._seen:
+                self._refs[pointer] = StorageWeakRef(plain.untyped_storage())
+        return super()._pack(tensor)
+
+    def alive(self) -> list[measure.SavedStorage]:
+        return [saved for pointer, saved in self._seen.items() if not self._refs[pointer].expired()]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    batch=st.integers(1, 2),
+    seq=st.integers(1, 40),
+    chunk=st.sampled_from([4, 8, 16, 64]),
+    heads=st.sampled_from([(1, 1), (1, 2), (2, 2), (2, 4)]),
+)
+def test_gated_delta_net_layer(dtype, batch, seq, chunk, heads) -> None:
+    """One Gated DeltaNet layer's declared saves, module by module, are what its forward leaves saved for the
+    backward: one chunk or several, padded or whole, one value head per key head or more, one row or two."""
+    config = preset(
+        "tiny-qwen3-next",
+        linear_num_key_heads=heads[0],
+        linear_num_value_heads=heads[1],
+        linear_attention_chunk_size=chunk,
+    )
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(config).to(dtype)
+    x = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    with _SavedAtBackward(model=layer) as measured:
+        out = layer(x)
+    measured_by_module: dict[str, int] = {}
+    for saved in measured.alive():
+        module = estimate_module(f"attention.{saved.module}".rstrip("."), linear_attention=True)
+        measured_by_module[module] = measured_by_module.get(module, 0) + saved.nbytes
+    del out
+    shape = model_shape(config).layers[0].attention
+    tokens, size = batch * seq, dtype.itemsize
+    run = RunShape(micro_batch=batch, seq_len=seq, params=local_parameters(layer), activation_bytes=size)
+    sizes = RankSizes(batch, seq, tokens, tokens, size)
+    assert gated_delta_net_saved_bytes(shape, config.hidden_size, sizes, run) == measured_by_module
+
+
+def test_gated_delta_net_bytes_grow_linearly_with_the_sequence() -> None:
+    """Per chunk of positions the same bytes more: linear in the sequence (whole chunks of 64 positions, one row)."""
+    config = preset("tiny-qwen3-next")
+    shape = model_shape(config).layers[0].attention
+
+    def total(seq: int) -> int:
+        run = RunShape(micro_batch=1, seq_len=seq, params=LocalParameters(1, 1), activation_bytes=4)
+        return sum(gated_delta_net_saved_bytes(shape, config.hidden_size, RankSizes(1, seq, seq, seq, 4), run).values())
+
+    steps = [total(64 * (n + 1)) - total(64 * n) for n in range(2, 6)]
+    assert len(set(steps)) == 1 and steps[0] > 0
+
+
+def test_cp_with_gated_delta_net_layers_is_refused() -> None:
+    """Their context-parallel form is not declared: the estimate says so, naming the field, rather than guess."""
+    config = preset("tiny-qwen3-next")
+    model = build_model(config, seed=0)
+    run = run_shape(config, local_parameters(model), micro_batch=1, seq_len=64, activation_bytes=4)
+    run = RunShape(**{**run.__dict__, "cp": 2})
+    with pytest.raises(ValueError, match="^cp=2: Gated DeltaNet layers under context parallelism are not estimated"):
+        estimate_memory(model_shape(config), run)
+
+
+def test_token_mixers_not_estimated_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer kind the declarations do not describe is refused, naming the field, rather than estimated as
+    attention (moe-train's ``plan --memory`` shows this one line)."""
+    from moe_models import ModelConfig, ModelConfigError
+
+    config = preset("tiny-qwen3-next")
+    monkeypatch.setattr(ModelConfig, "attention_kinds", lambda self: ["mamba", "attention"] * 2)
+    with pytest.raises(ModelConfigError, match="^experimental_attention_variant=.*not estimated: .* mamba layers"):
+        model_shape(config)

@@ -3,6 +3,7 @@ estimates, and counters of the tensor memory code allocates."""
 
 from moe_memory.estimate import (
     ExpertsShape,
+    GatedDeltaNetShape,
     GQAShape,
     LayerShape,
     LocalParameters,
@@ -30,6 +31,7 @@ __all__ = [
     "RECOMPUTE_KINDS",
     "ExpertsShape",
     "GQAShape",
+    "GatedDeltaNetShape",
     "LayerShape",
     "LiveTensorBytes",
     "LocalParameters",

@@ -3,9 +3,10 @@
 Inputs are plain frozen values (no torch, nothing of the other packages):
 
 - :class:`ModelShape`: hidden size, vocabulary, one :class:`LayerShape` per decoder layer (MoE or dense MLP; attention
-  :class:`GQAShape` with heads / key-value heads / head dim, sliding window, sinks, QK-norm, or :class:`MLAShape`),
-  the routed experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not, biases, router scoring and
-  losses), the shared-expert and dense FFN widths, the MTP depth;
+  :class:`GQAShape` with heads / key-value heads / head dim, sliding window, sinks, QK-norm, output gate, or
+  :class:`MLAShape`, or a linear-attention :class:`GatedDeltaNetShape` with its heads, convolution and chunk), the
+  routed experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not, biases, router scoring and losses),
+  the shared-expert and dense FFN widths, zero-centred norms, the MTP depth;
 - :class:`RunShape`: micro-batch and sequence length, the byte sizes of activations, parameters, gradients, optimizer
   states and master weights, the layout (tp, ep, etp, edp, dp, cp), the capacity factor (None = dropless), the token
   dispatcher, and this rank's parameter element counts (:class:`LocalParameters`, given: the caller knows them exactly,
@@ -62,6 +63,7 @@ from moe_memory.shapes import (
     DEFAULT_OFFLOAD_MIN_TENSOR_BYTES,
     FP32,
     ExpertsShape,
+    GatedDeltaNetShape,
     GQAShape,
     LayerShape,
     LocalParameters,
@@ -80,6 +82,7 @@ __all__ = [
     "ExpertsShape",
     "ForwardSaves",
     "GQAShape",
+    "GatedDeltaNetShape",
     "LayerShape",
     "LocalParameters",
     "MLAShape",
@@ -93,6 +96,7 @@ __all__ = [
     "estimate_memory",
     "format_estimates",
     "gib",
+    "mtp_attention",
     "optimizer_state_bytes",
 ]
 
@@ -106,6 +110,8 @@ MODULES = (
     "mla_up_proj",
     "rope",
     "core_attn",
+    "linear_attn",  # a linear-attention layer's own operations (Gated DeltaNet: gates, convolution, delta rule)
+    "linear_attn_norm",  # its gated output norm
     "attn_proj",
     "mlp_norm",
     "moe",  # the inputs a recomputed MoE block keeps
@@ -315,10 +321,27 @@ def _layer_kind_name(layer: LayerShape, count: int, run: RunShape, mtp: bool) ->
     att = layer.attention
     if isinstance(att, MLAShape):
         what = "MLA"
+    elif isinstance(att, GatedDeltaNetShape):
+        what = "Gated DeltaNet"
     else:
         window = att.window is not None and att.window < run.seq_len
         what = "GQA" + (" sinks" if att.sinks else "") + (f" window {att.window}" if window else "")
     return f"{'MTP ' if mtp else ''}{'moe' if layer.moe else 'dense'} layer x{count} ({what})"
+
+
+def mtp_attention(model: ModelShape) -> GQAShape | MLAShape:
+    """The attention of the MTP depths' layers: ``model.mtp_attention``, else the last layer's, with full attention
+    and rotary embeddings (the MTP layers are built like the main ones)."""
+    if model.mtp_attention is not None:
+        return model.mtp_attention
+    attention = model.layers[-1].attention
+    if isinstance(attention, GatedDeltaNetShape):
+        raise ValueError(
+            "ModelShape.mtp_attention: the last layer is a Gated DeltaNet; give the attention of the MTP layers"
+        )
+    if isinstance(attention, GQAShape):
+        attention = dataclasses.replace(attention, window=None, rope=True)
+    return attention
 
 
 def optimizer_state_bytes(numel: int, tensors: int, run: RunShape) -> tuple[int, int]:
@@ -356,11 +379,7 @@ def estimate_memory(
     for layer in model.layers:
         kinds[(layer, False)] = kinds.get((layer, False), 0) + 1
     if model.mtp_depth:
-        # the MTP layers are built like the main ones, with full attention and rotary embeddings
-        attention = model.layers[-1].attention
-        if isinstance(attention, GQAShape):
-            attention = dataclasses.replace(attention, window=None, rope=True)
-        kinds[(LayerShape(attention, moe=True), True)] = model.mtp_depth
+        kinds[(LayerShape(mtp_attention(model), moe=True), True)] = model.mtp_depth
     device: list[SavedTensor] = []
     host: list[SavedTensor] = []
     working = 0

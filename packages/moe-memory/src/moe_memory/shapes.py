@@ -40,6 +40,7 @@ class GQAShape:
     chunk: int | None = None  # attention within chunks of this many positions (Llama 4)
     qk_l2_norm: bool = False  # q and k scaled to unit RMS after the rotation, in fp32 (Llama 4)
     temperature_tuning: bool = False  # q times a per-position fp32 scale (Llama 4)
+    output_gate: bool = False  # the output times sigmoid of a per-channel gate from the q projection (Qwen3-Next)
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,23 @@ class MLAShape:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetShape:
+    """A Gated DeltaNet token mixer (Qwen3-Next's linear-attention layers): ``key_heads`` query/key heads of
+    ``key_dim``, ``value_heads`` value heads of ``value_dim`` (each key head serving ``value_heads / key_heads`` of
+    them), a causal depthwise convolution of ``conv_kernel`` taps over q, k and v, and the chunked gated delta rule
+    over chunks of ``chunk`` positions (what it saves grows with the number of chunks)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    chunk: int
+
+
+@dataclass(frozen=True)
 class LayerShape:
-    attention: GQAShape | MLAShape
+    attention: GQAShape | MLAShape | GatedDeltaNetShape
     moe: bool = True  # routed experts (plus the shared expert, if any); False: the dense MLP
 
 
@@ -90,6 +106,10 @@ class ModelShape:
     dense_ffn: int = 0
     mtp_depth: int = 0
     tied_embeddings: bool = False  # changes no activation; the parameters are given
+    zero_centered_norms: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next): its rows stay fp32
+    # the attention of the MTP depths' layers (None: the last layer's, with full attention and rotary embeddings);
+    # needed where the last layer is a Gated DeltaNet
+    mtp_attention: GQAShape | MLAShape | None = None
     # what the model's modules save for backward, declared by the packages that own them (moe_memory.saved_activations;
     # moe_models.memory.model_shape sets it); not part of the shape's identity
     saved_bytes: SavedBytesDeclarations | None = field(default=None, compare=False, repr=False)

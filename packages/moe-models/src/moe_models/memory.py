@@ -22,6 +22,7 @@ from torch import nn
 from moe_experts import ACTIVATIONS
 from moe_memory.estimate import (
     ExpertsShape,
+    GatedDeltaNetShape,
     GQAShape,
     LayerShape,
     LocalParameters,
@@ -33,8 +34,8 @@ from moe_models.config import ModelConfig, ModelConfigError
 from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
-# ModelConfig fields whose saved activations moe_models.saved_bytes does not declare yet: model_shape refuses them
-NOT_ESTIMATED = ("experimental_attention_variant", "attention_output_gate", "layernorm_zero_centered_gamma")
+# the token mixers (ModelConfig.attention_kinds) whose saves moe_models.saved_bytes declares; model_shape refuses others
+ESTIMATED_MIXERS = ("attention", "linear_attention")
 
 __all__ = ["estimate_module", "local_parameters", "model_shape", "run_shape"]
 
@@ -66,25 +67,40 @@ def _attention(config: ModelConfig, full: bool, rope: bool) -> GQAShape | MLASha
         chunk=c.attention_chunk_size,
         qk_l2_norm=c.qk_l2_norm,
         temperature_tuning=c.attn_temperature_tuning,
+        output_gate=c.attention_output_gate,
+    )
+
+
+def _gated_delta_net(config: ModelConfig) -> GatedDeltaNetShape:
+    c = config
+    return GatedDeltaNetShape(
+        key_heads=c.linear_num_key_heads,
+        value_heads=c.linear_num_value_heads,
+        key_dim=c.linear_key_head_dim,
+        value_dim=c.linear_value_head_dim,
+        conv_kernel=c.linear_conv_kernel_dim,
+        chunk=c.linear_attention_chunk_size,
     )
 
 
 def model_shape(config: ModelConfig) -> ModelShape:
-    """The layer shapes of ``config`` (one per decoder layer; the MTP depths are ``mtp_depth``), with what its modules
-    save for backward (:mod:`moe_models.saved_bytes`). Qwen3-Next's features (Gated DeltaNet layers, the attention
-    output gate, zero-centred norms) are not estimated yet: a config with any raises :class:`ModelConfigError`."""
+    """The layer shapes of ``config`` (one per decoder layer, a Gated DeltaNet for each linear-attention layer; the
+    MTP depths are ``mtp_depth``, with full attention), with what its modules save for backward
+    (:mod:`moe_models.saved_bytes`)."""
     c = config
-    for name in NOT_ESTIMATED:
-        if getattr(c, name) not in (None, False):
-            raise ModelConfigError(
-                name,
-                getattr(c, name),
-                "not estimated: the saved-activation estimate does not model it yet "
-                "(measure with moe_memory.SavedTensorBytes)",
-            )
-    moe, full, rope = c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern()
+    mixers = c.attention_kinds()
+    unknown = sorted(set(mixers) - set(ESTIMATED_MIXERS))
+    if unknown:
+        raise ModelConfigError(
+            "experimental_attention_variant",
+            c.experimental_attention_variant,
+            f"not estimated: the saved-activation estimate does not model {', '.join(unknown)} layers yet "
+            "(measure with moe_memory.SavedTensorBytes)",
+        )
+    patterns = c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern(), mixers
     layers = tuple(
-        LayerShape(_attention(c, bool(f), bool(r)), moe=bool(m)) for m, f, r in zip(moe, full, rope, strict=True)
+        LayerShape(_gated_delta_net(c) if mixer == "linear_attention" else _attention(c, bool(f), bool(r)), moe=bool(m))
+        for m, f, r, mixer in zip(*patterns, strict=True)
     )
     router = c.router_config()
     experts = ExpertsShape(
@@ -105,12 +121,14 @@ def model_shape(config: ModelConfig) -> ModelShape:
         hidden=c.hidden_size,
         vocab=c.vocab_size,
         layers=layers,
-        experts=experts if any(moe) or c.mtp_num_layers else None,
+        experts=experts if any(patterns[0]) or c.mtp_num_layers else None,
         shared_expert_ffn=c.moe_shared_expert_intermediate_size,
         shared_expert_gate=c.moe_shared_expert_gate,
         dense_ffn=c.ffn_hidden_size,
         mtp_depth=c.mtp_num_layers or 0,
         tied_embeddings=c.share_embeddings_and_output_weights,
+        zero_centered_norms=c.layernorm_zero_centered_gamma,
+        mtp_attention=_attention(c, True, True) if c.mtp_num_layers else None,
         saved_bytes=MOE_TRANSFORMER_SAVED_BYTES,
     )
 
@@ -186,6 +204,9 @@ _MODULE_OF = (
     (r"attention\.up_proj", "mla_up_proj"),
     (r"attention\.core_attention", "core_attn"),
     (r"attention\.o_proj", "attn_proj"),
+    (r"attention\.in_proj", "qkv_linear"),  # a Gated DeltaNet's projections and gated norm
+    (r"attention\.out_proj", "attn_proj"),
+    (r"attention\.norm", "linear_attn_norm"),
     (r"attention", "rope"),
     (r"mlp\.router", "router"),
     (r"mlp\.shared_experts", "shared_experts"),
@@ -201,11 +222,14 @@ _MODULE_OF = (
 )
 
 
-def estimate_module(name: str, dense_mlp: bool = False) -> str:
+def estimate_module(name: str, dense_mlp: bool = False, linear_attention: bool = False) -> str:
     """The estimate's module name for ``MoETransformer``'s module ``name`` (``layers.3.attention.q_proj`` ->
     ``qkv_linear``). The MoE block's own operations are the dispatcher's: ``"dispatch"`` (its dispatch and combine
     run in one forward, so compare them as one), or ``"dense_mlp"`` for a dense layer's MLP (``dense_mlp=True``);
-    anything outside the model's modules is the loss."""
+    a Gated DeltaNet's own operations (``name`` is the layer's ``attention`` and ``linear_attention=True``) are
+    ``"linear_attn"``; anything outside the model's modules is the loss."""
+    if linear_attention and re.fullmatch(r"(.*\.)?attention", name):
+        return "linear_attn"
     for pattern, module in _MODULE_OF:
         if re.fullmatch(rf"(.*\.)?{pattern}", name):
             return module

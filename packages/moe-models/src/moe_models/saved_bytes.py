@@ -29,6 +29,19 @@ What this package's modules save, as :class:`moe_memory.measure.SavedTensorBytes
   activation dtype) for its product; the experts then take the weighted rows, never gather them, and their
   activation keeps no probabilities.
 - Cross-entropy saves fp32 log-probabilities (of the rank's vocabulary slice under tp) and the int64 labels.
+- Zero-centred norms (Qwen3-Next) scale by ``1 + weight`` in fp32: they keep the normalised rows in fp32 and that
+  fp32 scale too. The attention output gate multiplies the merged output by ``sigmoid(gate)`` in the attention module
+  (counted under ``rope``, with the clamp and the temperature): it keeps the merged output and the sigmoid; the output
+  projection the product.
+- A Gated DeltaNet layer (:func:`gated_delta_net_saved_bytes`) keeps, besides its projections' inputs: beta, the
+  fp32 log-decay's factors, the convolution's padded input and output, the q/k L2 norms' fp32 inputs and rsqrt, and
+  in the chunked delta rule (fp32, positions padded to whole chunks: B N T C per position, B N T C^2 per chunk
+  matrix) k, q, v and beta in chunks, the decay, k k^T and q k^T, the triangular system and its solution, and per
+  chunk one [K, V] state and one [C, V] correction: bytes linear in the sequence, the chunk count times a constant
+  on top. The scan's last state update feeds nothing, so what only it keeps is freed before the backward: with one
+  chunk, the decayed k and the chunk decay. Where the chunks' batch dims cannot merge by a view (unpadded sequences:
+  q and k keep the strided layout of the heads), each batched matmul copies its operands. Its gated norm keeps the
+  rule's output (fp32), the rsqrt, the normalised and weighted rows, z (fp32) and silu(z).
 
 Layouts: context parallelism (cp) gives each rank ``seq_len / cp`` positions of every sequence (attention sees the
 keys and values of all of them); sequence parallelism (tp) splits the rank's tokens by tp outside attention and the
@@ -40,6 +53,8 @@ FFN width split by etp.
 
 from __future__ import annotations
 
+import itertools
+
 from moe_dispatch.saved_bytes import dispatcher_saved_bytes, exchange_buffer_bytes, routed_rows, router_saved_bytes
 from moe_experts.saved_bytes import (
     ACTIVATION_INPUTS,
@@ -50,6 +65,7 @@ from moe_experts.saved_bytes import (
 from moe_memory.estimate import (
     ExpertsShape,
     ForwardSaves,
+    GatedDeltaNetShape,
     GQAShape,
     LayerShape,
     MLAShape,
@@ -57,6 +73,7 @@ from moe_memory.estimate import (
     PipelineShare,
     RankSizes,
     RunShape,
+    mtp_attention,
 )
 
 FP32_BYTES = 4
@@ -72,17 +89,23 @@ def _norm(
     dim: int,
     activation_bytes: int,
     path: tuple[str, ...] = (),
+    zero_centered: bool = False,
 ) -> str:
     """RMSNorm (computed in fp32) of ``input_key`` (``[rows, dim]``): saves the input (fp32) or an fp32 copy of it,
-    the per-row rsqrt and the normalised rows; returns its output's key."""
+    the per-row rsqrt and the normalised rows; zero-centred, the normalised rows stay fp32 and the product keeps the
+    fp32 ``1 + weight`` too. Returns its output's key."""
     if activation_bytes == FP32_BYTES:
         saves.save(module, input_key, path=path)
     else:
         fp32_input = saves.tensor(f"{prefix}.x32", rows * dim * FP32_BYTES, f"{prefix} fp32 input")
         saves.save(module, fp32_input, path=path)
     rstd = saves.tensor(f"{prefix}.rstd", rows * FP32_BYTES, f"{prefix} rsqrt")
-    normed = saves.tensor(f"{prefix}.normed", rows * dim * activation_bytes, f"{prefix} normalised")
-    saves.save(module, rstd, normed, path=path)
+    saves.save(module, rstd, path=path)
+    normed_bytes = FP32_BYTES if zero_centered else activation_bytes
+    if zero_centered:
+        saves.save(module, saves.tensor(f"{prefix}.scale", dim * FP32_BYTES, f"{prefix} 1 + weight, fp32"), path=path)
+    normed = saves.tensor(f"{prefix}.normed", rows * dim * normed_bytes, f"{prefix} normalised")
+    saves.save(module, normed, path=path)
     return saves.tensor(f"{prefix}.out", rows * dim * activation_bytes, f"{prefix} output")
 
 
@@ -125,11 +148,14 @@ def _core_attention(
     v_dim: int,
     blockwise: bool,
     q_heads_major: bool = True,
+    output_gate: bool = False,
 ) -> str:
     """SDPA or the blockwise kernel on ``q``, ``k``, ``v`` (``[tokens, heads, dim]``; ``v`` a strided view that the
     blockwise kernel makes contiguous); the output projection's merged copy. Returns the output's key.
     ``q_heads_major``: q is laid out heads first (a rotation's or a norm's output) rather than a view of its
-    projection, whose token-major layout SDPA's output follows: merging its heads is then a view, not a copy."""
+    projection, whose token-major layout SDPA's output follows: merging its heads is then a view, not a copy.
+    ``output_gate``: the merged output times ``sigmoid(gate)`` (in the attention module: under ``rope``) keeps both
+    factors, and the output projection takes the product."""
     activation_bytes, tokens = sizes.activation_bytes, sizes.tokens
     out = saves.tensor("attn.out", tokens * heads * v_dim * activation_bytes, "attention output")
     lse = saves.tensor("attn.lse", sizes.batch * heads * sizes.positions * FP32_BYTES, "logsumexp")
@@ -149,12 +175,25 @@ def _core_attention(
         merged = saves.tensor(
             "attn.merged", tokens * heads * v_dim * activation_bytes, "attention output, heads merged"
         )
+    if output_gate:
+        merged_bytes = tokens * heads * v_dim * activation_bytes
+        saves.save("rope", merged, saves.tensor("attn.gate", merged_bytes, "sigmoid of the output gate"))
+        merged = saves.tensor("attn.gated", merged_bytes, "gated attention output")
     saves.save("attn_proj", merged)
     return out
 
 
-def _gqa(saves: ForwardSaves, attention: GQAShape, sizes: RankSizes, run: RunShape, attn_input: str) -> None:
+def _gqa(
+    saves: ForwardSaves,
+    attention: GQAShape,
+    sizes: RankSizes,
+    run: RunShape,
+    attn_input: str,
+    zero_centered: bool = False,
+) -> None:
+    """Grouped-query attention; ``zero_centered``: its q/k norms are (the model's norms are)."""
     activation_bytes, tokens = sizes.activation_bytes, sizes.tokens
+    z = {"zero_centered": zero_centered}
     heads, kv_heads, head_dim = attention.heads // run.tp, max(attention.kv_heads // run.tp, 1), attention.head_dim
     q_bytes, kv_bytes = tokens * heads * head_dim * activation_bytes, tokens * kv_heads * head_dim * activation_bytes
     saves.save("qkv_linear", attn_input)
@@ -162,11 +201,11 @@ def _gqa(saves: ForwardSaves, attention: GQAShape, sizes: RankSizes, run: RunSha
     k = saves.tensor("k_proj.out", kv_bytes, "k projection")
     v = saves.tensor("v_proj.out", kv_bytes, "v projection")
     if attention.qk_norm and attention.qk_norm_across_heads:  # one rsqrt per token, not per head
-        q = _norm(saves, "qk_norm", "q_norm", q, tokens, heads * head_dim, activation_bytes)
-        k = _norm(saves, "qk_norm", "k_norm", k, tokens, kv_heads * head_dim, activation_bytes)
+        q = _norm(saves, "qk_norm", "q_norm", q, tokens, heads * head_dim, activation_bytes, **z)
+        k = _norm(saves, "qk_norm", "k_norm", k, tokens, kv_heads * head_dim, activation_bytes, **z)
     elif attention.qk_norm:
-        q = _norm(saves, "qk_norm", "q_norm", q, tokens * heads, head_dim, activation_bytes)
-        k = _norm(saves, "qk_norm", "k_norm", k, tokens * kv_heads, head_dim, activation_bytes)
+        q = _norm(saves, "qk_norm", "q_norm", q, tokens * heads, head_dim, activation_bytes, **z)
+        k = _norm(saves, "qk_norm", "k_norm", k, tokens * kv_heads, head_dim, activation_bytes, **z)
     if attention.clip_qkv:  # clamp saves its input for the mask of its backward; it runs in Attention itself
         saves.save("rope", q, k, v)
         q = saves.tensor("q.clamped", q_bytes, "q clamped")
@@ -200,6 +239,7 @@ def _gqa(saves: ForwardSaves, attention: GQAShape, sizes: RankSizes, run: RunSha
         v_dim=head_dim,
         blockwise=blockwise,
         q_heads_major=attention.rope,
+        output_gate=attention.output_gate,
     )
 
 
@@ -240,6 +280,129 @@ def _mla(saves: ForwardSaves, attention: MLAShape, sizes: RankSizes, run: RunSha
     _core_attention(
         saves, sizes, q, k, k_nope_and_v, heads=heads, kv_heads=heads, qk_dim=qk_dim, v_dim=v_dim, blockwise=blockwise
     )
+
+
+def _merge_as_view(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether dims of these sizes and strides (outermost first) merge into one by a view, as ``reshape`` needs
+    (else it copies): leaving out dims of size 1, each stride is the next one's times that one's size."""
+    dims = [(size, stride) for size, stride in zip(sizes, strides, strict=True) if size != 1]
+    return all(stride == size * inner for (_, stride), (size, inner) in itertools.pairwise(dims))
+
+
+def _gated_delta_net(
+    saves: ForwardSaves, shape: GatedDeltaNetShape, sizes: RankSizes, run: RunShape, attn_input: str
+) -> None:
+    """A Gated DeltaNet (moe_models.linear_attention, kernels in moe_models.gated_delta) on whole sequences: its
+    projections under ``qkv_linear`` / ``attn_proj``, the gates, convolution and chunked delta rule under
+    ``linear_attn``, the gated norm under ``linear_attn_norm`` (module docstring)."""
+    if sizes.cp > 1:
+        raise ValueError(
+            f"cp={sizes.cp}: Gated DeltaNet layers under context parallelism are not estimated; use cp=1 or measure "
+            "with moe_memory.SavedTensorBytes"
+        )
+    act, batch, seq, tokens = sizes.activation_bytes, sizes.batch, sizes.positions, sizes.tokens
+    key_heads, heads = shape.key_heads // run.tp, shape.value_heads // run.tp
+    per_key, dk, dv, size = heads // key_heads, shape.key_dim, shape.value_dim, shape.chunk
+    chunks = -(-seq // size)
+    padded = chunks * size  # the last chunk padded with zeros
+    conv_channels = key_heads * (2 * dk + per_key * dv)
+    proj_width = key_heads * (2 * dk + 2 * per_key * dv + 2 * per_key)
+    saves.save("qkv_linear", attn_input)
+
+    def save(module: str, name: str, nbytes: float, description: str) -> None:
+        saves.save(module, saves.tensor(f"gdn.{name}", nbytes, description))
+
+    mix = "linear_attn"
+    save(mix, "beta", tokens * heads * act, "beta = sigmoid(b)")
+    save(mix, "rate", heads * FP32_BYTES, "exp(A_log)")
+    save(mix, "neg_rate", heads * FP32_BYTES, "-exp(A_log)")
+    save(mix, "softplus_in", tokens * heads * FP32_BYTES, "a + dt_bias, fp32")
+    save(mix, "softplus", tokens * heads * FP32_BYTES, "softplus(a + dt_bias), fp32")
+    save(mix, "conv_in", batch * conv_channels * (seq + shape.conv_kernel - 1) * act, "conv input after W - 1 zeros")
+    save(mix, "conv_out", batch * conv_channels * seq * act, "conv output (the SiLU's input)")
+    # the q/k L2 norms' inputs: fp32 views of the SiLU output where nothing is copied, else fp32 [B, N, S, K] copies
+    if per_key == 1 and act == FP32_BYTES:
+        save(mix, "silu", batch * conv_channels * seq * act, "conv output after SiLU (q, k, v)")
+    else:
+        save(mix, "q32", tokens * heads * dk * FP32_BYTES, "q on the value heads, fp32")
+        save(mix, "k32", tokens * heads * dk * FP32_BYTES, "k on the value heads, fp32")
+    save(mix, "q_rstd", tokens * heads * FP32_BYTES, "q L2 norm rsqrt")
+    save(mix, "k_rstd", tokens * heads * FP32_BYTES, "k L2 norm rsqrt")
+    # the chunked rule, in fp32: per position (padded), per chunk [C, C], per chunk [K, V] states
+    positions, square = batch * heads * padded * FP32_BYTES, batch * heads * chunks * size * size * FP32_BYTES
+    save(mix, "mask", size * size, "causal mask within a chunk (bool)")
+    save(mix, "decay", square, "decay within chunks")
+    save(mix, "k", positions * dk, "k in chunks (L2-normed)")
+    save(mix, "q", positions * dk, "q in chunks (L2-normed, scaled)")
+    # q and k [B, N, T, C, K]: padding copies them contiguous; unpadded they keep the layout of q/k on the value heads
+    # ([B, S, N, K] after repeating the key heads, else [B, N, K, S] as the convolution's output), and a batched matmul
+    # that cannot merge B, N (and T) by a view copies its operand
+    if padded != seq:
+        strides = (heads * padded * dk, padded * dk, size * dk, dk, 1)
+    elif per_key > 1:
+        strides = (seq * heads * dk, dk, size * heads * dk, heads * dk, 1)
+    else:
+        strides = (heads * dk * seq, dk * seq, size, 1, seq)
+    if not _merge_as_view((batch, heads, chunks), strides[:3]):
+        for what in ("k", "k^T", "q", "k^T again"):
+            save(mix, f"copy {what}", positions * dk, f"{what} copied for the chunks' matmuls")
+    save(mix, "kk", square, "k k^T within chunks")
+    save(mix, "beta_chunks", positions, "beta in chunks")
+    save(mix, "beta_kk", square, "beta k k^T")
+    save(mix, "v", positions * dv, "v in chunks")
+    save(mix, "exp_gamma", positions, "exp(cumulative log decay)")
+    save(mix, "beta_exp_gamma", positions, "beta exp(cumulative log decay)")
+    save(mix, "system", square, "unit lower-triangular system per chunk")
+    save(mix, "solved", positions * (dv + dk), "its solution for [v | k]")
+    save(mix, "qk", square, "q k^T within chunks")
+    save(mix, "exp_gamma_q", positions, "exp(cumulative log decay) for q")
+    save(mix, "attn", square, "decayed q k^T")
+    # the scan: one state and one correction per chunk; the last chunk's state update feeds nothing, so what only it
+    # keeps is freed with it
+    save(mix, "states", chunks * batch * heads * dk * dv * FP32_BYTES, "state entering each chunk")
+    save(mix, "u", chunks * batch * heads * size * dv * FP32_BYTES, "correction of each chunk")
+    if chunks > 1:
+        save(mix, "exp_gamma_k", positions, "exp(decay to the chunk end) for k")
+        save(mix, "chunk_decay", batch * heads * chunks * FP32_BYTES, "decay over each chunk")
+        if _merge_as_view((batch, heads), strides[:2]):  # q and k read / written by chunk: views
+            save(mix, "q_read", positions * dk, "q times its decay")
+            save(mix, "k_write", positions * dk, "k times its decay to the chunk end")
+        else:  # a copy per chunk: q's from the second chunk on (the zero state needs no q), k's but the last
+            chunk_bytes = (chunks - 1) * batch * heads * size * dk * FP32_BYTES
+            save(mix, "q_read", chunk_bytes, "q times its decay, copied per chunk")
+            save(mix, "k_write", chunk_bytes, "k times its decay to the chunk end, copied per chunk")
+    # the gated norm: fp32 math on the rule's output ([B, N, T C, V] with fp32 activations, else an fp32 copy)
+    rows = tokens * heads
+    norm = "linear_attn_norm"
+    save(norm, "o", (batch * heads * padded if act == FP32_BYTES else rows) * dv * FP32_BYTES, "rule output, fp32")
+    save(norm, "rstd", rows * FP32_BYTES, "gated norm rsqrt")
+    save(norm, "normalised", rows * dv * act, "gated norm normalised")
+    # z on the value heads is a view of in_proj's output where its heads merge (one key head, or one value head per
+    # key head), and the SiLU of fp32 activations then keeps that whole output
+    z_is_view = _merge_as_view((key_heads, per_key), (proj_width // key_heads, dv))
+    if z_is_view and act == FP32_BYTES:
+        save(norm, "z", tokens * proj_width * FP32_BYTES, "in_proj output (z)")
+    else:
+        save(norm, "z", rows * dv * FP32_BYTES, "z, fp32")
+    save(norm, "silu_z", rows * dv * FP32_BYTES, "silu(z), fp32")
+    save(norm, "weighted", rows * dv * act, "gated norm times its weight")
+    save("attn_proj", "out", rows * dv * act, "gated norm output")
+
+
+def gated_delta_net_saved_bytes(
+    shape: GatedDeltaNetShape, hidden: int, sizes: RankSizes, run: RunShape
+) -> dict[str, int]:
+    """What one Gated DeltaNet layer (hidden size ``hidden``) saves for backward, by the estimate's module, its input
+    (under ``qkv_linear``) included: the layer alone, as :class:`moe_memory.measure.SavedTensorBytes` measures it on
+    the module."""
+    saves = ForwardSaves()
+    layer_input = saves.tensor("x", sizes.tokens * hidden * sizes.activation_bytes, "layer input")
+    _gated_delta_net(saves, shape, sizes, run, layer_input)
+    by_module: dict[str, int] = {}
+    for key in dict.fromkeys(s.key for s in saves.saves):
+        module = next(s.module for s in saves.saves if s.key == key)
+        by_module[module] = by_module.get(module, 0) + saves.nbytes[key]
+    return by_module
 
 
 def _moe(
@@ -340,18 +503,25 @@ def _layer(saves: ForwardSaves, model: ModelShape, layer: LayerShape, sizes: Ran
     """One decoder layer (moe_models.model's DecoderLayer): norm, attention, norm, then the MoE block or dense MLP."""
     activation_bytes, hidden, tokens = sizes.activation_bytes, model.hidden, sizes.tokens
     local_bytes = sizes.local_tokens * hidden * activation_bytes  # [local tokens, hidden]
+    zero_centered = model.zero_centered_norms
     layer_input = saves.tensor("x_in", local_bytes, "layer input")
-    normed = _norm(saves, "attn_norm", "attn_norm", layer_input, sizes.local_tokens, hidden, activation_bytes)
+    normed = _norm(
+        saves, "attn_norm", "attn_norm", layer_input, sizes.local_tokens, hidden, activation_bytes, (), zero_centered
+    )
     saves.scope("layernorm", "attn_norm", (), (layer_input,), (normed,))
     attn_input = normed
     if run.tp > 1:
         attn_input = saves.tensor("attn_in", tokens * hidden * activation_bytes, "attention input, gathered over tp")
     if isinstance(layer.attention, MLAShape):
         _mla(saves, layer.attention, sizes, run, attn_input)
+    elif isinstance(layer.attention, GatedDeltaNetShape):
+        _gated_delta_net(saves, layer.attention, sizes, run, attn_input)
     else:
-        _gqa(saves, layer.attention, sizes, run, attn_input)
+        _gqa(saves, layer.attention, sizes, run, attn_input, zero_centered)
     residual = saves.tensor("x_mid", local_bytes, "residual after attention")
-    mlp_input = _norm(saves, "mlp_norm", "mlp_norm", residual, sizes.local_tokens, hidden, activation_bytes)
+    mlp_input = _norm(
+        saves, "mlp_norm", "mlp_norm", residual, sizes.local_tokens, hidden, activation_bytes, (), zero_centered
+    )
     saves.scope("layernorm", "mlp_norm", (), (residual,), (mlp_input,))
     if layer.moe:
         assert model.experts is not None, "a MoE layer needs ModelShape.experts"
@@ -387,10 +557,12 @@ def _model_level(
         saves.save("embedding", saves.tensor("ids", tokens * INDEX_BYTES, "input ids"))
     # one fp32 cos / sin table [positions, rotary_dim / 2], if any layer rotates (the MTP layers do)
     rotating = [
-        layer.attention for layer in model.layers if isinstance(layer.attention, MLAShape) or layer.attention.rope
+        layer.attention
+        for layer in model.layers
+        if isinstance(layer.attention, MLAShape) or (isinstance(layer.attention, GQAShape) and layer.attention.rope)
     ]
     if activation_bytes == FP32_BYTES and model.layers and (rotating or model.mtp_depth):
-        attention = rotating[0] if rotating else model.layers[0].attention
+        attention = rotating[0] if rotating else mtp_attention(model)
         if isinstance(attention, MLAShape):
             rotary_dim = attention.qk_rope_dim
         else:
@@ -400,8 +572,9 @@ def _model_level(
         saves.save(module, saves.tensor("cos", table_bytes, "rotary cos"), saves.tensor("sin", table_bytes))
     if share is not None and not share.last:
         return
+    z = {"zero_centered": model.zero_centered_norms}
     hidden_states = saves.tensor("hidden.0", local_bytes, "last layer output")
-    final = _norm(saves, "final_norm", "final_norm", hidden_states, local_tokens, hidden, activation_bytes)
+    final = _norm(saves, "final_norm", "final_norm", hidden_states, local_tokens, hidden, activation_bytes, **z)
     head_input = final
     if run.tp > 1:
         head_input = saves.tensor("head_in", tokens * hidden * activation_bytes, "head input, gathered over tp")
@@ -416,12 +589,12 @@ def _model_level(
         prefix = f"mtp{depth}"
         saves.save("embedding", saves.tensor(f"{prefix}.ids", tokens * INDEX_BYTES, "shifted input ids"))
         embedded = saves.tensor(f"{prefix}.embed", local_bytes, "shifted embeddings")
-        _norm(saves, "mtp_input", f"{prefix}.enorm", embedded, local_tokens, hidden, activation_bytes)
-        _norm(saves, "mtp_input", f"{prefix}.hnorm", hidden_states, local_tokens, hidden, activation_bytes)
+        _norm(saves, "mtp_input", f"{prefix}.enorm", embedded, local_tokens, hidden, activation_bytes, **z)
+        _norm(saves, "mtp_input", f"{prefix}.hnorm", hidden_states, local_tokens, hidden, activation_bytes, **z)
         saves.save("mtp_input", saves.tensor(f"{prefix}.cat", 2 * local_bytes, "[enorm | hnorm]"))
         hidden_states = saves.tensor(f"hidden.{depth}", local_bytes, f"MTP depth {depth} output")
         final = _norm(
-            saves, "mtp_final_norm", f"{prefix}.final_norm", hidden_states, local_tokens, hidden, activation_bytes
+            saves, "mtp_final_norm", f"{prefix}.final_norm", hidden_states, local_tokens, hidden, activation_bytes, **z
         )
         head_input = final
         if run.tp > 1:

@@ -345,6 +345,12 @@ def _plan(
             model_shape(cfg.model)
         except ValueError as err:  # ModelConfigError
             raise config_error(err) from None
+        if p.cp > 1 and cfg.model.experimental_attention_variant:  # their chained chunk states are not modelled
+            raise ConfigError(
+                f"parallel.cp={p.cp}: the memory estimate does not model linear-attention layers (model."
+                f"experimental_attention_variant={cfg.model.experimental_attention_variant}) under context parallelism "
+                "yet; plan --memory at cp=1, or measure a step with moe_memory.SavedTensorBytes"
+            )
     param_dtype = torch.bfloat16 if getattr(cfg.train, "params_dtype", "fp32") == "bf16" else torch.float32
     report = plan_report(
         cfg.model, p, world_size, param_dtype, cfg.run, cfg.data.seq_len, cfg.peft
