@@ -39,6 +39,8 @@ EXACT_TOTAL_ACTIVE_MTP = {
     "hunyuan-a13b": (80_393_183_232, 12_747_448_320, 0),
     "llama-4-scout-17b-16e": (107_769_861_120, 17_172_894_720, 0),
     "llama-4-maverick-17b-128e": (400_711_848_960, 17_184_691_200, 0),
+    # as a stored parameter-count test of Qwen3-Coder-Next (the same architecture) has them, by another count
+    "qwen3-next-80b-a3b": (79_674_391_296, 3_874_929_408, 0),
 }
 
 # each tiny proxy and the published model whose features it keeps
@@ -58,9 +60,10 @@ TINY_OF = {
     "tiny-ernie4-5-moe": "ernie-4.5-21b-a3b",
     "tiny-hunyuan-v1-moe": "hunyuan-a13b",
     "tiny-llama4": "llama-4-scout-17b-16e",
+    "tiny-qwen3-next": "qwen3-next-80b-a3b",
 }
 # tiny proxies of families without a published preset yet
-TINY_ALONE = ("tiny-qwen3-next",)
+TINY_ALONE: tuple[str, ...] = ()
 # fields that choose a feature rather than a size: a proxy must agree with its published model on all of them
 FEATURE_FIELDS = (
     "family",

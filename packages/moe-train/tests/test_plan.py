@@ -137,6 +137,8 @@ OTHER_PRESET_LAYOUTS = {
     "hunyuan-a13b": (32, ParallelConfig(ep=16, tp=2, etp=1)),
     "llama-4-scout-17b-16e": (32, ParallelConfig(ep=16, tp=2, etp=1)),
     "llama-4-maverick-17b-128e": (64, ParallelConfig(ep=32, tp=2, etp=1)),
+    # Gated DeltaNet layers split their 16 key heads over tp (2 query groups: tp <= 2)
+    "qwen3-next-80b-a3b": (64, ParallelConfig(ep=32, tp=2, etp=1)),
 }
 
 

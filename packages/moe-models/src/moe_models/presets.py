@@ -228,6 +228,8 @@ _HF_PUBLISHED: dict[str, dict[str, Any]] = {
     # Llama 4: a Switch aux loss with its config.json's router_aux_loss_coef (transformers' default 1e-3)
     "llama-4-scout-17b-16e": {},
     "llama-4-maverick-17b-128e": {},
+    # Qwen3-Next: the Switch aux loss with its config.json's router_aux_loss_coef
+    "qwen3-next-80b-a3b": {},
 }
 
 
@@ -493,4 +495,6 @@ PUBLISHED_SIZES: dict[str, PublishedSize] = {
     # "109B total": the text model counted here is 107.8B, the card's figure includes the vision encoder; held to 2B
     "llama-4-scout-17b-16e": PublishedSize(109e9, 17e9, 2e9, 1e9, True, "Llama 4 model card (Scout)"),
     "llama-4-maverick-17b-128e": PublishedSize(400e9, 17e9, 1e9, 1e9, True, "Llama 4 model card (Maverick)"),
+    # "80B in total and 3B activated": 79.7B and 3.6B counted (without the input embedding; the card rounds down)
+    "qwen3-next-80b-a3b": PublishedSize(80e9, 3e9, 1e9, 1e9, False, "Qwen3-Next-80B-A3B model card"),
 }

@@ -586,4 +586,41 @@ PUBLISHED_HF_CONFIGS: dict[str, dict] = {
         "rms_norm_eps": 1e-05,
         "tie_word_embeddings": False,
     },
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (the Thinking and Base checkpoints share it); 80B total, 3B activated
+    # (model card: "80B in total and 3B activated"). Shapes as transformers' Qwen3NextConfig documents this model
+    # and as stored configs of Qwen3-Coder-Next (the same architecture; one stored parameter-count test gives
+    # 79,674,391,296 total and 3,874,929,408 active with the input embedding) spell them; router_aux_loss_coef,
+    # rope_theta and max_position_embeddings are from memory of the hub file. The checkpoint's MTP block
+    # (mtp_num_hidden_layers: 1) is not read by transformers and not counted.
+    "qwen3-next-80b-a3b": {
+        "model_type": "qwen3_next",
+        "architectures": ["Qwen3NextForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "router_aux_loss_coef": 0.001,
+        "rope_theta": 10000000,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    },
 }
