@@ -479,9 +479,9 @@ def _validate_data_format(cfg: ExperimentConfig) -> None:
     if data.format != "text" and data.packing and cfg.parallel.cp > 1 and cfg.model.experimental_attention_variant:
         # a linear-attention layer chains its state across the cp ranks' chunks, not yet across documents' ends
         raise ConfigError(
-            f"parallel.cp={cfg.parallel.cp}: the model's linear-attention layers (model.experimental_attention_variant="
-            f"{cfg.model.experimental_attention_variant}) take packed conversations at cp=1 only yet; set --data.packing "
-            "false or --parallel.cp 1"
+            f"parallel.cp={cfg.parallel.cp}: the model's linear-attention layers (model."
+            f"experimental_attention_variant={cfg.model.experimental_attention_variant}) take packed conversations at "
+            "cp=1 only yet; set --data.packing false or --parallel.cp 1"
         )
     if data.loss_on not in LOSS_ON[data.format]:
         known = ("", "assistant", "completion", "all")
