@@ -43,6 +43,11 @@ from moe_models.gated_delta import chunk_gated_delta_rule
 from moe_models.ssd import chunk_ssd_scan
 
 MAX_RELATIVE_DIFFERENCE = 1e-4  # fp32; the tests hold both kernels to 1e-5 on small shapes
+MODES = ("forward", "forward_backward")
+CHECK = (
+    "relative difference max|ours - transformers| / max|transformers| of the output and of each input gradient, once "
+    f"before timing (fp32, must be < {MAX_RELATIVE_DIFFERENCE})"
+)
 
 
 def relative_difference(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -52,46 +57,50 @@ def relative_difference(ours: torch.Tensor, ref: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------------------------- kernels
 
 
-def gated_delta_case(args: argparse.Namespace) -> dict:
-    """Inputs (leaves) and the two calls of the gated delta rule: name -> callable(inputs) -> output."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+def silu_qkv(gen: torch.Generator, batch: int, seq: int, heads: int, dim: int) -> dict:
+    """q, k, v [B, S, heads, dim] as the conv's SiLU leaves them."""
+    return {name: F.silu(torch.randn(batch, seq, heads, dim, generator=gen)) for name in ("q", "k", "v")}
 
-    gen = torch.Generator().manual_seed(0)
-    batch, seq, heads, dim = args.batch, args.seq, args.gd_heads, args.gd_dim
-    qkv = [F.silu(torch.randn(batch, seq, heads, dim, generator=gen)) for _ in range(3)]  # after the conv's silu
-    a_log = torch.empty(heads).uniform_(1e-3, 1e-1, generator=gen).log()  # slow decays: the state carries over
-    dt_bias = torch.ones(heads)
-    a, b = torch.randn(batch, seq, heads, generator=gen), torch.randn(batch, seq, heads, generator=gen)
-    inputs = {
-        "q": qkv[0],
-        "k": qkv[1],
-        "v": qkv[2],
-        "g": -a_log.exp() * F.softplus(a + dt_bias),
-        "beta": b.sigmoid(),
-    }
+
+def delta_rule_case(inputs: dict, ours_fn: Callable, theirs_fn: Callable, chunk: int, **theirs_options) -> dict:
+    """The case of a chunked delta rule on ``inputs`` (q, k, v, g, beta): ours with the q/k L2 norm, transformers'
+    as its layer calls it (no cache: no state in or out; ``theirs_options`` besides)."""
 
     def ours(x: dict) -> torch.Tensor:
-        out, _ = chunk_gated_delta_rule(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=args.chunk, use_qk_l2norm=True
-        )
+        out, _ = ours_fn(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk, use_qk_l2norm=True)
         return out
 
-    def theirs(x: dict) -> torch.Tensor:  # as Qwen3NextGatedDeltaNet.forward (no cache: no state in or out)
-        out, _ = torch_chunk_gated_delta_rule(
+    def theirs(x: dict) -> torch.Tensor:
+        out, _ = theirs_fn(
             x["q"],
             x["k"],
             x["v"],
             g=x["g"],
             beta=x["beta"],
-            chunk_size=args.chunk,
+            chunk_size=chunk,
             initial_state=None,
             output_final_state=False,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=None,
+            **theirs_options,
         )
         return out
 
-    return {"inputs": inputs, "ours": ours, "transformers": theirs, "transformers_fn": torch_chunk_gated_delta_rule}
+    return {"inputs": inputs, "ours": ours, "transformers": theirs, "transformers_fn": theirs_fn}
+
+
+def gated_delta_case(args: argparse.Namespace) -> dict:
+    """Inputs (leaves) and the two calls of the gated delta rule (transformers' as Qwen3NextGatedDeltaNet.forward):
+    name -> callable(inputs) -> output."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    batch, seq, heads, dim = args.batch, args.seq, args.gd_heads, args.gd_dim
+    qkv = silu_qkv(gen, batch, seq, heads, dim)
+    a_log = torch.empty(heads).uniform_(1e-3, 1e-1, generator=gen).log()  # slow decays: the state carries over
+    dt_bias = torch.ones(heads)
+    a, b = torch.randn(batch, seq, heads, generator=gen), torch.randn(batch, seq, heads, generator=gen)
+    inputs = {**qkv, "g": -a_log.exp() * F.softplus(a + dt_bias), "beta": b.sigmoid()}
+    return delta_rule_case(inputs, chunk_gated_delta_rule, torch_chunk_gated_delta_rule, args.chunk, cu_seqlens=None)
 
 
 def ssd_case(args: argparse.Namespace) -> dict:
@@ -215,48 +224,76 @@ def time_case(case: dict, mode: str, args: argparse.Namespace) -> dict:
     }
 
 
+def measure(kernel: str, case: dict, args: argparse.Namespace) -> dict:
+    """The transformers path and the check of ``case`` (under a fixed random output gradient), then its time in each
+    mode, a line printed per mode."""
+    out = case["ours"](case["inputs"])
+    case["grad"] = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    result = {"transformers_path": fallback_check(case["transformers_fn"]), "check": check_same(case)}
+    for mode in MODES:
+        result[mode] = row = time_case(case, mode, args)
+        spread_ = row["per_repetition_ratio"]
+        print(
+            f"{kernel:12s} {mode:17s} ours {row['ours_s']['median'] * 1e3:8.2f} ms  transformers "
+            f"{row['transformers_s']['median'] * 1e3:8.2f} ms  transformers/ours "
+            f"{row['transformers_over_ours']:.3f} [{spread_['min']:.3f}, {spread_['max']:.3f}]"
+        )
+    print(f"{kernel:12s} max relative difference {result['check']['max_relative_difference']:.2e}")
+    return result
+
+
+def ratios(result: dict) -> dict:
+    """Each mode's ratio transformers / ours and the spread of the per-repetition ratios."""
+    return {
+        mode: {
+            "transformers_over_ours": result[mode]["transformers_over_ours"],
+            "spread": result[mode]["per_repetition_ratio"],
+        }
+        for mode in MODES
+    }
+
+
+def environment() -> dict:
+    """Where the times were taken: the device, torch's thread count and transformers' version."""
+    import transformers
+
+    return {"device": "cpu", "cpu_threads": torch.get_num_threads(), "transformers": transformers.__version__}
+
+
+def parse_kernel_args(parser: argparse.ArgumentParser, reps: int, warmup: int) -> argparse.Namespace:
+    """The options every kernel benchmark has (sequence, batch, chunk, repetitions, warm-ups, threads) added to
+    ``parser``, the arguments parsed, defaults resolved (``--quick``: S=256, 3 repetitions, 1 warm-up; else S=2048,
+    ``reps`` and ``warmup``) and the thread count set."""
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parse(parser)
+    args.seq = args.seq or (256 if args.quick else 2048)
+    args.reps = args.reps or (3 if args.quick else reps)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else warmup)
+    torch.set_num_threads(args.threads)
+    return args
+
+
 # ----------------------------------------------------------------------------------------------- main
 
 
 def main() -> None:
     parser = cli("linear_attention_kernels", __doc__, "S=256, 3 repetitions (CI, a few seconds)")
-    parser.add_argument("--seq", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--gd-heads", type=int, default=4)
     parser.add_argument("--gd-dim", type=int, default=64, help="gated delta key = value head dim")
     parser.add_argument("--ssd-heads", type=int, default=8)
     parser.add_argument("--ssd-p", type=int, default=64, help="SSD head dim P")
     parser.add_argument("--ssd-d", type=int, default=64, help="SSD state size D")
     parser.add_argument("--groups", type=int, default=1, help="SSD groups of B/C")
-    parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parse(parser)
-    args.seq = args.seq or (256 if args.quick else 2048)
-    args.reps = args.reps or (3 if args.quick else 21)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    torch.set_num_threads(args.threads)
-
-    builders = {"gated_delta": gated_delta_case, "ssd": ssd_case}
-    kernels = {}
-    for kernel, build in builders.items():
-        case = build(args)
-        out = case["ours"](case["inputs"])
-        case["grad"] = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
-        kernels[kernel] = {"transformers_path": fallback_check(case["transformers_fn"]), "check": check_same(case)}
-        for mode in ("forward", "forward_backward"):
-            kernels[kernel][mode] = time_case(case, mode, args)
-            row = kernels[kernel][mode]
-            spread_ = row["per_repetition_ratio"]
-            print(
-                f"{kernel:12s} {mode:17s} ours {row['ours_s']['median'] * 1e3:8.2f} ms  transformers "
-                f"{row['transformers_s']['median'] * 1e3:8.2f} ms  transformers/ours "
-                f"{row['transformers_over_ours']:.3f} [{spread_['min']:.3f}, {spread_['max']:.3f}]"
-            )
-        print(f"{kernel:12s} max relative difference {kernels[kernel]['check']['max_relative_difference']:.2e}")
-
-    import transformers
+    args = parse_kernel_args(parser, reps=21, warmup=2)
+    kernels = {
+        kernel: measure(kernel, build(args), args)
+        for kernel, build in [("gated_delta", gated_delta_case), ("ssd", ssd_case)]
+    }
 
     report = {
         "what": "plain-torch linear-attention kernels, forward (no_grad) and forward + backward: moe_models' "
@@ -295,20 +332,12 @@ def main() -> None:
         "method": "one head-to-head pair per (kernel, mode): ours and transformers' interleaved in one process, "
         "taking turns at going first (_harness.head_to_head), after untimed warm-ups; forward under no_grad; "
         "forward_backward: inputs are leaves requiring grad, out.backward(fixed random grad), grads reset to None",
-        "check": "relative difference max|ours - transformers| / max|transformers| of the output and of each input "
-        f"gradient, once before timing (fp32, must be < {MAX_RELATIVE_DIFFERENCE})",
+        "check": CHECK,
         "kernels": kernels,
         "ratios": {
-            f"{kernel}_{mode}": {
-                "transformers_over_ours": row[mode]["transformers_over_ours"],
-                "spread": row[mode]["per_repetition_ratio"],
-            }
-            for kernel, row in kernels.items()
-            for mode in ("forward", "forward_backward")
+            f"{kernel}_{mode}": row for kernel, result in kernels.items() for mode, row in ratios(result).items()
         },
-        "device": "cpu",
-        "cpu_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
+        **environment(),
     }
     write(args.out, header(args, **report))
 

@@ -21,35 +21,19 @@ import dataclasses
 
 import pytest
 import torch
+from _packed_rows import (
+    PACKING,
+    SEQ,
+    assert_each_document_computes_as_alone,
+    assert_rows_of_one_document_compute_as_unpacked,
+    document_ids,
+    relative,
+    spans,
+)
 
 from moe_models import build_model, preset
 from moe_models.linear_attention import GatedDeltaNet
 from moe_parallel import LayoutError, check_tensor_parallel
-
-# the documents of each row (lengths; a padding tail of id -1 fills the row); chunks of 4 positions
-PACKING = [[1, 6, 13, 4, 1], [25], [3, 3, 8, 8]]
-SEQ = 25
-
-
-def _row_ids(lengths: list[int], seq: int) -> list[int]:
-    ids = [doc for doc, length in enumerate(lengths) for _ in range(length)]
-    return ids + [-1] * (seq - len(ids))
-
-
-def _spans(packing: list[list[int]], seq: int) -> list[tuple[int, int, int]]:
-    """(row, start, end) of every document, the padding tail included."""
-    out = []
-    for row, lengths in enumerate(packing):
-        start = 0
-        for length in [*lengths, seq - sum(lengths)]:
-            if length:
-                out.append((row, start, start + length))
-            start += length
-    return out
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
 
 
 def _layer() -> GatedDeltaNet:
@@ -64,36 +48,12 @@ def _layer() -> GatedDeltaNet:
 
 def test_a_packed_row_computes_each_document_as_alone_with_gradients() -> None:
     layer = _layer()
-    docs_BS = torch.tensor([_row_ids(lengths, SEQ) for lengths in PACKING])
-    gen = torch.Generator().manual_seed(1)
-    x_BSH = torch.randn(*docs_BS.shape, layer.in_proj.in_features, generator=gen, requires_grad=True)
-    weights_BSH = torch.randn(*docs_BS.shape, layer.out_proj.out_features, generator=gen)
-
-    packed = layer(x_BSH, document_ids_BS=docs_BS)
-    (weights_BSH * packed).sum().backward()
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    x_grad = x_BSH.grad.clone()
-    layer.zero_grad(set_to_none=True)
-    x_BSH.grad = None
-
-    errors = {}
-    for row, start, end in _spans(PACKING, SEQ):
-        alone = layer(x_BSH[row : row + 1, start:end])
-        (weights_BSH[row : row + 1, start:end] * alone).sum().backward()
-        errors[(row, start)] = _relative(packed[row : row + 1, start:end], alone)
-    assert max(errors.values()) < 1e-6, errors
-    assert _relative(x_grad, x_BSH.grad) < 1e-6
-    for name, p in layer.named_parameters():
-        assert _relative(grads[name], p.grad) < 1e-6, name
-    # without the documents the state crosses them: the outputs differ
-    assert _relative(layer(x_BSH, document_ids_BS=None), packed) > 1e-2
+    assert_each_document_computes_as_alone(layer, layer.in_proj.in_features, layer.out_proj.out_features)
 
 
 def test_rows_of_one_document_each_compute_as_unpacked_rows() -> None:
     layer = _layer()
-    x_BSH = torch.randn(2, 9, layer.in_proj.in_features, generator=torch.Generator().manual_seed(2))
-    docs_BS = torch.tensor([[4] * 9, [-1] * 9])
-    assert torch.equal(layer(x_BSH, document_ids_BS=docs_BS), layer(x_BSH))
+    assert_rows_of_one_document_compute_as_unpacked(layer, layer.in_proj.in_features)
 
 
 # chunks of 4 of a 24-position row, in the order a rank would hold them: runs of consecutive positions (segments)
@@ -117,9 +77,9 @@ def test_given_positions_compute_each_segment_from_the_states_before_it(order: l
     whole_grads = torch.autograd.grad((weights_BSH * whole).sum(), [x_BSH, *layer.parameters()])
     mine = layer(x_BSH[:, positions_S], positions_S=positions_S)
     mine_grads = torch.autograd.grad((weights_BSH[:, positions_S] * mine).sum(), [x_BSH, *layer.parameters()])
-    assert _relative(mine, whole[:, positions_S]) < 1e-12
+    assert relative(mine, whole[:, positions_S]) < 1e-12
     for name, got, want in zip(["x", *(n for n, _ in layer.named_parameters())], mine_grads, whole_grads, strict=True):
-        assert _relative(got, want) < 1e-12, name
+        assert relative(got, want) < 1e-12, name
 
 
 def test_given_positions_must_tile_the_sequences_and_not_come_with_documents() -> None:
@@ -138,21 +98,21 @@ def test_a_packed_batch_of_the_model_computes_each_document_as_alone() -> None:
     assert config.moe_expert_capacity_factor is None  # dropless: a token's expert output is its own
     model = build_model(config, seed=3)
     packing, seq = [[5, 17, 1, 9], [32], [12, 20]], 34
-    docs_BS = torch.tensor([_row_ids(lengths, seq) for lengths in packing])
+    docs_BS = document_ids(packing, seq)
     ids_BS = torch.randint(0, config.vocab_size, docs_BS.shape, generator=torch.Generator().manual_seed(1))
     weights = torch.randn(*docs_BS.shape, config.vocab_size, generator=torch.Generator().manual_seed(9))
-    spans = [(row, start, end) for row, start, end in _spans(packing, seq) if docs_BS[row, start] >= 0]
+    real = [(row, start, end) for row, start, end in spans(packing, seq) if docs_BS[row, start] >= 0]
 
     packed = model(ids_BS, document_ids_BS=docs_BS).logits
-    sum(((weights[r, s:e] * packed[r, s:e]).sum() for r, s, e in spans), torch.zeros(())).backward()
+    sum(((weights[r, s:e] * packed[r, s:e]).sum() for r, s, e in real), torch.zeros(())).backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
 
     errors = {}
-    for row, start, end in spans:
+    for row, start, end in real:
         alone = model(ids_BS[row : row + 1, start:end]).logits[0]
         (weights[row, start:end] * alone).sum().backward()
-        errors[(row, start)] = _relative(packed[row, start:end], alone)
+        errors[(row, start)] = relative(packed[row, start:end], alone)
     assert max(errors.values()) < 1e-5, errors
     alone_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert packed_grads.keys() == alone_grads.keys()
@@ -161,7 +121,7 @@ def test_a_packed_batch_of_the_model_computes_each_document_as_alone() -> None:
         # the decay's parameters sum many cancelling terms: in fp32 their gradients move by up to ~1e-3 relative with
         # the summation order alone (measured: the same unpacked rows as one batch or row by row, 1.3e-3)
         tolerance = 1e-3 if name.endswith((".A_log", ".dt_bias")) else 1e-5
-        assert _relative(grad, alone_grads[name]) < tolerance, name
+        assert relative(grad, alone_grads[name]) < tolerance, name
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -176,7 +136,7 @@ def test_a_contiguous_split_of_the_rows_is_a_split_of_the_heads(packed: bool) ->
         linear_num_key_heads=layer.num_k_heads // 2,
         linear_num_value_heads=layer.num_v_heads // 2,
     )
-    docs_BS = torch.tensor([_row_ids(lengths, SEQ) for lengths in PACKING]) if packed else None
+    docs_BS = document_ids(PACKING, SEQ) if packed else None
     x_BSH = torch.randn(len(PACKING), SEQ, layer.in_proj.in_features, generator=torch.Generator().manual_seed(3))
     total = torch.zeros(())
     for rank in range(2):
@@ -187,7 +147,7 @@ def test_a_contiguous_split_of_the_rows_is_a_split_of_the_heads(packed: bool) ->
                 dim = 1 if name == "out_proj.weight" else 0
                 p.copy_(whole if name == "norm.weight" else whole.chunk(2, dim=dim)[rank])
         total = total + shard(x_BSH, document_ids_BS=docs_BS)
-    assert _relative(total, layer(x_BSH, document_ids_BS=docs_BS)) < 1e-6
+    assert relative(total, layer(x_BSH, document_ids_BS=docs_BS)) < 1e-6
 
 
 def test_the_parallel_plan_splits_the_heads_and_needs_tp_to_divide_the_key_heads() -> None:

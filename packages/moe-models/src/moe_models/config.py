@@ -182,6 +182,25 @@ class ModelConfig:
     linear_num_key_heads: int = 16  # query/key heads; each serves linear_num_value_heads / this consecutive v heads
     linear_num_value_heads: int = 32
     linear_attention_chunk_size: int = 64  # positions per chunk of the chunked gated delta rule (a compute choice)
+    # --- Mamba-2 layers (Nemotron-H's token mixer, moe_models.mamba; Megatron-Core's --mamba-* names) ---
+    # heads of mamba_head_dim channels share mamba_num_groups groups of B and C (each group serving
+    # mamba_num_heads / mamba_num_groups consecutive heads), with a state of mamba_state_dim per channel (transformers'
+    # ssm_state_size, mamba_head_dim, n_groups, mamba_num_heads)
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int = 128
+    mamba_conv_kernel_dim: int = 4  # the causal depthwise convolution over x, B and C (transformers' conv_kernel)
+    mamba_conv_bias: bool = True  # transformers' use_conv_bias
+    # biases of in_proj and out_proj: transformers' use_bias (its mamba_proj_bias is read by nothing)
+    mamba_proj_bias: bool = False
+    mamba_chunk_size: int = 128  # positions per chunk of the chunked SSD scan (a compute choice)
+    # the time step dt = softplus(dt_proj + dt_bias) is clamped to [min, max] (None: no upper bound); transformers'
+    # Nemotron-H clamps to [time_step_min, inf) and ignores its time_step_limit. The gated norm after the scan has no
+    # fields of its own: rmsnorm(y * silu(z)) over each B/C group's heads' channels, epsilon norm_epsilon, as
+    # transformers' (groups of intermediate_size / n_groups, layer_norm_epsilon)
+    mamba_dt_clamp_min: float = 0.0
+    mamba_dt_clamp_max: float | None = None
     # --- MLPs ---
     activation_func: str = "swiglu"  # a moe_experts activation: swiglu | swiglu_oai | geglu | ...
     ffn_hidden_size: int = 512  # dense-MLP layers
@@ -297,6 +316,7 @@ class ModelConfig:
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             raise ModelConfigError("mtp_num_layers", self.mtp_num_layers, "must be at least 1, or null for no MTP")
         self._validate_linear_attention()
+        self._validate_mamba()
         self.router_config()  # validates the fields of ROUTER_FIELDS
 
     def _validate_gqa(self) -> None:
@@ -400,6 +420,35 @@ class ModelConfig:
             for name in ("experimental_attention_variant", "attention_output_gate", "layernorm_zero_centered_gamma"):
                 if getattr(self, name) not in (None, False):
                     raise ModelConfigError(name, getattr(self, name), "grouped-query attention only: unset it for MLA")
+
+    def _validate_mamba(self) -> None:
+        for name in (
+            "mamba_state_dim",
+            "mamba_head_dim",
+            "mamba_num_groups",
+            "mamba_num_heads",
+            "mamba_conv_kernel_dim",
+            "mamba_chunk_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(name, getattr(self, name), "must be at least 1")
+        if self.mamba_num_heads % self.mamba_num_groups:
+            raise ModelConfigError(
+                "mamba_num_heads",
+                self.mamba_num_heads,
+                f"must be a multiple of mamba_num_groups ({self.mamba_num_groups})",
+            )
+        if not 0 <= self.mamba_dt_clamp_min < math.inf:
+            raise ModelConfigError(
+                "mamba_dt_clamp_min", self.mamba_dt_clamp_min, "must be finite and at least 0 (0: no lower bound)"
+            )
+        high = self.mamba_dt_clamp_max
+        if high is not None and not self.mamba_dt_clamp_min < high:
+            raise ModelConfigError(
+                "mamba_dt_clamp_max",
+                high,
+                f"must exceed mamba_dt_clamp_min ({self.mamba_dt_clamp_min}), or be null for no upper bound",
+            )
 
     @property
     def rotary_dim(self) -> int:

@@ -83,6 +83,73 @@ def _decay_within_chunk(gamma_BNTC: torch.Tensor) -> torch.Tensor:
     return diff_BNTCC.masked_fill(~causal_CC, float("-inf")).exp()
 
 
+def _solve_ut(
+    a_BNTCC: torch.Tensor,
+    beta_BNTC1: torch.Tensor,
+    v_BNTCV: torch.Tensor,
+    decay_BNTC_: torch.Tensor,
+    k_BNTCK: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The UT transform: ``(I + A) [W | K'] = [beta V | beta exp(gamma) K]`` solved per chunk for both right-hand
+    sides (A strictly lower triangular; ``decay_BNTC_`` = exp(gamma) per position [.., 1] or per channel [.., K]), so
+    that a chunk's corrections from a state S0 are ``U = W - K' S0``."""
+    eye_CC = torch.eye(a_BNTCC.shape[-1], dtype=a_BNTCC.dtype, device=a_BNTCC.device)
+    rhs_BNTCX = torch.cat([beta_BNTC1 * v_BNTCV, beta_BNTC1 * decay_BNTC_ * k_BNTCK], dim=-1)
+    solved_BNTCX = torch.linalg.solve_triangular(eye_CC + a_BNTCC, rhs_BNTCX, upper=False, unitriangular=True)
+    w_BNTCV, k_read_BNTCK = solved_BNTCX.split([v_BNTCV.shape[-1], k_BNTCK.shape[-1]], dim=-1)
+    return w_BNTCV, k_read_BNTCK
+
+
+def _scan_chunks(
+    state_BNKV: torch.Tensor,
+    w_BNTCV: torch.Tensor,
+    k_read_BNTCK: torch.Tensor,
+    q_read_BNTCK: torch.Tensor,
+    attn_BNTCC: torch.Tensor,
+    k_write_BNTKC: torch.Tensor,
+    chunk_decay_BNT__: torch.Tensor,
+    v_BNSV: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk-to-chunk scan from ``state_BNKV``, one state update per chunk: ``U = W - K' S0``, the outputs
+    ``Q_read S0 + attn U`` and ``S_C = chunk_decay * S0 + K_write U``. Returns the outputs [B, N, S, V] (S that of
+    ``v_BNSV``, which stands for them when S = 0) and the final state."""
+    outputs = []
+    for t in range(w_BNTCV.shape[2]):
+        u_BNCV = w_BNTCV[:, :, t] - k_read_BNTCK[:, :, t] @ state_BNKV
+        outputs.append(q_read_BNTCK[:, :, t] @ state_BNKV + attn_BNTCC[:, :, t] @ u_BNCV)
+        state_BNKV = state_BNKV * chunk_decay_BNT__[:, :, t] + k_write_BNTKC[:, :, t] @ u_BNCV
+    o_BNSV = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, : v_BNSV.shape[2]] if outputs else v_BNSV
+    return o_BNSV, state_BNKV
+
+
+def _scan_steps(
+    q_BNSK: torch.Tensor,
+    k_BNSK: torch.Tensor,
+    v_BNSV: torch.Tensor,
+    decay_BNS__: torch.Tensor,
+    beta_BNS: torch.Tensor,
+    state_BNKV: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule token by token, the state multiplied by ``decay_BNS__[:, :, s]`` (broadcast onto [K, V]) before
+    each correction. Returns the outputs [B, N, S, V] and the final state."""
+    outputs = []
+    for s in range(v_BNSV.shape[2]):
+        state_BNKV = state_BNKV * decay_BNS__[:, :, s]
+        k_BN1K = k_BNSK[:, :, s].unsqueeze(-2)
+        correction_BN1V = beta_BNS[:, :, s, None, None] * (v_BNSV[:, :, s].unsqueeze(-2) - k_BN1K @ state_BNKV)
+        state_BNKV = state_BNKV + k_BN1K.transpose(-1, -2) @ correction_BN1V
+        outputs.append(q_BNSK[:, :, s].unsqueeze(-2) @ state_BNKV)
+    o_BNSV = torch.cat(outputs, dim=2) if outputs else v_BNSV
+    return o_BNSV, state_BNKV
+
+
+def _returned(
+    o_BNSV: torch.Tensor, state_BNKV: torch.Tensor, dtype: torch.dtype, output_final_state: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output [B, S, N, V] in ``dtype`` and the final state if asked."""
+    return o_BNSV.transpose(1, 2).to(dtype), (state_BNKV if output_final_state else None)
+
+
 def chunk_gated_delta_rule(
     q_BSNK: torch.Tensor,
     k_BSNK: torch.Tensor,
@@ -113,8 +180,6 @@ def chunk_gated_delta_rule(
     q_BNSK, k_BNSK, v_BNSV, g_BNS, beta_BNS, state_BNKV = _heads_first(
         q_BSNK, k_BSNK, v_BSNV, g_BSN, beta_BSN, initial_state_BNKV, use_qk_l2norm, scale
     )
-    batch, heads, seq, dim_v = v_BNSV.shape
-    dim_k = k_BNSK.shape[-1]
     q_BNTCK, k_BNTCK, v_BNTCV = (_in_chunks(x, chunk_size) for x in (q_BNSK, k_BNSK, v_BNSV))
     g_BNTC, beta_BNTC = (_in_chunks(x, chunk_size) for x in (g_BNS, beta_BNS))
 
@@ -124,25 +189,16 @@ def chunk_gated_delta_rule(
     beta_BNTC1 = beta_BNTC.unsqueeze(-1)
 
     a_BNTCC = (beta_BNTC1 * (k_BNTCK @ k_t_BNTKC) * decay_BNTCC).tril(-1)
-    eye_CC = torch.eye(chunk_size, dtype=a_BNTCC.dtype, device=a_BNTCC.device)
-    rhs_BNTCX = torch.cat([beta_BNTC1 * v_BNTCV, beta_BNTC1 * gamma_BNTC.exp().unsqueeze(-1) * k_BNTCK], dim=-1)
-    solved_BNTCX = torch.linalg.solve_triangular(eye_CC + a_BNTCC, rhs_BNTCX, upper=False, unitriangular=True)
-    w_BNTCV, k_read_BNTCK = solved_BNTCX.split([dim_v, dim_k], dim=-1)
+    w_BNTCV, k_read_BNTCK = _solve_ut(a_BNTCC, beta_BNTC1, v_BNTCV, gamma_BNTC.exp().unsqueeze(-1), k_BNTCK)
 
     attn_BNTCC = (q_BNTCK @ k_t_BNTKC) * decay_BNTCC
     q_read_BNTCK = q_BNTCK * gamma_BNTC.exp().unsqueeze(-1)
     k_write_BNTKC = (k_BNTCK * (gamma_BNTC[..., -1:] - gamma_BNTC).exp().unsqueeze(-1)).transpose(-1, -2)
     chunk_decay_BNT11 = gamma_BNTC[..., -1].exp()[..., None, None]
-
-    outputs = []
-    for t in range(gamma_BNTC.shape[2]):
-        u_BNCV = w_BNTCV[:, :, t] - k_read_BNTCK[:, :, t] @ state_BNKV
-        outputs.append(q_read_BNTCK[:, :, t] @ state_BNKV + attn_BNTCC[:, :, t] @ u_BNCV)
-        state_BNKV = state_BNKV * chunk_decay_BNT11[:, :, t] + k_write_BNTKC[:, :, t] @ u_BNCV
-
-    o_BNSV = torch.stack(outputs, dim=2).reshape(batch, heads, -1, dim_v)[:, :, :seq] if outputs else v_BNSV
-    o_BSNV = o_BNSV.transpose(1, 2).to(q_BSNK.dtype)
-    return o_BSNV, (state_BNKV if output_final_state else None)
+    o_BNSV, state_BNKV = _scan_chunks(
+        state_BNKV, w_BNTCV, k_read_BNTCK, q_read_BNTCK, attn_BNTCC, k_write_BNTKC, chunk_decay_BNT11, v_BNSV
+    )
+    return _returned(o_BNSV, state_BNKV, q_BSNK.dtype, output_final_state)
 
 
 def recurrent_gated_delta_rule(
@@ -162,16 +218,8 @@ def recurrent_gated_delta_rule(
     q_BNSK, k_BNSK, v_BNSV, g_BNS, beta_BNS, state_BNKV = _heads_first(
         q_BSNK, k_BSNK, v_BSNV, g_BSN, beta_BSN, initial_state_BNKV, use_qk_l2norm, scale
     )
-    outputs = []
-    for s in range(v_BNSV.shape[2]):
-        state_BNKV = state_BNKV * g_BNS[:, :, s].exp()[..., None, None]
-        k_BN1K = k_BNSK[:, :, s].unsqueeze(-2)
-        correction_BN1V = beta_BNS[:, :, s, None, None] * (v_BNSV[:, :, s].unsqueeze(-2) - k_BN1K @ state_BNKV)
-        state_BNKV = state_BNKV + k_BN1K.transpose(-1, -2) @ correction_BN1V
-        outputs.append(q_BNSK[:, :, s].unsqueeze(-2) @ state_BNKV)
-    o_BNSV = torch.cat(outputs, dim=2) if outputs else v_BNSV
-    o_BSNV = o_BNSV.transpose(1, 2).to(q_BSNK.dtype)
-    return o_BSNV, (state_BNKV if output_final_state else None)
+    o_BNSV, state_BNKV = _scan_steps(q_BNSK, k_BNSK, v_BNSV, g_BNS.exp()[..., None, None], beta_BNS, state_BNKV)
+    return _returned(o_BNSV, state_BNKV, q_BSNK.dtype, output_final_state)
 
 
 def causal_conv1d(

@@ -18,9 +18,8 @@ then ``in_proj_ba`` rows of that head), the conv channels, for each key head, ``
 heads it holds from its input projection's output, so a rank holding some of them computes those.
 
 Packed documents (``document_ids_BS``): neither the convolution window nor the recurrent state crosses a document
-boundary. Each document of each row is computed alone, from zero states: the documents (read back to the host: one
-synchronisation) are batched by length, padded at their end (causal, so the padding changes nothing before it) into
-at most one batch per power of two of length, and the outputs put back in place. Rotary tables are taken and ignored
+boundary. Each document of each row is computed alone, from zero states, the documents batched by length
+(:func:`~moe_models.recurrent_documents.per_document`: one synchronisation). Rotary tables are taken and ignored
 (the layer has no positions).
 
 Given positions (``positions_S``, a context-parallel rank's share of each sequence: runs of consecutive positions,
@@ -44,14 +43,24 @@ Packed documents with given positions are refused for now.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_models.config import ModelConfig
 from moe_models.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from moe_models.recurrent_documents import per_document
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm", "SequenceSegments"]
+
+
+def _rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dimension, in fp32: the norm of the gated RMS norms (Qwen3-Next's
+    :class:`GatedRMSNorm`, Kimi Linear's ``kimi_delta.SigmoidGatedRMSNorm``)."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -65,41 +74,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        normed = self.weight * _rms_normalised(x, self.eps).to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)
-
-
-class _Documents:
-    """Where each document of packed rows goes in the batches of documents of similar lengths, and back.
-
-    ``gathers``: per batch, int64 ``[D, L]``, the flat ``[B * S]`` position of each document's tokens (D documents
-    padded to the longest, L; padding points at ``B * S``, a zero row appended); ``scatter``: int64 ``[B * S]``, each
-    token's row in the batches' outputs flattened and concatenated in order."""
-
-    def __init__(self, document_ids_BS: torch.Tensor) -> None:
-        batch, seq = document_ids_BS.shape
-        starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
-        starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]  # a row's first token starts one
-        starts_D = starts_BS.flatten().nonzero().squeeze(-1).cpu()  # the one synchronisation
-        lengths_D = torch.diff(starts_D, append=torch.tensor([batch * seq]))
-        self.count = len(starts_D)
-        device = document_ids_BS.device
-        buckets_D = torch.ceil(torch.log2(lengths_D.double())).long()  # lengths in (2^(k-1), 2^k] batch together
-        scatter = torch.empty(batch * seq, dtype=torch.long)
-        self.gathers: list[torch.Tensor] = []
-        offset = 0
-        for bucket in buckets_D.unique().tolist():
-            picked = buckets_D == bucket
-            starts, lengths = starts_D[picked], lengths_D[picked]
-            width = int(lengths.max())
-            steps_L = torch.arange(width)
-            valid_DL = steps_L < lengths[:, None]
-            flat_DL = starts[:, None] + steps_L
-            self.gathers.append(torch.where(valid_DL, flat_DL, batch * seq).to(device))
-            scatter[flat_DL[valid_DL]] = offset + torch.arange(flat_DL.numel()).view_as(flat_DL)[valid_DL]
-            offset += flat_DL.numel()
-        self.scatter = scatter.to(device)
 
 
 class SequenceSegments(nn.Module):
@@ -193,14 +169,8 @@ class GatedDeltaNet(nn.Module):
         inputs = (qkv_BSHX.flatten(-2), g_BSN, beta_BSN)
         if positions_S is not None:
             o_BSNV = self._mix_segments(*inputs, conv_weight_CW, positions_S)
-        elif document_ids_BS is None:
-            o_BSNV = self._mix(*inputs, conv_weight_CW)
         else:
-            documents = _Documents(document_ids_BS)
-            if documents.count <= x_BSH.shape[0]:  # one document per row (or empty rows): as unpacked rows
-                o_BSNV = self._mix(*inputs, conv_weight_CW)
-            else:
-                o_BSNV = self._mix_documents(inputs, conv_weight_CW, documents)
+            o_BSNV = per_document(functools.partial(self._mix, conv_weight_CW=conv_weight_CW), inputs, document_ids_BS)
         o_BSNV = self.norm(o_BSNV, z_BSHX.unflatten(-1, (-1, self.head_v_dim)).flatten(2, 3))
         return self.out_proj(o_BSNV.flatten(-2))
 
@@ -287,14 +257,3 @@ class GatedDeltaNet(nn.Module):
             correction_BLNV = torch.einsum("blnk,bnkv->blnv", qm_BLNK.to(state_in_BNKV.dtype), state_in_BNKV)
             mixed.append((o_BLNV.to(state_in_BNKV.dtype) + correction_BLNV).to(o_BLNV.dtype))
         return torch.cat(mixed, dim=1)
-
-    def _mix_documents(
-        self, inputs: tuple[torch.Tensor, ...], conv_weight_CW: torch.Tensor, documents: _Documents
-    ) -> torch.Tensor:
-        """:meth:`_mix` of each document alone (:class:`_Documents`), back in the packed rows' places."""
-        batch, seq = inputs[0].shape[:2]
-        flat = [torch.cat([t.flatten(0, 1), t.new_zeros(1, *t.shape[2:])]) for t in inputs]  # + the padding row
-        outputs = [
-            self._mix(*(t[gather_DL] for t in flat), conv_weight_CW).flatten(0, 1) for gather_DL in documents.gathers
-        ]
-        return torch.cat(outputs)[documents.scatter].unflatten(0, (batch, seq))

@@ -1,0 +1,139 @@
+"""Nemotron-H's Mamba-2 mixer: the selective state-space token mixer of its ``M`` layers, in place of
+:class:`~moe_models.attention.Attention`.
+
+One input projection gives, per token, the gate z and the scan input x (``mamba_num_heads`` heads of
+``mamba_head_dim`` channels), B and C (``mamba_num_groups`` groups of ``mamba_state_dim``) and one time step per head.
+x, B and C go through a causal depthwise convolution of ``mamba_conv_kernel_dim`` taps (with a bias when
+``mamba_conv_bias``) and SiLU; then, per head,
+
+    dt = clamp(softplus(dt_proj + dt_bias), mamba_dt_clamp_min, mamba_dt_clamp_max),    A = -exp(A_log)
+    h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T,    y_t = h_t C_t + D x_t
+
+(:func:`~moe_models.ssd.chunk_ssd_scan`, each B/C group serving its consecutive heads). The scan's output is gated
+and normalised, ``weight * rmsnorm(y * silu(z))`` over the channels of each group's heads
+(:func:`~moe_models.ssd.gated_rms_norm`, epsilon ``norm_epsilon``), and goes through ``out_proj``. The scan and the
+norm compute in fp32 (fp64 for fp64 inputs), as transformers' torch path does, and ``out_proj`` takes the input's dtype.
+
+Parameters as transformers' ``NemotronHMamba2Mixer`` names and lays them out, so a checkpoint imports by name:
+``in_proj`` rows ``[z, x, B, C, dt]`` (each part whole, heads and groups in order), conv channels ``[x, B, C]``,
+``dt_bias``, ``A_log`` and ``D`` one per head, ``norm.weight`` one per channel of x, ``out_proj``. A contiguous
+split of ``in_proj``'s rows is therefore not a split of the heads: tensor parallelism would split each of the five
+parts (and each of the conv's three) with the heads and groups, as Megatron-Core's mixer does. The layer reads how many
+heads it holds from :meth:`Mamba2Mixer.head_parameters`, so a rank holding such a split computes its heads.
+
+Packed documents (``document_ids_BS``): neither the convolution window nor the state crosses a document boundary, each
+document computed alone from zero states, batched by length as Gated DeltaNet does
+(:func:`~moe_models.recurrent_documents.per_document`). Rotary tables are taken and ignored; given positions (context
+parallelism) are refused, for now.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_models.config import ModelConfig
+from moe_models.gated_delta import causal_conv1d
+from moe_models.recurrent_documents import per_document
+from moe_models.ssd import chunk_ssd_scan, gated_rms_norm
+
+__all__ = ["Mamba2Mixer", "MambaHeadParameters"]
+
+
+class MambaHeadParameters(NamedTuple):
+    """The per-head (and per-channel) parameters of the heads a :class:`Mamba2Mixer` computes."""
+
+    conv_weight_CW: torch.Tensor  # [x, B, C] channels
+    conv_bias_C: torch.Tensor | None
+    A_log_N: torch.Tensor
+    dt_bias_N: torch.Tensor
+    D_N: torch.Tensor
+    norm_weight_I: torch.Tensor  # one per channel of x (the heads' channels in order)
+
+
+class _GatedNorm(nn.Module):
+    """Holds the gated norm's weight under transformers' name (``norm.weight``), starting at one; the mixer applies
+    it with :func:`~moe_models.ssd.gated_rms_norm` to the heads it computes."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba-2 mixer (module docstring); called as :class:`~moe_models.attention.Attention` is."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.head_dim, self.state_dim = c.mamba_head_dim, c.mamba_state_dim
+        self.heads_per_group = c.mamba_num_heads // c.mamba_num_groups
+        self.chunk_size = c.mamba_chunk_size
+        self.dt_clamp = (c.mamba_dt_clamp_min, c.mamba_dt_clamp_max)
+        self.norm_epsilon = c.norm_epsilon
+        inner = c.mamba_num_heads * c.mamba_head_dim
+        conv_channels = inner + 2 * c.mamba_num_groups * c.mamba_state_dim
+        self.in_proj = nn.Linear(c.hidden_size, inner + conv_channels + c.mamba_num_heads, bias=c.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(
+            conv_channels, conv_channels, c.mamba_conv_kernel_dim, groups=conv_channels, bias=c.mamba_conv_bias
+        )  # weight [C, 1, W]; applied causally by gated_delta.causal_conv1d
+        self.dt_bias = nn.Parameter(torch.ones(c.mamba_num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, c.mamba_num_heads + 1, dtype=torch.float32)))
+        self.norm = _GatedNorm(inner)
+        self.D = nn.Parameter(torch.ones(c.mamba_num_heads))
+        self.out_proj = nn.Linear(inner, c.hidden_size, bias=c.mamba_proj_bias)
+
+    def head_parameters(self) -> MambaHeadParameters:
+        """The per-head parameters of the heads this module computes (all of them here; a tensor-parallel plan may
+        override it to give a rank's part)."""
+        return MambaHeadParameters(
+            self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.dt_bias, self.D, self.norm.weight
+        )
+
+    def forward(
+        self,
+        x_BSH: torch.Tensor,
+        cos_SF: torch.Tensor | None = None,
+        sin_SF: torch.Tensor | None = None,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layer's output ``[B, S, H]`` for whole sequences ``x_BSH`` (the rotary tables are not used), each
+        document of packed rows (``document_ids_BS``, ``[B, S]``) computed alone."""
+        if positions_S is not None:
+            raise ValueError(
+                "Mamba layers compute whole sequences only: context parallelism (given positions) is not supported "
+                "yet for Mamba layers; use cp=1"
+            )
+        p = self.head_parameters()
+        heads = p.A_log_N.shape[0]
+        inner, bc = heads * self.head_dim, heads // self.heads_per_group * self.state_dim
+        z_BSI, xbc_BSC, dt_BSN = self.in_proj(x_BSH).split([inner, inner + 2 * bc, heads], dim=-1)
+        compute = torch.promote_types(x_BSH.dtype, torch.float32)
+        dt_BSN = F.softplus(dt_BSN.to(compute) + p.dt_bias_N.to(compute)).clamp(*self.dt_clamp)
+        y_BSNP = per_document(functools.partial(self._mix, p=p), (xbc_BSC, dt_BSN), document_ids_BS)
+        group_size = self.heads_per_group * self.head_dim
+        y_BSI = gated_rms_norm(y_BSNP.flatten(2), z_BSI, p.norm_weight_I, group_size=group_size, eps=self.norm_epsilon)
+        return self.out_proj(y_BSI.to(x_BSH.dtype))
+
+    def _mix(self, xbc_BSC: torch.Tensor, dt_BSN: torch.Tensor, p: MambaHeadParameters) -> torch.Tensor:
+        """The convolution and the scan over whole rows from zero states: the output ``[B, S, N, P]``, in the
+        computation dtype of ``dt_BSN``."""
+        xbc_BSC, _ = causal_conv1d(xbc_BSC, p.conv_weight_CW, p.conv_bias_C, activation="silu")
+        heads = dt_BSN.shape[-1]
+        inner, bc = heads * self.head_dim, heads // self.heads_per_group * self.state_dim
+        x_BSI, B_BSJ, C_BSJ = xbc_BSC.split([inner, bc, bc], dim=-1)
+        y_BSNP, _ = chunk_ssd_scan(
+            x_BSI.unflatten(-1, (heads, self.head_dim)).to(dt_BSN.dtype),  # the output in fp32, as transformers'
+            dt_BSN,
+            -p.A_log_N.to(dt_BSN.dtype).exp(),
+            B_BSJ.unflatten(-1, (-1, self.state_dim)),
+            C_BSJ.unflatten(-1, (-1, self.state_dim)),
+            chunk_size=self.chunk_size,
+            D_N=p.D_N,
+        )
+        return y_BSNP

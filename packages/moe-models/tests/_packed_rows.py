@@ -1,0 +1,75 @@
+"""Packed rows for the recurrent layers' tests (Gated DeltaNet, Mamba-2): document ids of rows of given document
+lengths, each document's place, and the check that a layer computes each document of a packed row as it computes
+that document alone in a row of its own (outputs and gradients)."""
+
+from __future__ import annotations
+
+import torch
+
+# the documents of each row (lengths; a padding tail of id -1 fills the row): one-token documents, documents shorter
+# and longer than a chunk of 4, a row holding one document
+PACKING = [[1, 6, 13, 4, 1], [25], [3, 3, 8, 8]]
+SEQ = 25
+
+
+def row_ids(lengths: list[int], seq: int) -> list[int]:
+    """One row's document ids: document i for ``lengths[i]`` tokens in turn, then -1 to ``seq``."""
+    ids = [doc for doc, length in enumerate(lengths) for _ in range(length)]
+    return ids + [-1] * (seq - len(ids))
+
+
+def document_ids(packing: list[list[int]], seq: int) -> torch.Tensor:
+    """int64 ``[B, S]`` document ids of rows packed as ``packing`` (:func:`row_ids` per row)."""
+    return torch.tensor([row_ids(lengths, seq) for lengths in packing])
+
+
+def spans(packing: list[list[int]], seq: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document, the padding tail included."""
+    out = []
+    for row, lengths in enumerate(packing):
+        start = 0
+        for length in [*lengths, seq - sum(lengths)]:
+            if length:
+                out.append((row, start, start + length))
+            start += length
+    return out
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius), 0-safe in b."""
+    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
+
+
+def assert_each_document_computes_as_alone(layer: torch.nn.Module, in_features: int, out_features: int) -> None:
+    """``layer`` on the rows of :data:`PACKING` with their document ids against each document run alone in a row of
+    its own without ids: outputs, the input's gradient and every parameter's within 1e-6 (relative); and without the
+    ids the later documents see the earlier ones, so the outputs differ (the check can fail)."""
+    docs_BS = document_ids(PACKING, SEQ)
+    gen = torch.Generator().manual_seed(1)
+    x_BSH = torch.randn(*docs_BS.shape, in_features, generator=gen, requires_grad=True)
+    weights_BSH = torch.randn(*docs_BS.shape, out_features, generator=gen)
+
+    packed = layer(x_BSH, document_ids_BS=docs_BS)
+    (weights_BSH * packed).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    x_grad = x_BSH.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    x_BSH.grad = None
+
+    errors = {}
+    for row, start, end in spans(PACKING, SEQ):
+        alone = layer(x_BSH[row : row + 1, start:end])
+        (weights_BSH[row : row + 1, start:end] * alone).sum().backward()
+        errors[(row, start)] = relative(packed[row : row + 1, start:end], alone)
+    assert max(errors.values()) < 1e-6, errors
+    assert relative(x_grad, x_BSH.grad) < 1e-6
+    for name, p in layer.named_parameters():
+        assert relative(grads[name], p.grad) < 1e-6, name
+    assert relative(layer(x_BSH, document_ids_BS=None), packed) > 1e-2
+
+
+def assert_rows_of_one_document_compute_as_unpacked(layer: torch.nn.Module, in_features: int) -> None:
+    """Rows of one document each (and a row of padding alone) give exactly the output of the rows without ids."""
+    x_BSH = torch.randn(2, 9, in_features, generator=torch.Generator().manual_seed(2))
+    docs_BS = torch.tensor([[4] * 9, [-1] * 9])
+    assert torch.equal(layer(x_BSH, document_ids_BS=docs_BS), layer(x_BSH))
