@@ -22,9 +22,12 @@ import dataclasses
 import pytest
 import torch
 from _packed_rows import (
+    CHUNK_ORDERS,
     PACKING,
     SEQ,
     assert_each_document_computes_as_alone,
+    assert_given_positions_must_tile_and_not_come_with_documents,
+    assert_positions_in_any_order_compute_the_whole_row,
     assert_rows_of_one_document_compute_as_unpacked,
     document_ids,
     relative,
@@ -56,41 +59,18 @@ def test_rows_of_one_document_each_compute_as_unpacked_rows() -> None:
     assert_rows_of_one_document_compute_as_unpacked(layer, layer.in_proj.in_features)
 
 
-# chunks of 4 of a 24-position row, in the order a rank would hold them: runs of consecutive positions (segments)
-# out of order, one run of two chunks, the whole row as one run
-CHUNK_ORDERS = [[0, 5, 1, 4, 2, 3], [3, 1, 0, 2, 4, 5], [2, 3, 0, 1, 4, 5], [0, 1, 2, 3, 4, 5]]
-
-
 @pytest.mark.parametrize("order", CHUNK_ORDERS, ids=str)
 def test_given_positions_compute_each_segment_from_the_states_before_it(order: list[int]) -> None:
-    """What a context-parallel rank computes, in one process (moe_parallel makes ``segments`` return every rank's
-    rows; moe-parallel's test_parallelize_dist.py runs cp=2 on gloo): the layer on the positions in another order, each
-    run of them a segment starting from its predecessor's convolution tail and chained delta-rule state, equals the
-    whole row's output at those positions, in fp64, with the input's and every parameter's gradient."""
     layer = _layer().double()
-    gen = torch.Generator().manual_seed(4)
-    x_BSH = torch.randn(2, 24, layer.in_proj.in_features, generator=gen, dtype=torch.float64, requires_grad=True)
-    weights_BSH = torch.randn(2, 24, layer.out_proj.out_features, generator=gen, dtype=torch.float64)
-    positions_S = torch.arange(24).view(6, 4)[order].flatten()
-
-    whole = layer(x_BSH)
-    whole_grads = torch.autograd.grad((weights_BSH * whole).sum(), [x_BSH, *layer.parameters()])
-    mine = layer(x_BSH[:, positions_S], positions_S=positions_S)
-    mine_grads = torch.autograd.grad((weights_BSH[:, positions_S] * mine).sum(), [x_BSH, *layer.parameters()])
-    assert relative(mine, whole[:, positions_S]) < 1e-12
-    for name, got, want in zip(["x", *(n for n, _ in layer.named_parameters())], mine_grads, whole_grads, strict=True):
-        assert relative(got, want) < 1e-12, name
+    assert_positions_in_any_order_compute_the_whole_row(
+        layer, layer.in_proj.in_features, layer.out_proj.out_features, order
+    )
 
 
 def test_given_positions_must_tile_the_sequences_and_not_come_with_documents() -> None:
-    layer = _layer()
-    x_BSH = torch.zeros(1, 8, layer.in_proj.in_features)
-    with pytest.raises(ValueError, match="a segment starts at 4 where 0 was expected"):
-        layer(x_BSH, positions_S=torch.arange(4, 12))  # one process: its positions are every position
-    with pytest.raises(ValueError, match="shorter than the convolution's history"):
-        layer(x_BSH, positions_S=torch.tensor([6, 7, 0, 1, 2, 3, 4, 5]))
-    with pytest.raises(ValueError, match="packed documents or given positions"):
-        layer(x_BSH, positions_S=torch.arange(8), document_ids_BS=torch.zeros(1, 8, dtype=torch.long))
+    assert_given_positions_must_tile_and_not_come_with_documents(
+        _layer(), _layer().in_proj.in_features, "linear_conv_kernel_dim"
+    )
 
 
 def test_a_packed_batch_of_the_model_computes_each_document_as_alone() -> None:

@@ -7,7 +7,8 @@ transformers runs its reference PyTorch path: the CUDA packages it would prefer 
 mode (no fused training kernel).
 
 Packed documents compute each document as alone (outputs and gradients within 1e-6); rows of one document each compute
-as unpacked rows; given positions are refused. Splitting each of in_proj's parts, the conv channels and the per-head
+as unpacked rows; given positions (a context-parallel rank's) in any order of their runs compute the whole
+row (fp64, 1e-12, with gradients). Splitting each of in_proj's parts, the conv channels and the per-head
 parameters in halves gives two layers of half the heads and groups whose outputs sum to the whole layer's (what tensor
 parallelism would compute). Bad Mamba config values raise ModelConfigError naming the field."""
 
@@ -21,9 +22,12 @@ import pytest
 import torch
 from _hf_reference import randomize_, rel_err
 from _packed_rows import (
+    CHUNK_ORDERS,
     PACKING,
     SEQ,
     assert_each_document_computes_as_alone,
+    assert_given_positions_must_tile_and_not_come_with_documents,
+    assert_positions_in_any_order_compute_the_whole_row,
     assert_rows_of_one_document_compute_as_unpacked,
     document_ids,
     relative,
@@ -214,10 +218,15 @@ def test_rows_of_one_document_each_compute_as_unpacked_rows() -> None:
     assert_rows_of_one_document_compute_as_unpacked(_layer(), PACKED_CASE.hidden)
 
 
-def test_given_positions_are_refused() -> None:
-    layer = _layer()
-    with pytest.raises(ValueError, match="context parallelism .* not supported yet for Mamba layers"):
-        layer(torch.zeros(1, 4, PACKED_CASE.hidden), positions_S=torch.arange(4))
+@pytest.mark.parametrize("order", CHUNK_ORDERS, ids=str)
+def test_given_positions_compute_each_segment_from_the_states_before_it(order: list[int]) -> None:
+    assert_positions_in_any_order_compute_the_whole_row(
+        _layer().double(), PACKED_CASE.hidden, PACKED_CASE.hidden, order
+    )
+
+
+def test_given_positions_must_tile_the_sequences_and_not_come_with_documents() -> None:
+    assert_given_positions_must_tile_and_not_come_with_documents(_layer(), PACKED_CASE.hidden, "mamba_conv_kernel_dim")
 
 
 # --- a split of the heads ---

@@ -33,11 +33,9 @@ the load-balanced chunks), each run is a segment computed from its predecessor's
   ``q M_t``. The segments' ``(M, D)`` are chained in position order to give each its ``S_in``.
 
 The segments' positions, conv tails and ``(M, D)`` pass through :attr:`GatedDeltaNet.segments`
-(:class:`SequenceSegments`), the identity in one process: there the given positions must cover the whole
-sequences (in any order of runs). Under context parallelism moe_parallel makes it return every cp rank's segments
-(an all-gather, whose backward returns each rank's gradient), so a rank chains the earlier ranks' summaries: three
-small collectives per layer (and one of the segment counts, as every rank's rows are padded to the most any has),
-of ``[segments, B, N, K, K + V]`` at most, and twice the delta rule's state width.
+(:class:`~moe_models.sequence_segments.SequenceSegments`: the identity in one process, every cp rank's rows under
+context parallelism), so a rank chains the earlier ranks' summaries: four small collectives per layer, of
+``[segments, B, N, K, K + V]`` at most, and twice the delta rule's state width.
 Packed documents with given positions are refused for now.
 """
 
@@ -52,8 +50,9 @@ from torch import nn
 from moe_models.config import ModelConfig
 from moe_models.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from moe_models.recurrent_documents import per_document
+from moe_models.sequence_segments import SegmentedPositions, SequenceSegments
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "SequenceSegments"]
+__all__ = ["GatedDeltaNet", "GatedRMSNorm"]
 
 
 def _rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,45 +75,6 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = self.weight * _rms_normalised(x, self.eps).to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)
-
-
-class SequenceSegments(nn.Module):
-    """The per-segment values of the sequence segments a module computes (one row per segment along dim 0), as
-    those of every segment of the sequences: the identity when one process computes them all. Context parallelism
-    (moe_parallel) makes it return every cp rank's rows, rank by rank."""
-
-    def forward(self, per_segment_R_: torch.Tensor) -> torch.Tensor:
-        return per_segment_R_
-
-
-def _position_runs(positions_S: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(index, length, first position)`` of each run of consecutive positions in ``positions_S``, in its order."""
-    pos = positions_S.tolist()
-    starts = [i for i in range(len(pos)) if i == 0 or pos[i] != pos[i - 1] + 1]
-    return [(i, end - i, pos[i]) for i, end in zip(starts, [*starts[1:], len(pos)], strict=True)]
-
-
-class _SegmentOrder:
-    """Where each of this module's segments stands among every segment of the sequences (after
-    :class:`SequenceSegments`): ``local`` the index among all segments of each local run, ``previous`` the index of the
-    segment ending where each segment starts (None at position 0), ``order`` all segments by position."""
-
-    def __init__(self, runs: list[tuple[int, int, int]], all_runs: list[list[int]]) -> None:
-        # rows of length 0 pad every rank's rows to the same count (a collective's parts are equal)
-        self.order = sorted((i for i in range(len(all_runs)) if all_runs[i][1]), key=lambda i: all_runs[i][0])
-        end = 0
-        for i in self.order:
-            first, length = all_runs[i]
-            if first != end:
-                raise ValueError(
-                    f"the given positions do not tile the sequences: a segment starts at {first} where {end} was "
-                    "expected (each position computed once, by one rank)"
-                )
-            end = first + length
-        ending_at = {all_runs[i][0] + all_runs[i][1]: i for i in self.order}
-        self.previous = {i: ending_at.get(all_runs[i][0]) for i in self.order}
-        self.local = [all_runs.index([first, length]) for _, length, first in runs]
-        self.lengths = [all_runs[i][1] for i in self.order]
 
 
 class GatedDeltaNet(nn.Module):
@@ -201,30 +161,17 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """:meth:`_mix` of the runs of consecutive ``positions_S``, each from the states its predecessor leaves
         (module docstring: segments)."""
-        runs = _position_runs(positions_S)
-        device = qkv_BSC.device
-        rows = int(self.segments(torch.tensor([len(runs)], device=device)).max())  # the most segments of any rank
-        padding = rows - len(runs)
-        meta_R2 = torch.tensor([[first, length] for _, length, first in runs] + [[-1, 0]] * padding, device=device)
-        segments = _SegmentOrder(runs, self.segments(meta_R2).tolist())
-        history = conv_weight_CW.shape[-1] - 1
-        if history and min(segments.lengths) < history:
-            raise ValueError(
-                f"linear_conv_kernel_dim={history + 1}: a segment of {min(segments.lengths)} positions is shorter "
-                "than the convolution's history; use longer sequences or fewer cp ranks"
-            )
-        pieces = [qkv_BSC.narrow(1, index, length) for index, length, _ in runs]
-        tails = [piece[:, piece.shape[1] - history :] for piece in pieces]
-        tails_RBWC = self.segments(torch.stack(tails + [torch.zeros_like(tails[0])] * padding))
-
+        segments = SegmentedPositions(self.segments, positions_S)
+        pieces = segments.pieces(qkv_BSC)
+        conv_states = segments.conv_states(pieces, conv_weight_CW.shape[-1], "linear_conv_kernel_dim")
         dim_k, dim_v = self.head_k_dim, self.head_v_dim
         outputs, summaries = [], []
-        for piece_BLC, (index, length, _), segment in zip(pieces, runs, segments.local, strict=True):
-            previous = segments.previous[segment]
-            conv_state = None if previous is None else tails_RBWC[previous].transpose(1, 2)
+        for piece_BLC, conv_state, g_BLN, beta_BLN in zip(
+            pieces, conv_states, segments.pieces(g_BSN), segments.pieces(beta_BSN), strict=True
+        ):
             piece_BLC, _ = causal_conv1d(piece_BLC, conv_weight_CW, activation="silu", initial_state_BCW1=conv_state)
             q_BLHK, k_BLHK, v_BLNV = self._qkv_heads(piece_BLC)
-            batch, _, heads, _ = v_BLNV.shape
+            batch, length, heads, _ = v_BLNV.shape
             # K zero value columns read the transition from an identity initial state (module docstring)
             v_BLNX = torch.cat([v_BLNV, v_BLNV.new_zeros(batch, length, heads, dim_k)], dim=-1)
             eye_BNKK = torch.eye(dim_k, device=v_BLNV.device).expand(batch, heads, dim_k, dim_k)
@@ -233,8 +180,8 @@ class GatedDeltaNet(nn.Module):
                 q_BLHK,
                 k_BLHK,
                 v_BLNX,
-                g_BSN.narrow(1, index, length),
-                beta_BSN.narrow(1, index, length),
+                g_BLN,
+                beta_BLN,
                 chunk_size=self.chunk_size,
                 initial_state_BNKV=state_BNKX,
                 output_final_state=True,
@@ -242,18 +189,15 @@ class GatedDeltaNet(nn.Module):
             )
             outputs.append(o_BLNX)
             summaries.append(final_BNKX)
-        summaries_RBNKX = self.segments(torch.stack(summaries + [torch.zeros_like(summaries[0])] * padding))
 
-        states_in = {}  # segment -> the state it starts from [B, N, K, V]
-        state_BNKV = summaries_RBNKX.new_zeros((*summaries_RBNKX.shape[1:-1], dim_v))
-        for segment in segments.order[: 1 + max(segments.order.index(s) for s in segments.local)]:
-            states_in[segment] = state_BNKV
-            d_BNKV, m_BNKK = summaries_RBNKX[segment].split([dim_v, dim_k], dim=-1)
-            state_BNKV = m_BNKK @ state_BNKV + d_BNKV
+        def step(summary_BNKX: torch.Tensor, state_BNKV: torch.Tensor) -> torch.Tensor:
+            d_BNKV, m_BNKK = summary_BNKX.split([dim_v, dim_k], dim=-1)
+            return m_BNKK @ state_BNKV + d_BNKV
+
+        zero_BNKV = summaries[0].new_zeros((*summaries[0].shape[:-1], dim_v))
         mixed = []
-        for o_BLNX, segment in zip(outputs, segments.local, strict=True):
+        for o_BLNX, state_in_BNKV in zip(outputs, segments.chain(summaries, step, zero_BNKV), strict=True):
             o_BLNV, qm_BLNK = o_BLNX.split([dim_v, dim_k], dim=-1)
-            state_in_BNKV = states_in[segment]
             correction_BLNV = torch.einsum("blnk,bnkv->blnv", qm_BLNK.to(state_in_BNKV.dtype), state_in_BNKV)
             mixed.append((o_BLNV.to(state_in_BNKV.dtype) + correction_BLNV).to(o_BLNV.dtype))
         return torch.cat(mixed, dim=1)

@@ -23,8 +23,15 @@ heads it holds from :meth:`Mamba2Mixer.head_parameters`, so a rank holding such 
 
 Packed documents (``document_ids_BS``): neither the convolution window nor the state crosses a document boundary, each
 document computed alone from zero states, batched by length as Gated DeltaNet does
-(:func:`~moe_models.recurrent_documents.per_document`). Rotary tables are taken and ignored; given positions (context
-parallelism) are refused, for now.
+(:func:`~moe_models.recurrent_documents.per_document`). Rotary tables are taken and ignored.
+
+Given positions (``positions_S``, a context-parallel rank's share of each sequence), each run of consecutive positions
+is a segment computed from the states the segment before leaves (:mod:`moe_models.sequence_segments`): the
+convolution from its last W - 1 inputs, the scan from a zero state, then corrected. The scan is linear in its state
+with a scalar decay per head, so a segment's final state is ``exp(sum dt A) h_in + h_0`` and its outputs gain
+``exp(cumulative dt A)_t h_in C_t``: its summary is ``h_0`` (``[N, P, D]``) and its total log decay, exchanged
+through :attr:`Mamba2Mixer.segments` and chained in position order. Packed documents with given positions are
+refused for now.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from torch import nn
 from moe_models.config import ModelConfig
 from moe_models.gated_delta import causal_conv1d
 from moe_models.recurrent_documents import per_document
+from moe_models.sequence_segments import SegmentedPositions, SequenceSegments
 from moe_models.ssd import chunk_ssd_scan, gated_rms_norm
 
 __all__ = ["Mamba2Mixer", "MambaHeadParameters"]
@@ -86,6 +94,7 @@ class Mamba2Mixer(nn.Module):
         self.norm = _GatedNorm(inner)
         self.D = nn.Parameter(torch.ones(c.mamba_num_heads))
         self.out_proj = nn.Linear(inner, c.hidden_size, bias=c.mamba_proj_bias)
+        self.segments = SequenceSegments()
 
     def head_parameters(self) -> MambaHeadParameters:
         """The per-head parameters of the heads this module computes (all of them here; a tensor-parallel plan may
@@ -104,10 +113,10 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         """The layer's output ``[B, S, H]`` for whole sequences ``x_BSH`` (the rotary tables are not used), each
         document of packed rows (``document_ids_BS``, ``[B, S]``) computed alone."""
-        if positions_S is not None:
+        if positions_S is not None and document_ids_BS is not None:
             raise ValueError(
-                "Mamba layers compute whole sequences only: context parallelism (given positions) is not supported "
-                "yet for Mamba layers; use cp=1"
+                "Mamba layers take packed documents or given positions (context parallelism), not both yet: turn off "
+                "document packing or use cp=1"
             )
         p = self.head_parameters()
         heads = p.A_log_N.shape[0]
@@ -115,25 +124,75 @@ class Mamba2Mixer(nn.Module):
         z_BSI, xbc_BSC, dt_BSN = self.in_proj(x_BSH).split([inner, inner + 2 * bc, heads], dim=-1)
         compute = torch.promote_types(x_BSH.dtype, torch.float32)
         dt_BSN = F.softplus(dt_BSN.to(compute) + p.dt_bias_N.to(compute)).clamp(*self.dt_clamp)
-        y_BSNP = per_document(functools.partial(self._mix, p=p), (xbc_BSC, dt_BSN), document_ids_BS)
+        if positions_S is None:
+            y_BSNP = per_document(functools.partial(self._mix, p=p), (xbc_BSC, dt_BSN), document_ids_BS)
+        else:
+            y_BSNP = self._mix_segments(xbc_BSC, dt_BSN, p, positions_S)
         group_size = self.heads_per_group * self.head_dim
         y_BSI = gated_rms_norm(y_BSNP.flatten(2), z_BSI, p.norm_weight_I, group_size=group_size, eps=self.norm_epsilon)
         return self.out_proj(y_BSI.to(x_BSH.dtype))
 
-    def _mix(self, xbc_BSC: torch.Tensor, dt_BSN: torch.Tensor, p: MambaHeadParameters) -> torch.Tensor:
-        """The convolution and the scan over whole rows from zero states: the output ``[B, S, N, P]``, in the
-        computation dtype of ``dt_BSN``."""
-        xbc_BSC, _ = causal_conv1d(xbc_BSC, p.conv_weight_CW, p.conv_bias_C, activation="silu")
+    def _mix(
+        self,
+        xbc_BSC: torch.Tensor,
+        dt_BSN: torch.Tensor,
+        p: MambaHeadParameters,
+        conv_state_BCW1: torch.Tensor | None = None,
+        output_final_state: bool = False,
+    ):
+        """The convolution and the scan over whole rows from zero states (the convolution from ``conv_state_BCW1``
+        when given): the output ``[B, S, N, P]`` in the computation dtype of ``dt_BSN`` (and, if asked, C per head
+        ``[B, S, N, D]`` and the scan's final state ``[B, N, P, D]``)."""
+        xbc_BSC, _ = causal_conv1d(
+            xbc_BSC, p.conv_weight_CW, p.conv_bias_C, activation="silu", initial_state_BCW1=conv_state_BCW1
+        )
         heads = dt_BSN.shape[-1]
         inner, bc = heads * self.head_dim, heads // self.heads_per_group * self.state_dim
         x_BSI, B_BSJ, C_BSJ = xbc_BSC.split([inner, bc, bc], dim=-1)
-        y_BSNP, _ = chunk_ssd_scan(
+        C_BSGD = C_BSJ.unflatten(-1, (-1, self.state_dim))
+        y_BSNP, final_BNPD = chunk_ssd_scan(
             x_BSI.unflatten(-1, (heads, self.head_dim)).to(dt_BSN.dtype),  # the output in fp32, as transformers'
             dt_BSN,
             -p.A_log_N.to(dt_BSN.dtype).exp(),
             B_BSJ.unflatten(-1, (-1, self.state_dim)),
-            C_BSJ.unflatten(-1, (-1, self.state_dim)),
+            C_BSGD,
             chunk_size=self.chunk_size,
             D_N=p.D_N,
+            output_final_state=output_final_state,
         )
-        return y_BSNP
+        if not output_final_state:
+            return y_BSNP
+        return y_BSNP, C_BSGD.repeat_interleave(self.heads_per_group, dim=2), final_BNPD
+
+    def _mix_segments(
+        self, xbc_BSC: torch.Tensor, dt_BSN: torch.Tensor, p: MambaHeadParameters, positions_S: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`_mix` of the runs of consecutive ``positions_S``, each from the states its predecessor leaves
+        (module docstring: segments)."""
+        segments = SegmentedPositions(self.segments, positions_S)
+        pieces = segments.pieces(xbc_BSC)
+        conv_states = segments.conv_states(pieces, p.conv_weight_CW.shape[-1], "mamba_conv_kernel_dim")
+        log_decay_BSN = dt_BSN * -p.A_log_N.to(dt_BSN.dtype).exp()
+        outputs, summaries = [], []
+        for piece_BLC, conv_state, dt_BLN, log_decay_BLN in zip(
+            pieces, conv_states, segments.pieces(dt_BSN), segments.pieces(log_decay_BSN), strict=True
+        ):
+            y_BLNP, c_BLND, final_BNPD = self._mix(piece_BLC, dt_BLN, p, conv_state, output_final_state=True)
+            cumulative_BLN = log_decay_BLN.cumsum(dim=1)
+            outputs.append((y_BLNP, c_BLND, cumulative_BLN))
+            # the segment's summary: its final state from zero and its log decay (the state's transition)
+            summaries.append(torch.cat([final_BNPD.flatten(-2), cumulative_BLN[:, -1, :, None]], dim=-1))
+
+        def step(summary_BNX: torch.Tensor, state_BNPD: torch.Tensor) -> torch.Tensor:
+            final_BNPD = summary_BNX[..., :-1].view_as(state_BNPD)
+            return summary_BNX[..., -1, None, None].exp() * state_BNPD + final_BNPD
+
+        zero_BNPD = outputs[0][0].new_zeros(*summaries[0].shape[:2], self.head_dim, self.state_dim)
+        mixed = []
+        for (y_BLNP, c_BLND, cumulative_BLN), state_in_BNPD in zip(
+            outputs, segments.chain(summaries, step, zero_BNPD), strict=True
+        ):
+            # h_t = exp(cumulative decay) h_in + (from zero): y_t gains exp(cumulative_t) h_in C_t
+            read_BLNP = torch.einsum("bnpd,blnd->blnp", state_in_BNPD, c_BLND.to(state_in_BNPD.dtype))
+            mixed.append(y_BLNP + cumulative_BLN.exp().unsqueeze(-1) * read_BLNP)
+        return torch.cat(mixed, dim=1)
