@@ -78,23 +78,37 @@ def assert_rows_of_one_document_compute_as_unpacked(layer: torch.nn.Module, in_f
     assert torch.equal(layer(x_BSH, document_ids_BS=docs_BS), layer(x_BSH))
 
 
-# chunks of 4 of a 24-position row, in the order a rank would hold them: runs of consecutive positions (segments)
-# out of order, one run of two chunks, the whole row as one run
-CHUNK_ORDERS = [[0, 5, 1, 4, 2, 3], [3, 1, 0, 2, 4, 5], [2, 3, 0, 1, 4, 5], [0, 1, 2, 3, 4, 5]]
+# positions of a 24-position row in the order a rank would hold them: chunks of 4 whose runs of consecutive positions
+# (segments) come out of order, one run of two chunks, the whole row as one run; and runs shorter than the
+# convolution's history (1 and 2 positions) between longer ones, whose convolution state reaches across them
+POSITION_ORDERS = {
+    "chunks 0 5 1 4 2 3": [0, 5, 1, 4, 2, 3],
+    "chunks 3 1 0 2 4 5": [3, 1, 0, 2, 4, 5],
+    "chunks 2 3 0 1 4 5": [2, 3, 0, 1, 4, 5],
+    "whole row": [0, 1, 2, 3, 4, 5],
+    "runs of 1 and 2": [[9, 10], [0, 8], [8, 9], [11, 24], [10, 11]],
+}
+
+
+def order_positions(order: list) -> torch.Tensor:
+    """int64 positions of a :data:`POSITION_ORDERS` entry: chunk numbers of 4 positions, or [start, end) runs."""
+    if isinstance(order[0], int):
+        return torch.arange(24).view(6, 4)[order].flatten()
+    return torch.cat([torch.arange(start, end) for start, end in order])
 
 
 def assert_positions_in_any_order_compute_the_whole_row(
-    layer: torch.nn.Module, in_features: int, out_features: int, order: list[int]
+    layer: torch.nn.Module, in_features: int, out_features: int, order: list
 ) -> None:
     """What a context-parallel rank computes, in one process (the layer's ``segments`` returns every rank's rows
-    under cp; moe-parallel's test_parallelize_dist.py runs cp=2 on gloo): ``layer`` (fp64) on the positions in the
-    chunk ``order`` of :data:`CHUNK_ORDERS`, each run of them a segment starting from its predecessor's convolution
-    tail and chained state, equals the whole row's output at those positions, with the input's and every parameter's
+    under cp; moe-parallel's test_parallelize_dist.py runs cp=2 on gloo): ``layer`` (fp64) on the positions of
+    ``order`` (:data:`POSITION_ORDERS`), each run of them a segment starting from the convolution inputs and the
+    chained state before it, equals the whole row's output at those positions, with the input's and every parameter's
     gradient (1e-12)."""
     gen = torch.Generator().manual_seed(4)
     x_BSH = torch.randn(2, 24, in_features, generator=gen, dtype=torch.float64, requires_grad=True)
     weights_BSH = torch.randn(2, 24, out_features, generator=gen, dtype=torch.float64)
-    positions_S = torch.arange(24).view(6, 4)[order].flatten()
+    positions_S = order_positions(order)
     whole = layer(x_BSH)
     whole_grads = torch.autograd.grad((weights_BSH * whole).sum(), [x_BSH, *layer.parameters()])
     mine = layer(x_BSH[:, positions_S], positions_S=positions_S)
@@ -104,15 +118,11 @@ def assert_positions_in_any_order_compute_the_whole_row(
         assert relative(got, want) < 1e-12, name
 
 
-def assert_given_positions_must_tile_and_not_come_with_documents(
-    layer: torch.nn.Module, in_features: int, conv_field: str
-) -> None:
-    """One process's positions are every position; a segment shorter than the convolution's history, and packed
-    documents with positions, are refused (one-line ValueErrors)."""
+def assert_given_positions_must_tile_and_not_come_with_documents(layer: torch.nn.Module, in_features: int) -> None:
+    """One process's positions are every position, and packed documents with positions are refused (one-line
+    ValueErrors)."""
     x_BSH = torch.zeros(1, 8, in_features)
     with pytest.raises(ValueError, match="a segment starts at 4 where 0 was expected"):
         layer(x_BSH, positions_S=torch.arange(4, 12))
-    with pytest.raises(ValueError, match=f"{conv_field}=4: a segment of 2 positions is shorter than the"):
-        layer(x_BSH, positions_S=torch.tensor([6, 7, 0, 1, 2, 3, 4, 5]))
     with pytest.raises(ValueError, match="packed documents or given positions"):
         layer(x_BSH, positions_S=torch.arange(8), document_ids_BS=torch.zeros(1, 8, dtype=torch.long))

@@ -66,16 +66,30 @@ def test_stop_tokens_and_sampling() -> None:
         generate(model, [], 3)
 
 
-def test_a_model_with_linear_attention_layers_generates_by_whole_forwards() -> None:
-    """Qwen3-Next's Gated DeltaNet layers keep no cache yet: each greedy token is the argmax of a whole forward of the
-    sequence so far, computed here by hand."""
+def test_a_model_with_linear_attention_layers_caches_their_states() -> None:
+    """Qwen3-Next (three Gated DeltaNet layers, then gated attention; chunks of 4 positions): the cache keeps each
+    linear layer's recurrent state and last convolution inputs, so each step computes only its positions (one token:
+    shorter than the convolution's history) and its logits equal a whole forward's; greedy tokens with the cache equal
+    those of whole forwards, computed here by hand."""
+    import dataclasses
+
     from moe_models.presets import preset
 
-    model = build_model(preset("tiny-qwen3-next"), seed=0).eval()
+    config = dataclasses.replace(preset("tiny-qwen3-next"), linear_attention_chunk_size=4)
+    model = build_model(config, seed=0).eval()
+    sequence = torch.randint(0, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = model(sequence).logits
+    with torch.no_grad(), KVCache(model) as cache:
+        for start, end in ((0, 7), (7, 8), (8, 9), (9, 12), (12, 20)):
+            cached = model(sequence[:, :end], torch.arange(start, end)).logits
+            assert rel_err(cached, whole[:, start:end]) < 1e-5, start
+            assert {state["end"] for state in cache.states.values()} == {end} and cache.length == end
+    assert len(cache.states) == 3 and not model.layers[0].attention.segments._forward_hooks
     prompt = [3, 14, 15, 9, 2]
-    got = generate(model, prompt, 4).tokens
+    got = generate(model, prompt, 6).tokens
     ids = list(prompt)
     with torch.no_grad():
-        for _ in range(4):
+        for _ in range(6):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     assert got == ids[len(prompt) :]

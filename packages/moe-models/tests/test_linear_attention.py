@@ -22,8 +22,8 @@ import dataclasses
 import pytest
 import torch
 from _packed_rows import (
-    CHUNK_ORDERS,
     PACKING,
+    POSITION_ORDERS,
     SEQ,
     assert_each_document_computes_as_alone,
     assert_given_positions_must_tile_and_not_come_with_documents,
@@ -59,8 +59,8 @@ def test_rows_of_one_document_each_compute_as_unpacked_rows() -> None:
     assert_rows_of_one_document_compute_as_unpacked(layer, layer.in_proj.in_features)
 
 
-@pytest.mark.parametrize("order", CHUNK_ORDERS, ids=str)
-def test_given_positions_compute_each_segment_from_the_states_before_it(order: list[int]) -> None:
+@pytest.mark.parametrize("order", POSITION_ORDERS.values(), ids=POSITION_ORDERS.keys())
+def test_given_positions_compute_each_segment_from_the_states_before_it(order: list) -> None:
     layer = _layer().double()
     assert_positions_in_any_order_compute_the_whole_row(
         layer, layer.in_proj.in_features, layer.out_proj.out_features, order
@@ -68,9 +68,7 @@ def test_given_positions_compute_each_segment_from_the_states_before_it(order: l
 
 
 def test_given_positions_must_tile_the_sequences_and_not_come_with_documents() -> None:
-    assert_given_positions_must_tile_and_not_come_with_documents(
-        _layer(), _layer().in_proj.in_features, "linear_conv_kernel_dim"
-    )
+    assert_given_positions_must_tile_and_not_come_with_documents(_layer(), _layer().in_proj.in_features)
 
 
 def test_a_packed_batch_of_the_model_computes_each_document_as_alone() -> None:
@@ -144,3 +142,17 @@ def test_the_parallel_plan_splits_the_heads_and_needs_tp_to_divide_the_key_heads
     odd = dataclasses.replace(config, linear_num_key_heads=1, linear_num_value_heads=2)
     with pytest.raises(LayoutError, match="linear_num_key_heads=1 is not divisible by it"):
         check_tensor_parallel(build_model(odd, seed=0).parallel_plan(), 2)
+
+
+def test_the_segment_rows_context_parallelism_gathers_are_those_the_layers_exchange() -> None:
+    from moe_models.sequence_segments import EXCHANGED_KINDS
+    from moe_parallel.context_parallel import SEGMENT_ROWS
+
+    assert EXCHANGED_KINDS == SEGMENT_ROWS
+    plan = build_model(preset("tiny-qwen3-next"), seed=0).parallel_plan()
+    assert plan.context_parallel_segments == (
+        "layers.0.attention.segments",
+        "layers.1.attention.segments",
+        "layers.2.attention.segments",
+    )
+    assert plan.context_parallel == ("layers.3.attention.core_attention",)

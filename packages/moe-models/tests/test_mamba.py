@@ -22,8 +22,8 @@ import pytest
 import torch
 from _hf_reference import randomize_, rel_err
 from _packed_rows import (
-    CHUNK_ORDERS,
     PACKING,
+    POSITION_ORDERS,
     SEQ,
     assert_each_document_computes_as_alone,
     assert_given_positions_must_tile_and_not_come_with_documents,
@@ -218,15 +218,15 @@ def test_rows_of_one_document_each_compute_as_unpacked_rows() -> None:
     assert_rows_of_one_document_compute_as_unpacked(_layer(), PACKED_CASE.hidden)
 
 
-@pytest.mark.parametrize("order", CHUNK_ORDERS, ids=str)
-def test_given_positions_compute_each_segment_from_the_states_before_it(order: list[int]) -> None:
+@pytest.mark.parametrize("order", POSITION_ORDERS.values(), ids=POSITION_ORDERS.keys())
+def test_given_positions_compute_each_segment_from_the_states_before_it(order: list) -> None:
     assert_positions_in_any_order_compute_the_whole_row(
         _layer().double(), PACKED_CASE.hidden, PACKED_CASE.hidden, order
     )
 
 
 def test_given_positions_must_tile_the_sequences_and_not_come_with_documents() -> None:
-    assert_given_positions_must_tile_and_not_come_with_documents(_layer(), PACKED_CASE.hidden, "mamba_conv_kernel_dim")
+    assert_given_positions_must_tile_and_not_come_with_documents(_layer(), PACKED_CASE.hidden)
 
 
 # --- a split of the heads ---

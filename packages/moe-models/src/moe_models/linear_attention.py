@@ -163,7 +163,7 @@ class GatedDeltaNet(nn.Module):
         (module docstring: segments)."""
         segments = SegmentedPositions(self.segments, positions_S)
         pieces = segments.pieces(qkv_BSC)
-        conv_states = segments.conv_states(pieces, conv_weight_CW.shape[-1], "linear_conv_kernel_dim")
+        conv_states = segments.conv_states(pieces, conv_weight_CW.shape[-1])
         dim_k, dim_v = self.head_k_dim, self.head_v_dim
         outputs, summaries = [], []
         for piece_BLC, conv_state, g_BLN, beta_BLN in zip(
@@ -190,7 +190,7 @@ class GatedDeltaNet(nn.Module):
             outputs.append(o_BLNX)
             summaries.append(final_BNKX)
 
-        def step(summary_BNKX: torch.Tensor, state_BNKV: torch.Tensor) -> torch.Tensor:
+        def step(summary_BNKX: torch.Tensor, state_BNKV: torch.Tensor, length: int) -> torch.Tensor:
             d_BNKV, m_BNKK = summary_BNKX.split([dim_v, dim_k], dim=-1)
             return m_BNKK @ state_BNKV + d_BNKV
 

@@ -171,7 +171,7 @@ class Mamba2Mixer(nn.Module):
         (module docstring: segments)."""
         segments = SegmentedPositions(self.segments, positions_S)
         pieces = segments.pieces(xbc_BSC)
-        conv_states = segments.conv_states(pieces, p.conv_weight_CW.shape[-1], "mamba_conv_kernel_dim")
+        conv_states = segments.conv_states(pieces, p.conv_weight_CW.shape[-1])
         log_decay_BSN = dt_BSN * -p.A_log_N.to(dt_BSN.dtype).exp()
         outputs, summaries = [], []
         for piece_BLC, conv_state, dt_BLN, log_decay_BLN in zip(
@@ -183,7 +183,7 @@ class Mamba2Mixer(nn.Module):
             # the segment's summary: its final state from zero and its log decay (the state's transition)
             summaries.append(torch.cat([final_BNPD.flatten(-2), cumulative_BLN[:, -1, :, None]], dim=-1))
 
-        def step(summary_BNX: torch.Tensor, state_BNPD: torch.Tensor) -> torch.Tensor:
+        def step(summary_BNX: torch.Tensor, state_BNPD: torch.Tensor, length: int) -> torch.Tensor:
             final_BNPD = summary_BNX[..., :-1].view_as(state_BNPD)
             return summary_BNX[..., -1, None, None].exp() * state_BNPD + final_BNPD
 

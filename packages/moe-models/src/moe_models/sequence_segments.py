@@ -13,6 +13,14 @@ sequences (in any order of runs). Under context parallelism moe_parallel makes i
 rank (an all-gather whose backward returns each rank the gradient of its rows; the plan lists it in
 ``ParallelPlan.context_parallel_segments``). Every rank's rows are padded to the most segments any rank has (one more
 small collective of the counts), as the parts of a collective are equal.
+
+Each call names what it passes (``kind``): ``counts``, ``positions``, ``tails`` and ``summaries`` are the rows
+exchanged; ``start`` (the first position of the sequences computed, 0), ``state_in`` / ``tail_in`` (the states the
+first segment starts from: zeros) and ``state_out`` / ``tail_out`` (those the last segment leaves) pass unchanged
+here and under cp. A generation cache (:class:`moe_models.generation.KVCache`) answers them instead: the positions it
+holds, their final states, and it keeps the new final states, so each step computes only the new positions.
+The convolution's states chain like the recurrence's (the last ``W - 1`` inputs of everything before a segment), so
+a segment of any length, one token included, takes its place.
 """
 
 from __future__ import annotations
@@ -20,25 +28,31 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SegmentedPositions", "SequenceSegments"]
+__all__ = ["EXCHANGED_KINDS", "SegmentedPositions", "SequenceSegments"]
+
+
+# the kinds of rows that are every segment's (all-gathered under context parallelism); the others are this module's
+EXCHANGED_KINDS = ("counts", "positions", "tails", "summaries")
 
 
 class SequenceSegments(nn.Module):
-    """The per-segment values of the sequence segments a module computes (one row per segment along dim 0), as
-    those of every segment of the sequences: the identity when one process computes them all. Context parallelism
-    (moe_parallel) makes it return every cp rank's rows, rank by rank."""
+    """Called with the values of the sequence segments a module computes (one row per segment along dim 0) and what
+    they are (``kind``, module docstring): the rows of every segment of the sequences, which is the identity when one
+    process computes them all. Context parallelism (moe_parallel) makes it return every cp rank's rows, rank by rank,
+    for the kinds of :data:`EXCHANGED_KINDS`."""
 
-    def forward(self, per_segment_R_: torch.Tensor) -> torch.Tensor:
-        return per_segment_R_
+    def forward(self, values: torch.Tensor, kind: str) -> torch.Tensor:
+        return values
 
 
 class SegmentedPositions:
     """The runs of consecutive ``positions_S`` (in their order: ``runs``, ``(index, length, first position)``) as
     segments among every segment of the sequences, which ``exchange`` makes known: ``local`` the index of each run
-    among them, ``previous`` the segment ending where each segment starts (None at position 0), ``order`` every
-    segment by position. Two exchanges: the segment counts, then each segment's first position and length."""
+    among them, ``order`` every segment by position, ``lengths`` each one's. Two exchanges: the segment counts, then
+    each segment's first position and length; they must tile the sequences from ``start``."""
 
     def __init__(self, exchange: SequenceSegments, positions_S: torch.Tensor) -> None:
         self.exchange = exchange
@@ -46,12 +60,13 @@ class SegmentedPositions:
         starts = [i for i in range(len(pos)) if i == 0 or pos[i] != pos[i - 1] + 1]
         self.runs = [(i, end - i, pos[i]) for i, end in zip(starts, [*starts[1:], len(pos)], strict=True)]
         device = positions_S.device
-        rows = int(exchange(torch.tensor([len(self.runs)], device=device)).max())  # the most segments of any rank
-        self.padding = rows - len(self.runs)
+        counts = exchange(torch.tensor([len(self.runs)], device=device), "counts")
+        self.padding = int(counts.max()) - len(self.runs)  # every rank's rows padded to the most segments of any
         meta = [[first, length] for _, length, first in self.runs] + [[-1, 0]] * self.padding  # length 0: padding
-        every = exchange(torch.tensor(meta, device=device)).tolist()
+        every = exchange(torch.tensor(meta, device=device), "positions").tolist()
         self.order = sorted((i for i in range(len(every)) if every[i][1]), key=lambda i: every[i][0])
-        end = 0
+        self.lengths = {i: every[i][1] for i in self.order}
+        end = int(exchange(torch.zeros(1, dtype=torch.long, device=device), "start"))
         for i in self.order:
             first, length = every[i]
             if first != end:
@@ -60,46 +75,48 @@ class SegmentedPositions:
                     "expected (each position computed once, by one rank)"
                 )
             end = first + length
-        ending_at = {every[i][0] + every[i][1]: i for i in self.order}
-        self.previous = {i: ending_at.get(every[i][0]) for i in self.order}
         self.local = [every.index([first, length]) for _, length, first in self.runs]
-        self.shortest = min(every[i][1] for i in self.order)
 
     def pieces(self, x_BS_: torch.Tensor) -> list[torch.Tensor]:
         """``x_BS_``'s positions of each local run, in order (dim 1 is the sequence)."""
         return [x_BS_.narrow(1, index, length) for index, length, _ in self.runs]
 
-    def gather(self, per_run: list[torch.Tensor]) -> torch.Tensor:
+    def gather(self, per_run: list[torch.Tensor], kind: str) -> torch.Tensor:
         """One row per local run (same shapes) -> the rows of every segment (padding rows zero)."""
-        return self.exchange(torch.stack(per_run + [torch.zeros_like(per_run[0])] * self.padding))
+        return self.exchange(torch.stack(per_run + [torch.zeros_like(per_run[0])] * self.padding), kind)
 
-    def conv_states(self, pieces_BLC: list[torch.Tensor], kernel: int, field: str) -> list[torch.Tensor | None]:
+    def conv_states(self, pieces_BLC: list[torch.Tensor], kernel: int) -> list[torch.Tensor]:
         """For each local run's convolution input ``[B, L, C]``, the initial state ``[B, C, W - 1]`` of a causal
-        convolution of ``kernel`` taps: the last ``W - 1`` inputs of the segment before (None at position 0)."""
+        convolution of ``kernel`` taps: the last ``W - 1`` inputs before the segment (zeros before position 0), chained
+        over the segments before it, so segments shorter than ``W - 1`` pass on what came before them."""
         history = kernel - 1
-        if history and self.shortest < history:
-            raise ValueError(
-                f"{field}={kernel}: a segment of {self.shortest} positions is shorter than the convolution's history; "
-                "use longer sequences or fewer cp ranks"
-            )
-        tails_RBWC = self.gather([piece[:, piece.shape[1] - history :] for piece in pieces_BLC])
-        return [
-            None if self.previous[segment] is None else tails_RBWC[self.previous[segment]].transpose(1, 2)
-            for segment in self.local
-        ]
+        tails = []  # each run's last min(L, W - 1) inputs, zeros before them
+        for piece_BLC in pieces_BLC:
+            kept = min(piece_BLC.shape[1], history)
+            tails.append(F.pad(piece_BLC[:, piece_BLC.shape[1] - kept :], (0, 0, history - kept, 0)))
+
+        def step(tail_BWC: torch.Tensor, before_BWC: torch.Tensor, length: int) -> torch.Tensor:
+            kept = min(length, history)
+            return torch.cat([before_BWC, tail_BWC[:, history - kept :]], dim=1)[:, kept:]
+
+        zero_BWC = torch.zeros_like(tails[0])
+        return [s.transpose(1, 2) for s in self._chain(self.gather(tails, "tails"), step, zero_BWC, "tail")]
 
     def chain(
         self,
         summaries: list[torch.Tensor],
-        step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
         zero_state: torch.Tensor,
     ) -> list[torch.Tensor]:
         """The state each local run starts from: every segment's summary (one per local run, exchanged) applied in
-        position order by ``step(summary, state) -> next state`` from ``zero_state``, up to the last local run."""
-        summaries_R_ = self.gather(summaries)
-        last = max(self.order.index(segment) for segment in self.local)
-        states_in, state = {}, zero_state
-        for segment in self.order[: last + 1]:
+        position order by ``step(summary, state, length) -> next state`` from ``zero_state``."""
+        return self._chain(self.gather(summaries, "summaries"), step, zero_state, "state")
+
+    def _chain(self, rows_R_: torch.Tensor, step: Callable, zero: torch.Tensor, kind: str) -> list[torch.Tensor]:
+        state = self.exchange(zero, f"{kind}_in")
+        states_in = {}
+        for segment in self.order:
             states_in[segment] = state
-            state = step(summaries_R_[segment], state)
+            state = step(rows_R_[segment], state, self.lengths[segment])
+        self.exchange(state, f"{kind}_out")
         return [states_in[segment] for segment in self.local]

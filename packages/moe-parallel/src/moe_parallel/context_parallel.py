@@ -126,9 +126,15 @@ class GatherKeysValues:
         return (q, k_all, v_all, sinks, q_pos, pos_sorted, *documents), kwargs
 
 
+# what a segments module passes that is every segment's (the rest, such as the states its first segment starts from,
+# is the rank's own)
+SEGMENT_ROWS = ("counts", "positions", "tails", "summaries")
+
+
 def _gather_segments(group: dist.ProcessGroup):
-    def hook(module: nn.Module, args: tuple, per_segment: torch.Tensor) -> torch.Tensor:
-        return gather_sequence(per_segment, 0, group)
+    def hook(module: nn.Module, args: tuple, values: torch.Tensor) -> torch.Tensor:
+        _, kind = args
+        return gather_sequence(values, 0, group) if kind in SEGMENT_ROWS else values
 
     return hook
 
@@ -137,8 +143,8 @@ def apply_context_parallel(
     model: nn.Module, paths: tuple[str, ...], group: dist.ProcessGroup, segment_paths: tuple[str, ...] = ()
 ) -> None:
     """Give every core-attention module at ``paths`` the keys and values of the whole sequence, and every module at
-    ``segment_paths`` (called with per-segment rows, ``ParallelPlan.context_parallel_segments``) the rows of every cp
-    rank (module docstring)."""
+    ``segment_paths`` (called as ``(values, kind)``, ``ParallelPlan.context_parallel_segments``) the rows of every cp
+    rank for the kinds of :data:`SEGMENT_ROWS` (module docstring)."""
     hook = GatherKeysValues(group)
     for path in paths:
         submodule(model, path).register_forward_pre_hook(hook, with_kwargs=True)

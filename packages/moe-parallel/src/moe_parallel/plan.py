@@ -108,9 +108,10 @@ class ParallelPlan:
     # core-attention modules called as (q, k, v, sinks, q_positions, k_positions): with cp > 1 each gets the keys
     # and values of the whole sequence (moe_parallel.context_parallel); empty: the model cannot take cp > 1
     context_parallel: tuple[str, ...] = ()
-    # modules called with one tensor of per-segment values (dim 0: the sequence segments the rank computes, such as a
-    # recurrent layer's chunk-final states): with cp > 1 each returns every cp rank's rows, rank by rank
-    # (moe_parallel.context_parallel). A model with recurrent layers lists them, as it lists its core attentions
+    # modules called as (values, kind) with per-segment values (dim 0: the sequence segments the rank computes, such as
+    # a recurrent layer's chunk-final states): with cp > 1 each returns every cp rank's rows, rank by rank, for the
+    # kinds of moe_parallel.context_parallel.SEGMENT_ROWS (others pass unchanged). A model with recurrent layers lists
+    # them, as it lists its core attentions
     context_parallel_segments: tuple[str, ...] = ()
     # FSDP2 units on the data-parallel mesh, innermost first; the root is always a unit after them
     fsdp_units: tuple[str, ...] = ()
