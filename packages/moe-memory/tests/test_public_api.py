@@ -13,6 +13,7 @@ PUBLIC_NAMES = [
     "LiveTensorBytes",
     "LocalParameters",
     "MLAShape",
+    "Mamba2Shape",
     "MemoryConfigError",
     "MemoryEstimate",
     "MemoryPolicy",

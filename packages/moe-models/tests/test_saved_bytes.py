@@ -1,9 +1,12 @@
 """moe_models.saved_bytes (with moe_dispatch's and moe_experts' declarations it composes) against what a forward and
 loss of every family's tiny model really save for backward (moe_memory.measure.SavedTensorBytes), byte for byte and
 module by module: one process, CPU, dropless routing, fp32 and bf16 parameters and activations. A Gated DeltaNet
-layer alone, over its shapes, against what is still saved when the backward starts."""
+layer and a Mamba-2 mixer alone, over their shapes, against what is still saved when the backward starts."""
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -12,13 +15,15 @@ from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from moe_memory import measure
-from moe_memory.estimate import LocalParameters, RankSizes, RunShape, estimate_memory
+from moe_memory.estimate import LocalParameters, Mamba2Shape, RankSizes, RunShape, estimate_memory
 from moe_memory.measure import SavedTensorBytes
-from moe_models import build_model, causal_lm_loss
+from moe_models import build_model, causal_lm_loss, ssd
+from moe_models import mamba as mamba_module
+from moe_models.config import ModelConfig
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
 from moe_models.presets import TINY_PRESETS, preset
-from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES, gated_delta_net_saved_bytes
+from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES, gated_delta_net_saved_bytes, mamba2_saved_bytes
 
 # the families' building blocks on a tiny preset: (preset, ModelConfig overrides), each in fp32 and bf16
 BLOCKS = [
@@ -202,3 +207,93 @@ def test_token_mixers_not_estimated_are_refused(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(ModelConfig, "attention_kinds", lambda self: ["mamba", "attention"] * 2)
     with pytest.raises(ModelConfigError, match="^experimental_attention_variant=.*not estimated: .* mamba layers"):
         model_shape(config)
+
+
+# the Mamba-2 mixer's modules as the estimate names them ("" is the mixer itself)
+MAMBA_MODULES = {"": "mamba_mixer", "in_proj": "qkv_linear", "norm": "mamba_norm", "out_proj": "attn_proj"}
+
+
+@contextlib.contextmanager
+def _gated_norm_as_module(mixer: mamba_module.Mamba2Mixer):
+    """The mixer's gated norm is a function (ssd.gated_rms_norm) holding its weight in ``mixer.norm``: run it as that
+    module's call, so that a measurement attributes what it saves to ``norm``."""
+    mixer.norm.forward = ssd.gated_rms_norm  # this instance only
+    try:
+        with mock.patch.object(mamba_module, "gated_rms_norm", lambda *args, **kwargs: mixer.norm(*args, **kwargs)):
+            yield
+    finally:
+        del mixer.norm.forward
+
+
+def _mamba_config(groups: int, per_group: int, head_dim: int, state_dim: int, chunk: int, conv_bias: bool):
+    return ModelConfig(
+        hidden_size=12,
+        mamba_num_groups=groups,
+        mamba_num_heads=groups * per_group,
+        mamba_head_dim=head_dim,
+        mamba_state_dim=state_dim,
+        mamba_conv_kernel_dim=4,
+        mamba_conv_bias=conv_bias,
+        mamba_chunk_size=chunk,
+    )
+
+
+def _mamba_shape(config: ModelConfig) -> Mamba2Shape:
+    return Mamba2Shape(
+        heads=config.mamba_num_heads,
+        head_dim=config.mamba_head_dim,
+        groups=config.mamba_num_groups,
+        state_dim=config.mamba_state_dim,
+        conv_kernel=config.mamba_conv_kernel_dim,
+        chunk=config.mamba_chunk_size,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    batch=st.integers(1, 2),
+    seq=st.integers(1, 40),
+    chunk=st.sampled_from([4, 8, 16, 64]),
+    heads=st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2)]),  # (groups, heads per group)
+    dims=st.sampled_from([(2, 4), (4, 2), (4, 4)]),  # (head_dim, state_dim)
+    conv_bias=st.booleans(),
+)
+def test_mamba2_layer(dtype, batch, seq, chunk, heads, dims, conv_bias) -> None:
+    """One Mamba-2 mixer's declared saves, module by module, are what its forward leaves saved for the backward: one
+    chunk or several, padded or whole, one B/C group or two, one head per group or two, one row or two."""
+    config = _mamba_config(*heads, *dims, chunk, conv_bias)
+    torch.manual_seed(0)
+    layer = mamba_module.Mamba2Mixer(config).to(dtype)
+    x = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    with _gated_norm_as_module(layer), _SavedAtBackward(model=layer) as measured:
+        out = layer(x)
+    measured_by_module: dict[str, int] = {}
+    for saved in measured.alive():
+        module = MAMBA_MODULES[saved.module]
+        measured_by_module[module] = measured_by_module.get(module, 0) + saved.nbytes
+    del out
+    tokens, size = batch * seq, dtype.itemsize
+    run = RunShape(micro_batch=batch, seq_len=seq, params=local_parameters(layer), activation_bytes=size)
+    sizes = RankSizes(batch, seq, tokens, tokens, size)
+    assert mamba2_saved_bytes(_mamba_shape(config), config.hidden_size, sizes, run) == measured_by_module
+
+
+def test_mamba2_bytes_grow_linearly_with_the_sequence() -> None:
+    """Per chunk of positions the same bytes more: linear in the sequence (whole chunks of 64 positions, one row)."""
+    shape = Mamba2Shape(heads=8, head_dim=64, groups=2, state_dim=64, conv_kernel=4, chunk=64)
+
+    def total(seq: int) -> int:
+        run = RunShape(micro_batch=1, seq_len=seq, params=LocalParameters(1, 1), activation_bytes=4)
+        return sum(mamba2_saved_bytes(shape, 256, RankSizes(1, seq, seq, seq, 4), run).values())
+
+    steps = [total(64 * (n + 1)) - total(64 * n) for n in range(2, 6)]
+    assert len(set(steps)) == 1 and steps[0] > 0
+
+
+def test_mamba2_under_cp_is_refused() -> None:
+    """Its context-parallel form is not declared (the mixer refuses it too): one line naming the field."""
+    shape = Mamba2Shape(heads=4, head_dim=4, groups=2, state_dim=4, conv_kernel=4, chunk=8)
+    run = RunShape(micro_batch=1, seq_len=64, params=LocalParameters(1, 1), activation_bytes=4, cp=2)
+    with pytest.raises(ValueError, match="^cp=2: Mamba-2 layers under context parallelism are not estimated"):
+        mamba2_saved_bytes(shape, 12, RankSizes(1, 32, 32, 32, 4, 2), run)

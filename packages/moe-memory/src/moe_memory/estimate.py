@@ -4,7 +4,8 @@ Inputs are plain frozen values (no torch, nothing of the other packages):
 
 - :class:`ModelShape`: hidden size, vocabulary, one :class:`LayerShape` per decoder layer (MoE or dense MLP; attention
   :class:`GQAShape` with heads / key-value heads / head dim, sliding window, sinks, QK-norm, output gate, or
-  :class:`MLAShape`, or a linear-attention :class:`GatedDeltaNetShape` with its heads, convolution and chunk), the
+  :class:`MLAShape`, or a linear-attention :class:`GatedDeltaNetShape` with its heads, convolution and chunk; a
+  Mamba-2 mixer, :class:`Mamba2Shape`, is declared one layer alone, not yet as a layer of the model), the
   routed experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not, biases, router scoring and losses),
   the shared-expert and dense FFN widths, zero-centred norms, the MTP depth;
 - :class:`RunShape`: micro-batch and sequence length, the byte sizes of activations, parameters, gradients, optimizer
@@ -67,6 +68,7 @@ from moe_memory.shapes import (
     GQAShape,
     LayerShape,
     LocalParameters,
+    Mamba2Shape,
     MLAShape,
     ModelShape,
     PipelineShare,
@@ -86,6 +88,7 @@ __all__ = [
     "LayerShape",
     "LocalParameters",
     "MLAShape",
+    "Mamba2Shape",
     "MemoryEstimate",
     "ModelShape",
     "PipelineShare",
@@ -112,6 +115,8 @@ MODULES = (
     "core_attn",
     "linear_attn",  # a linear-attention layer's own operations (Gated DeltaNet: gates, convolution, delta rule)
     "linear_attn_norm",  # its gated output norm
+    "mamba_mixer",  # a Mamba-2 mixer's own operations: time steps, convolution, SSD scan
+    "mamba_norm",  # its gated RMSNorm
     "attn_proj",
     "mlp_norm",
     "moe",  # the inputs a recomputed MoE block keeps

@@ -71,6 +71,22 @@ class GatedDeltaNetShape:
 
 
 @dataclass(frozen=True)
+class Mamba2Shape:
+    """A Mamba-2 mixer (Nemotron-H's ``M`` layers): ``heads`` heads of ``head_dim`` channels sharing ``groups`` groups
+    of B and C of ``state_dim`` (each group serving ``heads / groups`` consecutive heads), a causal depthwise
+    convolution of ``conv_kernel`` taps over x, B and C, and the chunked SSD scan over chunks of ``chunk`` positions
+    (what it saves grows with the number of chunks). Not yet a layer of :class:`LayerShape`: its declaration is
+    ``moe_models.saved_bytes.mamba2_saved_bytes``, one layer alone."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state_dim: int
+    conv_kernel: int
+    chunk: int
+
+
+@dataclass(frozen=True)
 class LayerShape:
     attention: GQAShape | MLAShape | GatedDeltaNetShape
     moe: bool = True  # routed experts (plus the shared expert, if any); False: the dense MLP

@@ -42,6 +42,18 @@ What this package's modules save, as :class:`moe_memory.measure.SavedTensorBytes
   chunk, the decayed k and the chunk decay. Where the chunks' batch dims cannot merge by a view (unpadded sequences:
   q and k keep the strided layout of the heads), each batched matmul copies its operands. Its gated norm keeps the
   rule's output (fp32), the rsqrt, the normalised and weighted rows, z (fp32) and silu(z).
+- A Mamba-2 mixer (:func:`mamba2_saved_bytes`, one layer alone: not yet a layer of the model) keeps, besides its
+  projections' inputs: the time step's softplus input, output and clamped value (fp32), exp(A_log) and -exp(A_log),
+  the convolution's padded input and output, the SiLU's output as the scan's x (fp32: an fp32 copy of x otherwise, and
+  an fp32 copy of D), and in the chunked scan (fp32, positions padded to whole chunks) dt x, B and C in chunks, the
+  decay within chunks, C B^T and its decayed product with the heads ([C, C] per chunk, per group for C B^T), the
+  chunks' starting states stacked for their read, exp(gamma) and the read; with two chunks or more also the decayed
+  dt x of the chunks' writes, the chunk decays and, in the scan's loop, the state entering each chunk but the last (the
+  last update feeds nothing: it and what only it keeps are freed before the backward). Where a batched matmul cannot
+  merge the chunks' batch dims by a view (unpadded sequences keep the layout of the convolution's channels-major
+  output), it copies its operand: dt x once more, B and C once per matmul. Its gated norm keeps z (fp32: the whole
+  of in_proj's output it is a view of), the scan's output, silu(z), their product, the rsqrt per group and the
+  normalised rows (all fp32); out_proj the norm's output.
 
 Layouts: context parallelism (cp) gives each rank ``seq_len / cp`` positions of every sequence (attention sees the
 keys and values of all of them); sequence parallelism (tp) splits the rank's tokens by tp outside attention and the
@@ -68,6 +80,7 @@ from moe_memory.estimate import (
     GatedDeltaNetShape,
     GQAShape,
     LayerShape,
+    Mamba2Shape,
     MLAShape,
     ModelShape,
     PipelineShare,
@@ -398,6 +411,110 @@ def gated_delta_net_saved_bytes(
     saves = ForwardSaves()
     layer_input = saves.tensor("x", sizes.tokens * hidden * sizes.activation_bytes, "layer input")
     _gated_delta_net(saves, shape, sizes, run, layer_input)
+    by_module: dict[str, int] = {}
+    for key in dict.fromkeys(s.key for s in saves.saves):
+        module = next(s.module for s in saves.saves if s.key == key)
+        by_module[module] = by_module.get(module, 0) + saves.nbytes[key]
+    return by_module
+
+
+def _mamba2(saves: ForwardSaves, shape: Mamba2Shape, sizes: RankSizes, run: RunShape, mixer_input: str) -> None:
+    """A Mamba-2 mixer (moe_models.mamba, kernels in moe_models.ssd and gated_delta.causal_conv1d) on whole sequences:
+    its projections under ``qkv_linear`` / ``attn_proj``, the time steps, convolution and chunked SSD scan under
+    ``mamba_mixer``, the gated norm under ``mamba_norm`` (module docstring)."""
+    if sizes.cp > 1:
+        raise ValueError(
+            f"cp={sizes.cp}: Mamba-2 layers under context parallelism are not estimated; use cp=1 or measure "
+            "with moe_memory.SavedTensorBytes"
+        )
+    act, batch, seq, tokens = sizes.activation_bytes, sizes.batch, sizes.positions, sizes.tokens
+    heads, groups = shape.heads // run.tp, shape.groups // run.tp
+    per_group, dp, dd, size = heads // groups, shape.head_dim, shape.state_dim, shape.chunk
+    chunks = -(-seq // size)
+    padded = chunks * size  # the last chunk padded with zeros
+    inner = heads * dp
+    conv_channels = inner + 2 * groups * dd
+    proj_width = inner + conv_channels + heads
+    saves.save("qkv_linear", mixer_input)
+
+    def save(module: str, name: str, nbytes: float, description: str) -> None:
+        saves.save(module, saves.tensor(f"mamba.{name}", nbytes, description))
+
+    mix = "mamba_mixer"
+    save(mix, "dt_in", tokens * heads * FP32_BYTES, "dt + dt_bias, fp32 (softplus input)")
+    save(mix, "dt_softplus", tokens * heads * FP32_BYTES, "softplus(dt + dt_bias) (clamp input)")
+    save(mix, "conv_in", batch * conv_channels * (seq + shape.conv_kernel - 1) * act, "conv input after W - 1 zeros")
+    save(mix, "conv_out", batch * conv_channels * seq * act, "conv output (the SiLU's input)")
+    save(mix, "rate", heads * FP32_BYTES, "exp(A_log)")
+    save(mix, "dt", tokens * heads * FP32_BYTES, "clamped time step")
+    if act == FP32_BYTES:  # x is a view of the SiLU's output: the whole of it ([x | B | C] channels) is kept
+        save(mix, "silu", batch * conv_channels * seq * FP32_BYTES, "conv output after SiLU (x, B, C)")
+    else:
+        save(mix, "x32", tokens * inner * FP32_BYTES, "x, fp32")
+    save(mix, "A", heads * FP32_BYTES, "A = -exp(A_log)")
+    # the chunked scan in fp32: per position (padded), per chunk [C, C]
+    positions = batch * heads * padded * FP32_BYTES
+    square = batch * heads * chunks * size * size * FP32_BYTES
+    bc_bytes = batch * groups * padded * dd * FP32_BYTES
+    for where in ("on or above", "above"):
+        save(mix, f"mask {where}", size * size, f"mask of the positions {where} the diagonal (bool)")
+    save(mix, "decay", square, "decay within chunks")
+    # B and C [B, G, T, C, D] and dt x [B, G, H, T, C, P]: padding copies them contiguous; unpadded, they keep the
+    # order of the convolution's channels-major output (positions innermost), and a batched matmul that cannot merge
+    # the batch dims by a view copies its operand (B and C in two matmuls each, dt x in one)
+    if padded != seq:
+        bc_merge = xdt_merge = True
+    else:
+        bc_merge = _merge_as_view((batch, groups, chunks), (groups * dd * seq, dd * seq, size))
+        xdt_merge = _merge_as_view(
+            (batch, groups, per_group, chunks), (heads * dp * seq, per_group * dp * seq, dp * seq, size)
+        )
+    for what in ("C", "B"):
+        save(mix, what, bc_bytes, f"{what} in chunks")
+    save(mix, "scores", batch * groups * chunks * size * size * FP32_BYTES, "C B^T within chunks, per group")
+    save(mix, "xdt", positions * dp, "dt x in chunks")
+    if not xdt_merge:
+        save(mix, "xdt copy", positions * dp, "dt x copied for the chunks' matmul")
+    save(mix, "mixing", square, "C B^T times the decay, per head")
+    # the loop over chunks: the last update feeds nothing, so it and what only it keeps are freed (with one chunk,
+    # the chunk's writes too)
+    if chunks > 1:
+        save(mix, "writes", positions * dp, "dt x decayed to its chunk's end")
+        if not bc_merge:
+            save(mix, "B copy", bc_bytes, "B copied once more for the chunks' writes")
+        save(mix, "chunk_decay", batch * heads * chunks * FP32_BYTES, "decay over each chunk")
+        save(
+            mix, "states", (chunks - 1) * batch * heads * dp * dd * FP32_BYTES, "state entering each chunk but the last"
+        )
+    save(mix, "starts", chunks * batch * heads * dp * dd * FP32_BYTES, "chunks' starting states, stacked")
+    if not bc_merge:
+        save(mix, "C copy", bc_bytes, "C copied once more for the read of the states")
+    save(mix, "exp_gamma", positions, "exp(cumulative log decay)")
+    save(mix, "read", positions * dp, "the starting states read by C")
+    if act != FP32_BYTES:
+        save(mix, "D32", heads * FP32_BYTES, "D, fp32")
+    # the gated norm, fp32 math on the scan's fp32 output
+    rows = tokens * inner * FP32_BYTES
+    norm = "mamba_norm"
+    if act == FP32_BYTES:  # z is a view of in_proj's output, the SiLU keeps all of it
+        save(norm, "z", tokens * proj_width * FP32_BYTES, "in_proj output (z)")
+    else:
+        save(norm, "z", rows, "z, fp32")
+    save(norm, "y", rows, "scan output")
+    save(norm, "silu_z", rows, "silu(z), fp32")
+    save(norm, "gated", rows, "y silu(z)")
+    save(norm, "rstd", tokens * groups * FP32_BYTES, "gated norm rsqrt per group")
+    save(norm, "normalised", rows, "gated norm normalised")
+    save("attn_proj", "out", tokens * inner * act, "gated norm output")
+
+
+def mamba2_saved_bytes(shape: Mamba2Shape, hidden: int, sizes: RankSizes, run: RunShape) -> dict[str, int]:
+    """What one Mamba-2 mixer (hidden size ``hidden``) saves for backward, by the estimate's module, its input (under
+    ``qkv_linear``) included: the layer alone, as :class:`moe_memory.measure.SavedTensorBytes` measures it on the
+    module (its gated norm, a function, counted as ``mamba_norm``)."""
+    saves = ForwardSaves()
+    layer_input = saves.tensor("x", sizes.tokens * hidden * sizes.activation_bytes, "layer input")
+    _mamba2(saves, shape, sizes, run, layer_input)
     by_module: dict[str, int] = {}
     for key in dict.fromkeys(s.key for s in saves.saves):
         module = next(s.module for s in saves.saves if s.key == key)
