@@ -56,7 +56,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_parallel.__version__ == "0.7.2"
+    assert moe_parallel.__version__ == "0.8.0"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

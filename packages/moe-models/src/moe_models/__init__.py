@@ -24,7 +24,7 @@ from moe_models.presets import (
 )
 from moe_models.rope import apply_rotary, rotary_cos_sin
 
-__version__ = "0.10.0"
+__version__ = "0.11.0"
 
 __all__ = [
     "CONVENTIONS",
