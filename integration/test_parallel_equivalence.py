@@ -148,6 +148,9 @@ CONTEXT_MODELS: dict[str, tuple[str, dict[str, str]]] = {
     ),
     # under cp each Gated DeltaNet layer starts a rank's chunks from the states of the chunks before them
     "tiny-qwen3-next": ("tiny-qwen3-moe", {"model.preset": "tiny-qwen3-next"}),
+    # DeepSeek-V3.2: MLA over each query's top 6 keys of 32, picked by the lightning indexer from every cp rank's keys
+    # (the selection crosses the 8-token cp chunks)
+    "tiny-deepseek-v32": ("tiny-qwen3-moe", {"model.preset": "tiny-deepseek-v32", "model.dsa_indexer_topk": "6"}),
 }
 CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # + the models each runs on
     "cp=2": (
@@ -171,7 +174,7 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
     "cp=2 x ep=2": (
         2,
         {"parallel.cp": "2", "parallel.ep": "2"},
-        ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss"),
+        ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-deepseek-v32"),
     ),
     "cp=2 x tp=2": (
         4,

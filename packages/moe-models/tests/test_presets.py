@@ -41,6 +41,12 @@ EXACT_TOTAL_ACTIVE_MTP = {
     "llama-4-maverick-17b-128e": (400_711_848_960, 17_184_691_200, 0),
     # as a stored parameter-count test of Qwen3-Coder-Next (the same architecture) has them, by another count
     "qwen3-next-80b-a3b": (79_674_391_296, 3_874_929_408, 0),
+    # equal to transformers' Qwen3_5MoeForCausalLM built on meta from the same config.json values
+    "qwen3.5-35b-a3b": (34_660_610_688, 3_454_988_928, 0),
+    "qwen3.5-122b-a10b": (122_111_526_912, 9_771_288_576, 0),
+    "qwen3.5-397b-a17b": (396_346_350_336, 17_349_040_896, 0),
+    # equal to transformers' DeepseekV32ForCausalLM of the same config.json (which builds no MTP layer)
+    "deepseek-v3.2": (671_877_929_216, 38_403_807_488, 11_624_027_392),
 }
 
 # each tiny proxy and the published model whose features it keeps
@@ -61,6 +67,7 @@ TINY_OF = {
     "tiny-hunyuan-v1-moe": "hunyuan-a13b",
     "tiny-llama4": "llama-4-scout-17b-16e",
     "tiny-qwen3-next": "qwen3-next-80b-a3b",
+    "tiny-deepseek-v32": "deepseek-v3.2",
 }
 # tiny proxies of families without a published preset yet
 TINY_ALONE: tuple[str, ...] = ()
@@ -157,6 +164,7 @@ def test_tiny_preset_keeps_its_family_features(name):
     assert (tiny.window_size is None) == (big.window_size is None)
     assert (tiny.moe_shared_expert_intermediate_size is None) == (big.moe_shared_expert_intermediate_size is None)
     assert (tiny.mtp_num_layers is None) == (big.mtp_num_layers is None)
+    assert (tiny.dsa_indexer_topk is None) == (big.dsa_indexer_topk is None)
     assert (tiny.moe_router_num_groups is None) == (big.moe_router_num_groups is None)
     assert (0 in tiny.moe_layer_pattern()) == (0 in big.moe_layer_pattern())
     assert tiny.full_attention_pattern()[:2] == big.full_attention_pattern()[:2]
@@ -172,6 +180,7 @@ def test_tiny_proxies_exercise_their_features_on_128_tokens():
     for name in ("tiny-deepseek-v3", "tiny-kimi-k2", "tiny-gpt-oss"):
         cfg = preset(name)
         assert cfg.original_max_position_embeddings < 128 <= cfg.max_position_embeddings, name
+    assert preset("tiny-deepseek-v32").dsa_indexer_topk < 128  # the indexer's selection is sparse there
     oss = preset("tiny-gpt-oss")
     assert oss.window_size < 128 and oss.full_attention_pattern() == [0, 1]
 

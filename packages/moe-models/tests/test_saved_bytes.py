@@ -19,7 +19,7 @@ from moe_memory.estimate import LocalParameters, Mamba2Shape, RankSizes, RunShap
 from moe_memory.measure import SavedTensorBytes
 from moe_models import build_model, causal_lm_loss, ssd
 from moe_models import mamba as mamba_module
-from moe_models.config import ModelConfig
+from moe_models.config import ModelConfig, ModelConfigError
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
 from moe_models.presets import TINY_PRESETS, preset
@@ -87,8 +87,10 @@ BLOCKS = [
 # saves; with one chunk, or whole chunks of more than one row, the delta rule's scan saves tensors that are freed
 # before the backward (its last state update feeds nothing), which test_gated_delta_net_layer below measures
 LINEAR_CHUNKS = {"tiny-qwen3-next": {"linear_attention_chunk_size": 24}}
+# tiny presets whose attention the estimate does not model yet: model_shape refuses them (checked below)
+NOT_ESTIMATED = ("tiny-deepseek-v32",)
 CASES = (
-    [(name, torch.float32, LINEAR_CHUNKS.get(name, {})) for name in TINY_PRESETS]
+    [(name, torch.float32, LINEAR_CHUNKS.get(name, {})) for name in TINY_PRESETS if name not in NOT_ESTIMATED]
     + [(name, torch.bfloat16, {}) for name in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")]
     + [("tiny-qwen3-next", torch.bfloat16, LINEAR_CHUNKS["tiny-qwen3-next"])]
     + [(name, dtype, overrides) for name, overrides in BLOCKS for dtype in (torch.float32, torch.bfloat16)]
@@ -297,3 +299,10 @@ def test_mamba2_under_cp_is_refused() -> None:
     run = RunShape(micro_batch=1, seq_len=64, params=LocalParameters(1, 1), activation_bytes=4, cp=2)
     with pytest.raises(ValueError, match="^cp=2: Mamba-2 layers under context parallelism are not estimated"):
         mamba2_saved_bytes(shape, 12, RankSizes(1, 32, 32, 32, 4, 2), run)
+
+
+@pytest.mark.parametrize("name", NOT_ESTIMATED)
+def test_a_model_the_estimate_does_not_describe_is_refused_naming_the_field(name: str) -> None:
+    with pytest.raises(ModelConfigError) as err:
+        model_shape(preset(name))
+    assert err.value.field == "dsa_indexer_topk" and "not estimated" in str(err.value)

@@ -195,7 +195,8 @@ def test_indexer_matches_transformers(family, topk, extra, seed) -> None:
     assume(_clear_top_k(scores, topk))
     theirs = hf.indexer(x, q_latent, hf_rotary, _causal_mask(2, s)[:, 0], None)
     for block_size in (1, 3, 64):
-        _assert_same_selection(indexer(x, q_latent, cos, sin, block_size=block_size), theirs)
+        indexer.top_k.block_size = block_size
+        _assert_same_selection(indexer(x, q_latent, cos, sin), theirs)
 
 
 def _naive_index_scores(indexer, x, q_latent, cos, sin) -> torch.Tensor:
@@ -509,7 +510,147 @@ def test_memory_is_linear_in_the_sequence() -> None:
         sparse_attention(q, k, v, indices, block_size=block)
     assert seen.largest <= s * 4 * 2 * 8, seen.largest
     indexer = _small_indexer(4, heads=2, dtype=torch.float32)
+    indexer.top_k.block_size = block
     inputs = _small_inputs(torch.Generator().manual_seed(2), 1, s, torch.float32)
     with _LargestTensor() as seen:
-        indexer(*inputs, block_size=block)
+        indexer(*inputs)
     assert seen.largest <= max(2 * block * s, s * 8), seen.largest  # a block's [H, block, K] scores, not [S, S]
+
+
+# ----------------------------------------------------------------------------- wired into MLA and the model
+
+# the per-expert loop: the grouped GEMM has no fp64
+DSA_FIELDS = {"dsa_indexer_topk": 5, "dsa_indexer_n_heads": 8, "dsa_indexer_head_dim": 16, "moe_expert_backend": "loop"}
+
+
+def _dsa_model(**fields) -> torch.nn.Module:
+    """tiny-deepseek-v32 with a top-5 indexer, random weights, fp64."""
+    from _hf_reference import randomize_
+
+    from moe_models import build_model
+    from moe_models.presets import preset
+
+    torch.manual_seed(0)
+    model = build_model(preset("tiny-deepseek-v32", **DSA_FIELDS | fields)).to(F64)
+    randomize_(model, seed=1)
+    return model.eval()
+
+
+def test_mla_with_an_indexer_is_our_assembly_of_the_pieces() -> None:
+    """MultiLatentAttention with dsa_* fields = the projections, the indexer and the sparse core assembled by hand
+    (this file's ``_our_attention``, itself matched against transformers above), and its indexer gets no gradient."""
+    mla = _dsa_model().layers[1].attention
+    assert isinstance(mla.core_attention, SparseCoreAttention) and isinstance(mla.indexer, LightningIndexer)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 12, mla.o_proj.out_features, generator=g, dtype=F64, requires_grad=True)
+    angles = torch.arange(12, dtype=F64)[:, None] * torch.rand(mla.rope_dim // 2, generator=g, dtype=F64)
+    cos, sin = angles.cos(), angles.sin()
+    out = mla(x, cos, sin)
+    torch.testing.assert_close(out, _our_attention(mla, mla.indexer, x, cos, sin)[0], rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    assert all(p.grad is None for p in mla.indexer.parameters())
+    assert all(p.grad is not None for n, p in mla.named_parameters() if not n.startswith("indexer."))
+
+
+def test_context_parallel_ranks_compute_their_positions_of_the_whole_sequence() -> None:
+    """cp=2 in one process: each rank runs the model on its load-balanced positions, its core attentions and
+    indexer rankings handed the whole sequence's keys as GatherKeysValues hands them (every rank's, sorted by
+    position; the rank's own keys checked to be those at its positions). Its logits are the whole run's there."""
+    from moe_parallel import load_balanced_positions
+
+    model = _dsa_model()
+    plan = model.parallel_plan()
+    assert all(p.endswith((".core_attention", ".indexer.top_k")) for p in plan.context_parallel)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    whole_pos = torch.arange(32)
+    keys: dict[str, tuple] = {}
+
+    def record(path):
+        def hook(module, args):
+            keys[path] = (args[1], args[2], args[5])
+
+        return hook
+
+    handles = [model.get_submodule(p).register_forward_pre_hook(record(p)) for p in plan.context_parallel]
+    with torch.no_grad():
+        whole = model(ids, positions_S=whole_pos).logits
+    for h in handles:
+        h.remove()
+    assert len(keys) == len(plan.context_parallel) == 2 * (model.config.num_layers + 1)  # with the MTP depth
+    for rank in range(2):
+        pos = load_balanced_positions(32, 2, rank)
+
+        def gather(path, pos=pos):
+            def hook(module, args):
+                q, k, _v, fourth, q_pos, k_pos, *rest = args
+                k_all, v_all, k_pos_all = keys[path]
+                torch.testing.assert_close(k, k_all[:, :, pos], rtol=1e-12, atol=1e-12)
+                assert torch.equal(k_pos, pos) and torch.equal(k_pos_all, whole_pos)
+                return (q, k_all, v_all, fourth, q_pos, k_pos_all, *rest)
+
+            return hook
+
+        handles = [model.get_submodule(p).register_forward_pre_hook(gather(p)) for p in plan.context_parallel]
+        with torch.no_grad():
+            local = model(ids, positions_S=pos).logits
+        for h in handles:
+            h.remove()
+        torch.testing.assert_close(local, whole[:, pos], rtol=1e-10, atol=1e-10)
+
+
+def test_packed_documents_select_within_their_document() -> None:
+    """A row packing two documents gives each the logits it has alone (the indexer ranks keys of the query's own
+    document only, the rotary positions restart), with a top-k below both documents' lengths."""
+    model = _dsa_model(mtp_num_layers=None)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(0, 256, (1, 9), generator=g), torch.randint(0, 256, (1, 11), generator=g)
+    docs = torch.tensor([[0] * 9 + [1] * 11])
+    with torch.no_grad():
+        packed = model(torch.cat([a, b], dim=1), document_ids_BS=docs).logits
+        alone = torch.cat([model(a).logits, model(b).logits], dim=1)
+    # 1e-5, not fp64's 1e-10: the packed rows' per-document rotary tables differ from a lone row's in the 7th digit,
+    # dense MLA alike (measured 5.8e-7 there, 9.6e-8 here)
+    assert rel_err(packed, alone) < 1e-5, rel_err(packed, alone)
+    with torch.no_grad():  # and the other document would change them: the selection does hide it
+        unpacked = model(torch.cat([a, b], dim=1)).logits
+    assert rel_err(unpacked[:, 9:], alone[:, 9:]) > 1e-3
+
+
+def test_tensor_parallel_plan_keeps_the_indexer_whole() -> None:
+    plan = _dsa_model().parallel_plan()
+    assert not [p for p in plan.tensor_parallel if ".indexer" in p]
+    assert not [p for p in plan.tp_partial_grads if ".indexer" in p]
+    assert "layers.0.attention.indexer.top_k" in plan.context_parallel
+
+
+def test_config_refuses_incomplete_dsa_fields() -> None:
+    from moe_models.config import ModelConfigError
+    from moe_models.presets import preset
+
+    with pytest.raises(ModelConfigError, match="dsa_indexer_head_dim"):
+        preset("tiny-deepseek-v32", dsa_indexer_head_dim=None)
+    with pytest.raises(ModelConfigError, match="dsa_indexer_topk.*q_lora_rank"):
+        preset("tiny-deepseek-v32", q_lora_rank=None)
+    with pytest.raises(ModelConfigError, match="dsa_indexer_head_dim"):
+        preset("tiny-deepseek-v32", dsa_indexer_head_dim=8)  # below the 16 rotating dimensions
+    with pytest.raises(ModelConfigError, match="dsa_indexer_topk"):
+        preset("tiny-deepseek-v32", dsa_indexer_topk=0)
+
+
+def test_generation_cache_serves_the_indexer_and_the_sparse_core() -> None:
+    """With KVCache, each step's logits are the whole forward's: the index keys and MLA's keys of the tokens before
+    are handed to the ranking and the sparse core in the same order (top-5 of up to 20 keys)."""
+    from moe_models.generation import KVCache
+
+    model = _dsa_model(mtp_num_layers=None)
+    sequence = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = model(sequence).logits
+    with torch.no_grad(), KVCache(model) as cache:
+        assert sum(".indexer.top_k" in name for name in cache.modules) == model.config.num_layers
+        for start, end in ((0, 7), (7, 8), (8, 9), (9, 12), (12, 20)):
+            cached = model(sequence[:, :end], torch.arange(start, end)).logits
+            # 1e-6 (measured 3e-8): fp32 rotary tables of a prefix differ from the whole's in the last digit, as for
+            # every family; another selection would move them by far more
+            assert rel_err(cached, whole[:, start:end]) < 1e-6, start
+            assert cache.length == end

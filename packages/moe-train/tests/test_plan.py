@@ -139,6 +139,12 @@ OTHER_PRESET_LAYOUTS = {
     "llama-4-maverick-17b-128e": (64, ParallelConfig(ep=32, tp=2, etp=1)),
     # Gated DeltaNet layers split their 16 key heads over tp (2 query groups: tp <= 2)
     "qwen3-next-80b-a3b": (64, ParallelConfig(ep=32, tp=2, etp=1)),
+    # Qwen3.5 MoE likewise: 16 key heads over tp, 2 query groups (tp <= 2)
+    "qwen3.5-35b-a3b": (64, ParallelConfig(ep=32, tp=2, etp=1)),
+    "qwen3.5-122b-a10b": (128, ParallelConfig(ep=64, tp=2, etp=1)),
+    "qwen3.5-397b-a17b": (256, ParallelConfig(ep=128, tp=2, etp=1)),
+    # the lightning indexers stay whole on every tp rank (DeepSeek-V3's heads split as V3's)
+    "deepseek-v3.2": (256, ParallelConfig(ep=32, tp=8, etp=1)),
 }
 
 

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from moe_dispatch import RouterConfig, RouterConfigError
 from moe_experts import ACTIVATIONS, BACKENDS
 
+# the recurrent layers' kernel back ends (moe_models.recurrent_backends): Gated DeltaNet and KDA, and Mamba-2
+LINEAR_ATTENTION_BACKENDS = ("auto", "torch", "fla")
+MAMBA_BACKENDS = ("auto", "torch", "mamba_ssm")
+
 # Kimi-K2 is a deepseek_v3 configuration (its checkpoints use DeepseekV3ForCausalLM)
 FAMILIES = (
     "qwen3_moe",
@@ -33,6 +37,8 @@ FAMILIES = (
     "flint",
     "mellum",
     "qwen3_next",
+    "deepseek_v32",
+    "qwen3_5_moe",
 )
 
 # ModelConfig field (Megatron flag) -> RouterConfig field
@@ -137,6 +143,13 @@ class ModelConfig:
     # the q and kv latents' RMSNorms: transformers' DeepSeek-V2/V3 and GLM-4.7-Flash build them with 1e-6 whatever
     # rms_norm_eps says
     mla_latent_norm_epsilon: float = 1e-6
+    # --- DeepSeek Sparse Attention (DeepSeek-V3.2; Megatron-Core's --dsa-indexer-* names) ---
+    # MLA with a lightning indexer of dsa_indexer_n_heads heads of dsa_indexer_head_dim (its first
+    # qk_pos_emb_head_dim rotating, in halves) that picks for each query the dsa_indexer_topk earlier keys it scores
+    # highest; attention then runs over those alone (moe_models.sparse_attention). All three null: dense MLA
+    dsa_indexer_topk: int | None = None
+    dsa_indexer_n_heads: int | None = None
+    dsa_indexer_head_dim: int | None = None
     # --- rotary embeddings ---
     rope_type: str = "rope"  # rope | yarn | llama3 (Llama 3.1 / 4: low frequencies divided by the factor)
     rotary_base: float = 1_000_000.0
@@ -201,6 +214,10 @@ class ModelConfig:
     # transformers' (groups of intermediate_size / n_groups, layer_norm_epsilon)
     mamba_dt_clamp_min: float = 0.0
     mamba_dt_clamp_max: float | None = None
+    # --- the recurrent layers' kernels (moe_models.recurrent_backends): "torch" (ours), the vendor's CUDA kernels, or
+    # "auto" (the vendor's where installed, in range, on CUDA and in bf16/fp16; else torch) ---
+    linear_attention_backend: str = "auto"  # auto | torch | fla: the Gated DeltaNet / KDA rule
+    mamba_backend: str = "auto"  # auto | torch | mamba_ssm: the SSD scan (the short convolutions: causal_conv1d)
     # --- MLPs ---
     activation_func: str = "swiglu"  # a moe_experts activation: swiglu | swiglu_oai | geglu | ...
     ffn_hidden_size: int = 512  # dense-MLP layers
@@ -316,7 +333,14 @@ class ModelConfig:
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             raise ModelConfigError("mtp_num_layers", self.mtp_num_layers, "must be at least 1, or null for no MTP")
         self._validate_linear_attention()
+        self._validate_dsa()
         self._validate_mamba()
+        for name, choices in (
+            ("linear_attention_backend", LINEAR_ATTENTION_BACKENDS),
+            ("mamba_backend", MAMBA_BACKENDS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ModelConfigError(name, getattr(self, name), f"choose one of {choices}")
         self.router_config()  # validates the fields of ROUTER_FIELDS
 
     def _validate_gqa(self) -> None:
@@ -420,6 +444,28 @@ class ModelConfig:
             for name in ("experimental_attention_variant", "attention_output_gate", "layernorm_zero_centered_gamma"):
                 if getattr(self, name) not in (None, False):
                     raise ModelConfigError(name, getattr(self, name), "grouped-query attention only: unset it for MLA")
+
+    def _validate_dsa(self) -> None:
+        fields = ("dsa_indexer_topk", "dsa_indexer_n_heads", "dsa_indexer_head_dim")
+        given = [name for name in fields if getattr(self, name) is not None]
+        if given and len(given) < len(fields):
+            missing = sorted(set(fields) - set(given))[0]
+            raise ModelConfigError(missing, None, f"DeepSeek Sparse Attention needs all of {fields}: set it too")
+        if not given:
+            return
+        for name in fields:
+            if getattr(self, name) < 1:
+                raise ModelConfigError(name, getattr(self, name), "must be at least 1, or null for dense MLA")
+        if not self.multi_latent_attention or self.q_lora_rank is None:
+            raise ModelConfigError(
+                "dsa_indexer_topk", self.dsa_indexer_topk, "the indexer reads MLA's q latent: needs q_lora_rank set"
+            )
+        if self.dsa_indexer_head_dim < self.qk_pos_emb_head_dim:
+            raise ModelConfigError(
+                "dsa_indexer_head_dim",
+                self.dsa_indexer_head_dim,
+                f"its first qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} dimensions rotate: at least that",
+            )
 
     def _validate_mamba(self) -> None:
         for name in (

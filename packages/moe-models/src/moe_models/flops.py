@@ -73,15 +73,25 @@ def _attention_macs(c: ModelConfig) -> int:
         qk, v = _qk_v_head_dims(c)
         q = h * n * qk if c.q_lora_rank is None else h * c.q_lora_rank + c.q_lora_rank * n * qk
         kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank * n * (c.qk_head_dim + v)
-        return q + kv + n * v * h
+        return q + kv + n * v * h + _indexer_macs(c)
     q, kv = n * c.kv_channels, c.num_query_groups * c.kv_channels
     return h * (q * (1 + c.attention_output_gate) + 2 * kv) + q * h  # the output gate doubles q_proj
+
+
+def _indexer_macs(c: ModelConfig) -> int:
+    """DeepSeek Sparse Attention's lightning indexer projections (= their weights): wq_b ``r_q H_i d_i``, wk ``H d_i``,
+    weights_proj ``H H_i``; 0 without an indexer."""
+    if c.dsa_indexer_topk is None:
+        return 0
+    heads, dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
+    return c.q_lora_rank * heads * dim + c.hidden_size * (dim + heads)
 
 
 def _attention_params(c: ModelConfig) -> int:
     params = _attention_macs(c)
     if c.multi_latent_attention:
-        return params + c.kv_lora_rank + (c.q_lora_rank or 0)  # the latents' norms
+        indexer_norm = 2 * c.dsa_indexer_head_dim if c.dsa_indexer_topk is not None else 0  # LayerNorm with bias
+        return params + c.kv_lora_rank + (c.q_lora_rank or 0) + indexer_norm  # the latents' norms
     q, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
     params += (q * (1 + c.attention_output_gate) + 2 * kv) * c.add_qkv_bias + c.hidden_size * c.add_bias_linear
     qk_norms = q + kv if c.qk_layernorm_across_heads else 2 * c.kv_channels  # one weight per q/k channel normed

@@ -46,7 +46,7 @@ from moe_models.gated_delta import (
     _solve_ut,
     causal_conv1d,
 )
-from moe_models.linear_attention import _rms_normalised
+from moe_models.layers import rms_normalised
 
 __all__ = ["KimiDeltaAttention", "chunk_kimi_delta_rule", "recurrent_kimi_delta_rule"]
 
@@ -182,7 +182,7 @@ class SigmoidGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = self.weight.float() * _rms_normalised(x, self.eps)
+        normed = self.weight.float() * rms_normalised(x, self.eps)
         return (normed * gate.float().sigmoid()).to(x.dtype)
 
 

@@ -10,6 +10,13 @@ from moe_dispatch import LocalDispatcher, RouterConfig, RoutingResult, TopKRoute
 from moe_experts import GroupedExperts, SharedExperts
 
 
+def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dimension, in fp32: the norm of the gated RMS norms (Qwen3-Next's
+    ``linear_attention.GatedRMSNorm``, Kimi Linear's ``kimi_delta.SigmoidGatedRMSNorm``)."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back before the weight, as HuggingFace's Llama-family norms.
 

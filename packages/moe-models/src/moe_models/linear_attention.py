@@ -47,19 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_models import recurrent_backends
 from moe_models.config import ModelConfig
 from moe_models.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from moe_models.layers import rms_normalised
 from moe_models.recurrent_documents import per_document
 from moe_models.sequence_segments import SegmentedPositions, SequenceSegments
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm"]
-
-
-def _rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps)`` over the last dimension, in fp32: the norm of the gated RMS norms (Qwen3-Next's
-    :class:`GatedRMSNorm`, Kimi Linear's ``kimi_delta.SigmoidGatedRMSNorm``)."""
-    x32 = x.float()
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -73,7 +68,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = self.weight * _rms_normalised(x, self.eps).to(x.dtype)
+        normed = self.weight * rms_normalised(x, self.eps).to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
@@ -86,6 +81,7 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
         self.chunk_size = c.linear_attention_chunk_size
+        self.kernel_backend = c.linear_attention_backend  # _mix's kernels (moe_models.recurrent_backends)
         per_key = self.num_v_heads // self.num_k_heads  # the value heads each key head serves
         # the widths of one key head's in_proj rows, in order: q, k, v, z, b, a (its value heads' v, z, b, a)
         dk, dv = self.head_k_dim, self.head_v_dim
@@ -137,11 +133,16 @@ class GatedDeltaNet(nn.Module):
     def _mix(
         self, qkv_BSC: torch.Tensor, g_BSN: torch.Tensor, beta_BSN: torch.Tensor, conv_weight_CW: torch.Tensor
     ) -> torch.Tensor:
-        """The convolution and the gated delta rule over whole rows from zero states: the output ``[B, S, N, V]``."""
-        qkv_BSC, _ = causal_conv1d(qkv_BSC, conv_weight_CW, activation="silu")
-        o_BSNV, _ = chunk_gated_delta_rule(
-            *self._qkv_heads(qkv_BSC), g_BSN, beta_BSN, chunk_size=self.chunk_size, use_qk_l2norm=True
+        """The convolution and the gated delta rule over whole rows from zero states: the output ``[B, S, N, V]``. The
+        kernels are those ``linear_attention_backend`` picks (:mod:`moe_models.recurrent_backends`)."""
+        device, dtype = qkv_BSC.device, qkv_BSC.dtype
+        width, channels = conv_weight_CW.shape[-1], qkv_BSC.shape[-1]
+        conv = recurrent_backends.short_conv(self.kernel_backend, device, dtype, width=width, channels=channels)
+        rule = recurrent_backends.resolve(
+            "gated_delta", self.kernel_backend, device, dtype, field="linear_attention_backend"
         )
+        qkv_BSC, _ = conv(qkv_BSC, conv_weight_CW, activation="silu")
+        o_BSNV, _ = rule(*self._qkv_heads(qkv_BSC), g_BSN, beta_BSN, chunk_size=self.chunk_size, use_qk_l2norm=True)
         return o_BSNV
 
     def _qkv_heads(self, qkv_BSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -43,11 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_models import recurrent_backends
 from moe_models.config import ModelConfig
-from moe_models.gated_delta import causal_conv1d
 from moe_models.recurrent_documents import per_document
 from moe_models.sequence_segments import SegmentedPositions, SequenceSegments
-from moe_models.ssd import chunk_ssd_scan, gated_rms_norm
+from moe_models.ssd import gated_rms_norm
 
 __all__ = ["Mamba2Mixer", "MambaHeadParameters"]
 
@@ -81,6 +81,7 @@ class Mamba2Mixer(nn.Module):
         self.head_dim, self.state_dim = c.mamba_head_dim, c.mamba_state_dim
         self.heads_per_group = c.mamba_num_heads // c.mamba_num_groups
         self.chunk_size = c.mamba_chunk_size
+        self.kernel_backend = c.mamba_backend  # _mix's kernels (moe_models.recurrent_backends)
         self.dt_clamp = (c.mamba_dt_clamp_min, c.mamba_dt_clamp_max)
         self.norm_epsilon = c.norm_epsilon
         inner = c.mamba_num_heads * c.mamba_head_dim
@@ -142,16 +143,24 @@ class Mamba2Mixer(nn.Module):
     ):
         """The convolution and the scan over whole rows from zero states (the convolution from ``conv_state_BCW1``
         when given): the output ``[B, S, N, P]`` in the computation dtype of ``dt_BSN`` (and, if asked, C per head
-        ``[B, S, N, D]`` and the scan's final state ``[B, N, P, D]``)."""
-        xbc_BSC, _ = causal_conv1d(
+        ``[B, S, N, D]`` and the scan's final state ``[B, N, P, D]``). The kernels are those ``mamba_backend`` picks
+        (:mod:`moe_models.recurrent_backends`)."""
+        device, dtype = xbc_BSC.device, xbc_BSC.dtype
+        width, channels = p.conv_weight_CW.shape[-1], xbc_BSC.shape[-1]
+        conv = recurrent_backends.short_conv(self.kernel_backend, device, dtype, width=width, channels=channels)
+        scan = recurrent_backends.resolve("ssd", self.kernel_backend, device, dtype, field="mamba_backend")
+        xbc_BSC, _ = conv(
             xbc_BSC, p.conv_weight_CW, p.conv_bias_C, activation="silu", initial_state_BCW1=conv_state_BCW1
         )
         heads = dt_BSN.shape[-1]
         inner, bc = heads * self.head_dim, heads // self.heads_per_group * self.state_dim
         x_BSI, B_BSJ, C_BSJ = xbc_BSC.split([inner, bc, bc], dim=-1)
         C_BSGD = C_BSJ.unflatten(-1, (-1, self.state_dim))
-        y_BSNP, final_BNPD = chunk_ssd_scan(
-            x_BSI.unflatten(-1, (heads, self.head_dim)).to(dt_BSN.dtype),  # the output in fp32, as transformers'
+        x_BSNP = x_BSI.unflatten(-1, (heads, self.head_dim))
+        if scan.name == "torch":  # the output in fp32, as transformers'; a vendor's takes x, B, C in one dtype
+            x_BSNP = x_BSNP.to(dt_BSN.dtype)
+        y_BSNP, final_BNPD = scan(
+            x_BSNP,
             dt_BSN,
             -p.A_log_N.to(dt_BSN.dtype).exp(),
             B_BSJ.unflatten(-1, (-1, self.state_dim)),
@@ -160,6 +169,7 @@ class Mamba2Mixer(nn.Module):
             D_N=p.D_N,
             output_final_state=output_final_state,
         )
+        y_BSNP = y_BSNP.to(dt_BSN.dtype)  # a vendor's comes in x's dtype
         if not output_final_state:
             return y_BSNP
         return y_BSNP, C_BSGD.repeat_interleave(self.heads_per_group, dim=2), final_BNPD

@@ -97,6 +97,13 @@ def model_shape(config: ModelConfig) -> ModelShape:
             f"not estimated: the saved-activation estimate does not model {', '.join(unknown)} layers yet "
             "(measure with moe_memory.SavedTensorBytes)",
         )
+    if c.dsa_indexer_topk is not None:  # the sparse core attention saves its gathered keys and values
+        raise ModelConfigError(
+            "dsa_indexer_topk",
+            c.dsa_indexer_topk,
+            "not estimated: the saved-activation estimate does not model DeepSeek sparse attention yet (measure with "
+            "moe_memory.SavedTensorBytes)",
+        )
     patterns = c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern(), mixers
     layers = tuple(
         LayerShape(_gated_delta_net(c) if mixer == "linear_attention" else _attention(c, bool(f), bool(r)), moe=bool(m))

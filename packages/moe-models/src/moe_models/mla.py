@@ -1,5 +1,14 @@
 """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values go through low-rank latents; a part of
-each q/k head gets rotary embeddings, with one rotary key shared by all heads."""
+each q/k head gets rotary embeddings, with one rotary key shared by all heads.
+
+With DeepSeek Sparse Attention (DeepSeek-V3.2: ``dsa_indexer_topk`` set) a lightning indexer (``indexer``, as
+transformers names it) reads the hidden state and the normalised q latent and picks each query's top-k earlier keys;
+``core_attention`` is then :class:`~moe_models.sparse_attention.SparseCoreAttention` over those keys alone, called
+with the indices where dense core attention takes its sinks. The indexer runs without gradient (as transformers'):
+the selection is not differentiable, so its weights learn from the indexer loss alone, which is not wired here yet.
+It would plug in beside the selection: ``indexer.selected_scores(x.detach(), q_latent.detach(), ...)`` on the
+indices and :func:`~moe_models.sparse_attention.sparse_indexer_loss` against this layer's q and k (or the dense
+warm-up's ``scores`` / ``dense_indexer_loss``), the loss handed out as the routers' aux losses are."""
 
 from __future__ import annotations
 
@@ -10,6 +19,7 @@ from moe_models.attention import CoreAttention
 from moe_models.config import ModelConfig
 from moe_models.layers import RMSNorm
 from moe_models.rope import apply_rotary
+from moe_models.sparse_attention import LightningIndexer, SparseCoreAttention
 
 
 class MLAUpProjection(nn.Module):
@@ -69,7 +79,18 @@ class MultiLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
         self.up_proj = MLAUpProjection(self.nope_dim, self.rope_dim, self.v_dim, c.rotary_interleaved)
-        self.core_attention = CoreAttention(c.softmax_scale)
+        self.indexer: LightningIndexer | None = None
+        self.core_attention: CoreAttention | SparseCoreAttention = CoreAttention(c.softmax_scale)
+        if c.dsa_indexer_topk is not None:
+            self.indexer = LightningIndexer(
+                hidden_size=h,
+                q_lora_rank=c.q_lora_rank,
+                num_heads=c.dsa_indexer_n_heads,
+                head_dim=c.dsa_indexer_head_dim,
+                rope_dim=self.rope_dim,
+                topk=c.dsa_indexer_topk,
+            )
+            self.core_attention = SparseCoreAttention(c.softmax_scale)
 
     def forward(
         self,
@@ -88,5 +109,9 @@ class MultiLatentAttention(nn.Module):
             q_up, self.kv_b_proj, q_in_BSQ, self.kv_a_norm(latent_BSC), k_rope_BSR, cos_SF, sin_SF
         )
         documents = () if document_ids_BS is None else (document_ids_BS,)  # a 7th argument only with documents
-        out_BNSV = self.core_attention(q, k, v_BNSV, None, positions_S, positions_S, *documents)
+        if self.indexer is None:
+            out_BNSV = self.core_attention(q, k, v_BNSV, None, positions_S, positions_S, *documents)
+        else:  # the selection keeps each query to its own document, so the sparse core needs no document ids
+            indices_BST = self.indexer(x_BSH, q_in_BSQ, cos_SF, sin_SF, positions_S, None, positions_S, *documents)
+            out_BNSV = self.core_attention(q, k, v_BNSV, indices_BST, positions_S, positions_S)
         return self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, -1))

@@ -23,6 +23,14 @@ their experts (moe_parallel's expert parallelism).
 
 Context parallelism: every core attention is listed, to be handed the keys and values of the whole sequence.
 
+DeepSeek Sparse Attention (``dsa_indexer_topk``): the lightning indexer stays whole on every tp rank (its input is
+the all-gathered sequence and the whole q latent, as MLA's latents), so every rank selects the same keys for its
+heads; it runs without gradient, so nothing is summed over tp (an indexer loss would need the head-summed attention
+target all-reduced over tp, after which each rank's gradient is the whole one, not a part). Under context
+parallelism its ranking module (``indexer.top_k``, called as core attention is) is listed beside the core attention:
+it scores its rank's queries against the index keys of every rank, gathered in the same position order as the
+keys the sparse core then indexes.
+
 Linear-attention layers (``experimental_attention_variant``, Qwen3-Next's Gated DeltaNet) split their heads over tp as
 attention does: the input all-gathered along the sequence, ``in_proj`` column-parallel (its rows are grouped per key
 head, so a contiguous split gives each rank whole key heads with their value heads' v, z, b and a), the conv channels
@@ -270,6 +278,11 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         # a linear-attention layer chains the states of the segments before its own
         context_parallel=tuple(
             f"{prefix}.attention.core_attention" for prefix, layer in layers + depths if not layer.is_linear_attention
+        )
+        + tuple(  # DeepSeek Sparse Attention: the indexer's ranking needs every rank's index keys too
+            f"{prefix}.attention.indexer.top_k"
+            for prefix, layer in layers + depths
+            if getattr(layer.attention, "indexer", None) is not None
         ),
         context_parallel_segments=tuple(
             f"{prefix}.attention.segments" for prefix, layer in layers + depths if layer.is_linear_attention

@@ -230,6 +230,12 @@ _HF_PUBLISHED: dict[str, dict[str, Any]] = {
     "llama-4-maverick-17b-128e": {},
     # Qwen3-Next: the Switch aux loss with its config.json's router_aux_loss_coef
     "qwen3-next-80b-a3b": {},
+    # Qwen3.5 MoE: the Switch aux loss with Qwen3_5MoeTextConfig's router_aux_loss_coef (config.json gives none here)
+    "qwen3.5-35b-a3b": {},
+    "qwen3.5-122b-a10b": {},
+    "qwen3.5-397b-a17b": {},
+    # DeepSeek-V3.2: DeepSeek-V3's aux-loss-free balancing (it was continued from V3.1-Terminus)
+    "deepseek-v3.2": _BIAS_BALANCED,
 }
 
 
@@ -432,6 +438,16 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-hunyuan-v1-moe": lambda: _tiny_hf("hunyuan-a13b"),
     "tiny-llama4": lambda: _tiny_llama4(),
     "tiny-qwen3-next": _tiny_qwen3_next,
+    # DeepSeek-V3.2's indexer at the tiny sizes: 8 heads of 32 picking 16 keys, so 128-token sequences are sparse (8
+    # heads: a key scores exactly 0, a tie, only when all 8 relus are 0)
+    "tiny-deepseek-v32": lambda: _tiny_hf(
+        "deepseek-v3.2",
+        mla=True,
+        dense_first=True,
+        dsa_indexer_topk=16,
+        dsa_indexer_n_heads=8,
+        dsa_indexer_head_dim=32,
+    ),
 }
 TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
 PUBLISHED_PRESETS = tuple(name for name in PRESETS if not name.startswith("tiny-"))
@@ -497,4 +513,13 @@ PUBLISHED_SIZES: dict[str, PublishedSize] = {
     "llama-4-maverick-17b-128e": PublishedSize(400e9, 17e9, 1e9, 1e9, True, "Llama 4 model card (Maverick)"),
     # "80B in total and 3B activated": 79.7B and 3.6B counted (without the input embedding; the card rounds down)
     "qwen3-next-80b-a3b": PublishedSize(80e9, 3e9, 1e9, 1e9, False, "Qwen3-Next-80B-A3B model card"),
+    # "35B / 122B / 397B in total, 3B / 10B / 17B activated": the text model counts 34.66B / 122.11B / 396.35B (the
+    # cards' totals include the vision encoder) and 3.45B / 9.77B / 17.35B active with the input embedding, which round
+    # to the cards' figures (2.95B / 9.01B / 16.33B without it)
+    "qwen3.5-35b-a3b": PublishedSize(35e9, 3e9, 1e9, 1e9, True, "Qwen3.5-35B-A3B model card"),
+    "qwen3.5-122b-a10b": PublishedSize(122e9, 10e9, 1e9, 1e9, True, "Qwen3.5-122B-A10B model card"),
+    "qwen3.5-397b-a17b": PublishedSize(397e9, 17e9, 1e9, 1e9, True, "Qwen3.5-397B-A17B model card"),
+    # 671B (xorbitsai/inference's stored model page of DeepSeek-V3.2-Exp); 37B active is DeepSeek-V3's figure, whose
+    # weights V3.2 continues: the indexers add 0.85B (671.9B and 37.5B counted, without the input embedding)
+    "deepseek-v3.2": PublishedSize(671e9, 37e9, 1e9, 1e9, False, "DeepSeek-V3.2-Exp model page; V3's active size"),
 }

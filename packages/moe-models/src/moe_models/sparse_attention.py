@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_models.attention import CoreAttention
 from moe_models.rope import apply_rotary
 
 QUERY_BLOCK = 64  # queries per block: bounds the gathered [B, N, block, topk, D] keys
@@ -58,6 +59,7 @@ class LightningIndexer(nn.Module):
         topk: int,
         norm_eps: float = 1e-6,
         rope_interleaved: bool = False,
+        block_size: int = QUERY_BLOCK,
     ) -> None:
         super().__init__()
         if topk < 1:
@@ -70,6 +72,7 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(hidden_size, head_dim, bias=False)
         self.k_norm = nn.LayerNorm(head_dim, eps=norm_eps)
         self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.top_k = IndexerTopK(topk, block_size)
 
     def keys(self, x_BSH: torch.Tensor, cos_SF: torch.Tensor, sin_SF: torch.Tensor) -> torch.Tensor:
         """The index keys ``[B, S, d]`` of the tokens (what a generation cache keeps), in fp32 (fp64 for fp64)."""
@@ -85,27 +88,24 @@ class LightningIndexer(nn.Module):
         q_pos_S: torch.Tensor | None = None,
         k_BKD: torch.Tensor | None = None,
         k_pos_K: torch.Tensor | None = None,
-        block_size: int = QUERY_BLOCK,
+        documents_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The selected keys per query, int64 ``[B, S, min(topk, K)]`` indices into the key axis, highest score
         first, -1 in the slots of a query with fewer earlier keys than that. No gradient.
 
-        ``cos_SF`` / ``sin_SF``: rotary tables at the queries' positions (``[S, rope_dim/2]``, as MLA's);
-        ``k_BKD``: index keys from :meth:`keys` (a cache's, or the whole sequence's), default the tokens' own;
-        ``q_pos_S`` / ``k_pos_K``: positions for the causal rule (default: the queries are the last S of the K keys).
-        Scores are computed ``block_size`` queries at a time: ``[B, H, block, K]`` at once, never ``[B, H, S, K]``."""
-        _check_block_size(block_size)
+        ``cos_SF`` / ``sin_SF``: rotary tables at the queries' positions (``[S, rope_dim/2]``, or ``[B, S, ...]`` with
+        packed documents, as MLA's); ``k_BKD``: index keys from :meth:`keys` (a cache's, or the whole sequence's),
+        default the tokens' own; ``q_pos_S`` / ``k_pos_K``: positions for the causal rule (default: the queries are
+        the last S of the K keys); ``documents_BS``: packed documents' ids of the whole sequences (indexed by
+        position): a query then selects keys of its own document only. The ranking runs in :attr:`top_k` (called as
+        core attention is, so that context parallelism can hand it every rank's keys)."""
         with torch.no_grad():
             q_BHSD, w_BSH, k_BKD = self._queries_and_keys(x_BSH, q_latent_BSQ, cos_SF, sin_SF, k_BKD)
             q_pos_S, k_pos_K = _positions(q_BHSD.shape[2], k_BKD.shape[1], q_pos_S, k_pos_K, x_BSH.device)
-            topk = min(self.topk, k_BKD.shape[1])
-
-            def select(rows: slice) -> torch.Tensor:
-                scores_BsK = _dense_scores(q_BHSD[:, :, rows], w_BSH[:, rows], k_BKD, q_pos_S[rows], k_pos_K)
-                values_BsT, indices_BsT = scores_BsK.topk(topk, dim=-1)
-                return indices_BsT.masked_fill(values_BsT == float("-inf"), -1)
-
-            return _by_query_blocks(select, q_BHSD.shape[2], block_size, dim=1)
+            # one key head, no values: the (q, k, v, ...) layout of core attention
+            k_B1KD = k_BKD.unsqueeze(1)
+            documents = () if documents_BS is None else (documents_BS,)
+            return self.top_k(q_BHSD, k_B1KD, k_B1KD[..., :0], w_BSH, q_pos_S, k_pos_K, *documents)
 
     def scores(
         self,
@@ -167,13 +167,52 @@ class LightningIndexer(nn.Module):
         return torch.cat([apply_rotary(rope, cos_SF, sin_SF, self.rope_interleaved), rest], dim=-1)
 
 
-class SparseCoreAttention(nn.Module):
-    """:func:`sparse_attention` as a parameter-free module (as :class:`~moe_models.attention.CoreAttention`), so that
-    memory policies can address it; ``scale`` None: 1/sqrt(q/k head dim)."""
+class IndexerTopK(CoreAttention):
+    """The indexer's ranking, parameter-free: a core attention in its calling convention, ``(q_BHSD, k_B1KD, v_B1K0,
+    w_BSH, q_pos_S, k_pos_K[, documents_BS])`` (index queries, the one index key head, an empty value, the per-query
+    head weights where core attention takes its sinks, positions, packed documents' ids), whose output is the
+    selection. So context parallelism's ``GatherKeysValues`` hands it the keys of every rank, and the generation cache
+    (:class:`~moe_models.generation.KVCache`) those of the tokens before, in the order the sparse core's keys then
+    come in. Scores go ``block_size`` queries at a time: ``[B, H, block, K]`` at once, never ``[B, H, S, K]``."""
+
+    def __init__(self, topk: int, block_size: int = QUERY_BLOCK) -> None:
+        super().__init__(scale=None)
+        _check_block_size(block_size)
+        self.topk, self.block_size = topk, block_size
+
+    def forward(
+        self,
+        q_BHSD: torch.Tensor,
+        k_B1KD: torch.Tensor,
+        v_B1K0: torch.Tensor,
+        w_BSH: torch.Tensor,
+        q_pos_S: torch.Tensor,
+        k_pos_K: torch.Tensor,
+        documents_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        del v_B1K0  # the layout's value slot: the indexer only ranks keys
+        k_BKD = k_B1KD.squeeze(1)
+        topk = min(self.topk, k_BKD.shape[1])
+
+        def select(rows: slice) -> torch.Tensor:
+            hidden_BsK = None
+            if documents_BS is not None:  # keys of another document are hidden like later ones
+                hidden_BsK = documents_BS[:, q_pos_S[rows]].unsqueeze(-1) != documents_BS[:, k_pos_K].unsqueeze(1)
+            scores_BsK = _dense_scores(q_BHSD[:, :, rows], w_BSH[:, rows], k_BKD, q_pos_S[rows], k_pos_K, hidden_BsK)
+            values_BsT, indices_BsT = scores_BsK.topk(topk, dim=-1)
+            return indices_BsT.masked_fill(values_BsT == float("-inf"), -1)
+
+        return _by_query_blocks(select, q_BHSD.shape[2], self.block_size, dim=1)
+
+
+class SparseCoreAttention(CoreAttention):
+    """:func:`sparse_attention` as a parameter-free core attention, called as the dense one with the selected keys'
+    indices where it takes its sinks: memory policies address it, context parallelism and the generation cache hand it
+    every key (the indices index them); ``scale`` None: 1/sqrt(q/k head dim)."""
 
     def __init__(self, scale: float | None, block_size: int = QUERY_BLOCK) -> None:
-        super().__init__()
-        self.scale, self.block_size = scale, block_size
+        super().__init__(scale)
+        self.block_size = block_size
 
     def forward(
         self,
@@ -272,12 +311,19 @@ def sparse_indexer_loss(
 
 
 def _dense_scores(
-    q_BHSD: torch.Tensor, w_BSH: torch.Tensor, k_BKD: torch.Tensor, q_pos_S: torch.Tensor, k_pos_K: torch.Tensor
+    q_BHSD: torch.Tensor,
+    w_BSH: torch.Tensor,
+    k_BKD: torch.Tensor,
+    q_pos_S: torch.Tensor,
+    k_pos_K: torch.Tensor,
+    hidden_BSK: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Index scores ``[B, S, K]`` of the queries against all keys, -inf at keys later than the query."""
+    """Index scores ``[B, S, K]`` of the queries against all keys, -inf at keys later than the query (and where
+    ``hidden_BSK``)."""
     logits_BHSK = torch.einsum("bhsd,bkd->bhsk", q_BHSD, k_BKD).relu()
     scores_BSK = torch.einsum("bhsk,bsh->bsk", logits_BHSK, w_BSH)
-    return scores_BSK.masked_fill(k_pos_K > q_pos_S.unsqueeze(-1), float("-inf"))
+    hidden = k_pos_K > q_pos_S.unsqueeze(-1)
+    return scores_BSK.masked_fill(hidden if hidden_BSK is None else hidden | hidden_BSK, float("-inf"))
 
 
 def _selected_probs(

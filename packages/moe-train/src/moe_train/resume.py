@@ -32,7 +32,9 @@ from moe_train.output_lock import LOCK_FILE, check_unlocked
 from moe_train.peft import check_base
 
 # model fields that choose how a step computes, not what the weights are: a checkpoint resumes under another value
-_RUNTIME_MODEL_FIELDS = frozenset({"moe_expert_backend", "moe_permute_backend"})
+_RUNTIME_MODEL_FIELDS = frozenset(
+    {"moe_expert_backend", "moe_permute_backend", "linear_attention_backend", "mamba_backend"}
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -199,8 +199,36 @@ def _gpt_oss_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# a multimodal config.json's own keys besides text_config: the vision tower and the media tokens, nothing the text
+# model's logits depend on
+_MULTIMODAL_INERT = frozenset(
+    {"vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}
+)
+
+
+def _language_model(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json (a family alias's, with ``text_config``: Qwen3.5's) as its language model's own dict,
+    read as the family's model_type; any other config.json as it is."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict) or hf.get("model_type") not in MODEL_TYPES:
+        return hf
+    family = FAMILIES[MODEL_TYPES[hf["model_type"]]]
+    if hf["model_type"] not in family.aliases:
+        return hf
+    outer = set(hf) - GENERIC_INERT - _MULTIMODAL_INERT - {"text_config", "tie_word_embeddings"}
+    if outer:
+        key = sorted(outer)[0]
+        raise unsupported(key, hf[key], "a key beside text_config the mapping does not know; move it into text_config")
+    tied, text_tied = bool(hf.get("tie_word_embeddings", False)), bool(text.get("tie_word_embeddings", False))
+    if tied != text_tied:
+        raise unsupported("tie_word_embeddings", tied, f"text_config says {text_tied}: make the two agree")
+    return text | {"model_type": family.model_type}
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of a HuggingFace config.json dict (raises HFCheckpointError for unsupported features)."""
+    """The ModelConfig of a HuggingFace config.json dict (raises HFCheckpointError for unsupported features); a
+    multimodal one's text model (``text_config``) where the family reads one."""
+    hf = _language_model(hf)
     family = FAMILIES[family_of(hf)]
     fields_read = ReadFields(hf)
     fields = _common_from_hf(fields_read, family.name) | family.from_hf(fields_read)
@@ -391,6 +419,8 @@ FAMILIES: dict[str, HFFamily] = {f.name: f for f in _LEGACY + tuple(m.FAMILY for
 HF_NAMES = {name: (f.architecture, f.model_type) for name, f in FAMILIES.items()}
 # Kimi-K2 checkpoints are DeepSeek-V3 models under their own model_type
 MODEL_TYPES = {f.model_type: f.name for f in FAMILIES.values()} | {"kimi_k2": "deepseek_v3"}
+# the families' other model_types (Qwen3.5's multimodal qwen3_5_moe, whose config.json nests the text model)
+MODEL_TYPES |= {alias: f.name for f in FAMILIES.values() for alias in f.aliases}
 ARCHITECTURES = {f.architecture: f.name for f in FAMILIES.values()}
 # ModelConfig fields that a checkpoint does not record (training choices): not compared when a written config.json is
 # read back
@@ -407,6 +437,8 @@ _TRAINING_FIELDS = frozenset(
         "moe_router_dtype",
         "moe_expert_backend",
         "moe_permute_backend",
+        "linear_attention_backend",
+        "mamba_backend",
         "mtp_loss_scaling_factor",
         "linear_attention_chunk_size",  # the chunked gated delta rule's chunk: a compute choice
     }

@@ -191,6 +191,9 @@ class CheckpointNames:
     sinks: str = "sinks"  # under self_attn: the learned attention-sink logits (Flint: softmax_offset)
     q_norm: str = "q_norm"  # under self_attn
     k_norm: str = "k_norm"
+    # a Gated DeltaNet's input projection as Qwen3.5 stores it: in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, each
+    # over all heads in head order; otherwise Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped by key head
+    linear_in_proj_split: bool = False
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,48 @@ def _check_keys(plan: Plan, full_plan: Plan, available: set[str]) -> None:
         )
 
 
+# where a multimodal checkpoint (Qwen3.5's) keeps its language model's tensors: the text-only model's ``model.`` names
+_LANGUAGE_MODEL = "model.language_model."
+
+
+def _text_model_names(stored: set[str]) -> tuple[set[str], bool]:
+    """A checkpoint's tensor names as the text-only model's (``model.language_model.`` read as ``model.``), and
+    whether any was so nested."""
+    if not any(k.startswith(_LANGUAGE_MODEL) for k in stored):
+        return stored, False
+    return {"model." + k.removeprefix(_LANGUAGE_MODEL) if k.startswith(_LANGUAGE_MODEL) else k for k in stored}, True
+
+
+def _as_stored(plan: Plan) -> Plan:
+    """``plan`` with its HF names under ``model.language_model.`` instead of ``model.``."""
+
+    def stored(key: str) -> str:
+        return _LANGUAGE_MODEL + key.removeprefix("model.") if key.startswith("model.") else key
+
+    entries = [
+        dataclasses.replace(e, sources=tuple(dataclasses.replace(s, key=stored(s.key)) for s in e.sources))
+        for e in plan.entries
+    ]
+    copies = {stored(k): v for k, v in plan.copies.items()}
+    zeros = {stored(k): v for k, v in plan.zeros.items()}
+    return Plan(entries, copies, zeros, {stored(k) for k in plan.ignored})
+
+
+def stored_plan(stored: set[str], config: ModelConfig, experts: Sequence[int] | None) -> Plan:
+    """``build_plan`` over a checkpoint's tensor names ``stored``, its HF names spelled as the checkpoint spells them
+    (a multimodal one's language model under ``model.language_model.``); unchecked."""
+    available, nested = _text_model_names(stored)
+    plan = build_plan(config, experts=experts, available=available)
+    return _as_stored(plan) if nested else plan
+
+
 def plan_for(reader: CheckpointReader, config: ModelConfig, experts: Sequence[int] | None) -> Plan:
-    available = reader.names()
+    """The plan reading ``config``'s tensors from ``reader``'s checkpoint (:func:`stored_plan`), the checkpoint's
+    names checked against it first."""
+    available, nested = _text_model_names(reader.names())
     plan = build_plan(config, experts=experts, available=available)
     _check_keys(plan, build_plan(config, available=available), available - _left_unread(config, available))
-    return plan
+    return _as_stored(plan) if nested else plan
 
 
 def _tensors(reader: CheckpointReader, plan: Plan, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

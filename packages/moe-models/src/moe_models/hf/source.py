@@ -16,8 +16,8 @@ import torch
 from moe_models.config import ModelConfig
 from moe_models.hf.errors import HFCheckpointError
 from moe_models.hf.files import CheckpointReader
-from moe_models.hf.io import FP32_SUFFIXES, plan_for
-from moe_models.hf.state_dict_map import Entry, build_plan, is_routed_expert_tensor, stored_as_is
+from moe_models.hf.io import FP32_SUFFIXES, plan_for, stored_plan
+from moe_models.hf.state_dict_map import Entry, is_routed_expert_tensor, stored_as_is
 
 
 class CheckpointSource:
@@ -71,7 +71,7 @@ class CheckpointSource:
     def expert(self, path: str, index: int) -> dict[str, torch.Tensor]:
         """Global expert ``index`` of our grouped experts at ``path``, by parameter name (expert dim dropped)."""
         if index not in self._expert_entries:
-            plan = build_plan(self.config, experts=[index], available=self._available)
+            plan = stored_plan(self._available, self.config, [index])
             self._expert_entries[index] = {e.ours: e for e in plan.entries if is_routed_expert_tensor(e.ours)}
         prefix = f"{path}."
         return {

@@ -144,6 +144,29 @@ def _gated_delta_net_in_proj(
     return to_ours, to_hf
 
 
+def _gated_delta_net_split_in_proj(
+    c: ModelConfig,
+) -> tuple[Callable[[list[Tensor]], Tensor], Callable[[Tensor], list[Tensor]]]:
+    """Our ``in_proj`` rows, per key head ``[q, k, v, z, b, a]`` of the head and its value heads <-> Qwen3.5's
+    ``in_proj_qkv`` (``[q, k, v]``, each over all heads), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (over all value
+    heads): value head ``j`` is key head ``j // (value heads / key heads)``'s."""
+    key_heads, dk = c.linear_num_key_heads, c.linear_key_head_dim
+    value = c.linear_num_value_heads * c.linear_value_head_dim
+    qkv_parts = [key_heads * dk, key_heads * dk, value]
+
+    def to_ours(ts: list[Tensor]) -> Tensor:
+        qkv, z, b, a = ts
+        parts = [*qkv.split(qkv_parts), z, b, a]
+        return torch.cat([p.unflatten(0, (key_heads, -1)) for p in parts], dim=1).flatten(0, 1)
+
+    def to_hf(t: Tensor) -> list[Tensor]:
+        per_head = [n // key_heads for n in (*qkv_parts, value, c.linear_num_value_heads, c.linear_num_value_heads)]
+        q, k, v, z, b, a = (p.flatten(0, 1) for p in t.unflatten(0, (key_heads, -1)).split(per_head, dim=1))
+        return [torch.cat([q, k, v]), z, b, a]
+
+    return to_ours, to_hf
+
+
 def _gated_delta_net_conv(
     c: ModelConfig,
 ) -> tuple[Callable[[list[Tensor]], Tensor], Callable[[Tensor], list[Tensor]]]:
@@ -164,14 +187,23 @@ def _gated_delta_net_conv(
 
 
 def _gated_delta_net(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
-    """A Gated DeltaNet layer (``linear_attn`` in transformers' Qwen3-Next)."""
+    """A Gated DeltaNet layer (``linear_attn`` in transformers' Qwen3-Next and Qwen3.5)."""
     h, key = c.hidden_size, c.linear_num_key_heads * c.linear_key_head_dim
     value, heads = c.linear_num_value_heads * c.linear_value_head_dim, c.linear_num_value_heads
-    sources = (
-        Source(f"{hf}.in_proj_qkvz.weight", (2 * key + 2 * value, h)),
-        Source(f"{hf}.in_proj_ba.weight", (2 * heads, h)),
-    )
-    plan.entries.append(Entry(f"{ours}.in_proj.weight", sources, *_gated_delta_net_in_proj(c)))
+    if FAMILIES[c.family].names.linear_in_proj_split:
+        sources = (
+            Source(f"{hf}.in_proj_qkv.weight", (2 * key + value, h)),
+            Source(f"{hf}.in_proj_z.weight", (value, h)),
+            Source(f"{hf}.in_proj_b.weight", (heads, h)),
+            Source(f"{hf}.in_proj_a.weight", (heads, h)),
+        )
+        plan.entries.append(Entry(f"{ours}.in_proj.weight", sources, *_gated_delta_net_split_in_proj(c)))
+    else:
+        sources = (
+            Source(f"{hf}.in_proj_qkvz.weight", (2 * key + 2 * value, h)),
+            Source(f"{hf}.in_proj_ba.weight", (2 * heads, h)),
+        )
+        plan.entries.append(Entry(f"{ours}.in_proj.weight", sources, *_gated_delta_net_in_proj(c)))
     conv = (Source(f"{hf}.conv1d.weight", (2 * key + value, 1, c.linear_conv_kernel_dim)),)
     plan.entries.append(Entry(f"{ours}.conv1d.weight", conv, *_gated_delta_net_conv(c)))
     _copy(plan, f"{ours}.A_log", f"{hf}.A_log", (heads,))
@@ -194,6 +226,16 @@ def _mla_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
     kv_b_shape = (n * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank)
     _copy(plan, f"{ours}.kv_b_proj.weight", f"{hf}.kv_b_proj.weight", kv_b_shape)
     _copy(plan, f"{ours}.o_proj.weight", f"{hf}.o_proj.weight", (h, n * c.v_head_dim))
+    if c.dsa_indexer_topk is not None:  # DeepSeek Sparse Attention's lightning indexer, under the same names
+        heads, dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
+        for name, shape in (
+            ("wq_b.weight", (heads * dim, c.q_lora_rank)),
+            ("wk.weight", (dim, h)),
+            ("k_norm.weight", (dim,)),
+            ("k_norm.bias", (dim,)),
+            ("weights_proj.weight", (heads, h)),
+        ):
+            _copy(plan, f"{ours}.indexer.{name}", f"{hf}.indexer.{name}", shape)
 
 
 def _dense_mlp(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:

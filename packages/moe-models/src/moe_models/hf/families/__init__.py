@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from moe_models.hf.families import (
     deepseek_v2,
+    deepseek_v32,
     dots1,
     ernie4_5_moe,
     exaone_moe,
@@ -18,6 +19,7 @@ from moe_models.hf.families import (
     minimax_m2,
     olmoe,
     qwen2_moe,
+    qwen3_5_moe,
     qwen3_next,
     solar_open,
 )
@@ -39,4 +41,6 @@ FAMILY_MODULES = (
     flint,
     mellum,
     qwen3_next,
+    deepseek_v32,
+    qwen3_5_moe,
 )
