@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 from _hf_reference import (
+    MLA_TINY,
     YARN_ROPE,
     assert_exercised,
     assert_import_refused,
@@ -25,26 +26,7 @@ from moe_models.hf.errors import HFCheckpointError
 
 TOLERANCE = 1e-4
 YARN = dict(YARN_ROPE)
-# rms_norm_eps stays 1e-6: transformers' q_a/kv_a latent norms use 1e-6 whatever the field, ours use norm_epsilon
-TINY = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 256,
-    "num_hidden_layers": 3,
-    "intermediate_size": 48,
-    "moe_intermediate_size": 16,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "kv_lora_rank": 12,
-    "q_lora_rank": 16,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 8,
-    "rms_norm_eps": 1e-6,
-}
+TINY = MLA_TINY | {"first_k_dense_replace": 1}
 
 
 @st.composite

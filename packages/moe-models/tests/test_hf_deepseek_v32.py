@@ -10,14 +10,17 @@ import dataclasses
 import pytest
 import torch
 from _hf_reference import (
+    MLA_TINY,
     SEQ_LEN,
+    SIGMOID_MOE_REFUSED,
     YARN_ROPE,
     assert_exercised,
     assert_export_refused,
     assert_import_refused,
     both_ways_within,
     class_defaults_agree,
-    draw_expert_groups,
+    draw_sigmoid_moe,
+    mla_dims,
     mtp_round_trip,
 )
 from _published_hf_configs import PUBLISHED_HF_CONFIGS
@@ -32,25 +35,9 @@ from moe_models.hf.config_map import config_to_hf
 TOLERANCE = 1e-4
 # 16 index heads: a key scores exactly 0 (a tie) only when every head's relu is 0, rare enough not to straddle a
 # top-k boundary in these draws
-TINY = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 256,
-    "num_hidden_layers": 3,
-    "intermediate_size": 48,
-    "moe_intermediate_size": 16,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
+TINY = MLA_TINY | {
     "n_group": 1,
     "topk_group": 1,
-    "kv_lora_rank": 12,
-    "q_lora_rank": 16,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 8,
     "index_topk": 4,
     "index_n_heads": 16,
     "index_head_dim": 16,
@@ -61,22 +48,11 @@ TINY = {
 
 @st.composite
 def _configs(draw) -> DeepseekV32Config:
-    heads = draw(st.sampled_from([2, 4]))
-    layers = draw(st.integers(1, 3))
-    topk = draw(st.integers(1, 4))
-    groups, group_topk = draw_expert_groups(draw, topk) or (1, 1)
     rope = draw(st.sampled_from([4, 8]))
     return DeepseekV32Config(
         **TINY
+        | draw_sigmoid_moe(draw)
         | {
-            "num_attention_heads": heads,
-            "num_key_value_heads": heads,
-            "num_hidden_layers": layers,
-            "mlp_layer_types": draw(st.lists(st.sampled_from(["dense", "sparse"]), min_size=layers, max_size=layers)),
-            "num_experts_per_tok": topk,
-            "n_group": groups,
-            "topk_group": group_topk,
-            "norm_topk_prob": topk > 1 and draw(st.booleans()),
             "routed_scaling_factor": draw(st.sampled_from([1.0, 2.5])),
             "kv_lora_rank": draw(st.sampled_from([8, 12])),
             "qk_nope_head_dim": draw(st.sampled_from([4, 8])),
@@ -151,32 +127,21 @@ def test_published_config_maps():
     assert c.family == "deepseek_v32" and c.multi_latent_attention and c.rotary_interleaved
     assert (c.dsa_indexer_topk, c.dsa_indexer_n_heads, c.dsa_indexer_head_dim) == (2048, 64, 128)
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_moe_experts) == (61, 7168, 128, 256)
-    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) == (
-        1536,
-        512,
-        128,
-        64,
-        128,
-    )
+    assert mla_dims(c) == (1536, 512, 128, 64, 128)
     assert c.moe_layer_pattern() == [0] * 3 + [1] * 58 and c.mtp_num_layers == 1
     assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor) == (8, 4, 2.5)
     assert c.rope_type == "yarn" and c.rotary_scaling_factor == 40 and c.mscale_all_dim == 1.0
     assert config_from_hf(config_to_hf(c)) == c
 
 
-REFUSED = {
+REFUSED = SIGMOID_MOE_REFUSED | {
     "index_topk": {"index_topk": 0},
     "index_n_heads": {"index_n_heads": None},
     "layer_types": {"layer_types": ["full_attention"] * 3},
     "q_lora_rank": {"q_lora_rank": None},
     "rope_interleave": {"rope_interleave": False},
-    "scoring_func": {"scoring_func": "softmax"},
-    "topk_method": {"topk_method": "greedy"},
     "moe_layer_freq": {"moe_layer_freq": 2},
-    "head_dim": {"head_dim": 16},
     "mlp_layer_types": {"mlp_layer_types": ["dense", "sparse"]},
-    "attention_bias": {"attention_bias": True},
-    "num_key_value_heads": {"num_key_value_heads": 2},
 }
 
 

@@ -7,13 +7,16 @@ import dataclasses
 
 import pytest
 from _hf_reference import (
+    MLA_TINY,
+    SIGMOID_MOE_REFUSED,
     YARN_ROPE,
     assert_exercised,
     assert_import_refused,
     both_ways_within,
-    draw_expert_groups,
     draw_mla_dims,
+    draw_sigmoid_moe,
     logits,
+    mla_dims,
     mtp_round_trip,
     rel_err,
 )
@@ -29,47 +32,16 @@ from moe_models.hf.errors import HFCheckpointError
 
 TOLERANCE = 1e-4
 YARN = dict(YARN_ROPE)
-# rms_norm_eps 1e-6: transformers' q_a/kv_a latent norms use 1e-6 whatever the field (GLM-4.7-Flash: 1e-5), ours
-# use norm_epsilon
-TINY = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 256,
-    "num_hidden_layers": 3,
-    "intermediate_size": 48,
-    "moe_intermediate_size": 16,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "kv_lora_rank": 12,
-    "q_lora_rank": 16,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 8,
-    "rms_norm_eps": 1e-6,
-}
+TINY = MLA_TINY  # its rms_norm_eps 1e-6, not GLM-4.7-Flash's 1e-5: see MLA_TINY
 
 
 @st.composite
 def _configs(draw) -> Glm4MoeLiteConfig:
-    heads = draw(st.sampled_from([2, 4]))
-    layers = draw(st.integers(1, 3))
-    topk = draw(st.integers(1, 4))
-    groups, group_topk = draw_expert_groups(draw, topk) or (1, 1)
     return Glm4MoeLiteConfig(
         **TINY
+        | draw_sigmoid_moe(draw)
         | {
-            "num_attention_heads": heads,
-            "num_key_value_heads": heads,
-            "num_hidden_layers": layers,
-            "mlp_layer_types": draw(st.lists(st.sampled_from(["dense", "sparse"]), min_size=layers, max_size=layers)),
             "n_shared_experts": draw(st.integers(1, 2)),
-            "num_experts_per_tok": topk,
-            "n_group": groups,
-            "topk_group": group_topk,
-            "norm_topk_prob": topk > 1 and draw(st.booleans()),
             "routed_scaling_factor": draw(st.sampled_from([1.0, 1.8])),
             **draw_mla_dims(draw),
             "rope_interleave": draw(st.booleans()),
@@ -136,13 +108,7 @@ def test_published_config_maps():
     c = config_from_hf(published)
     assert c.family == "glm4_moe_lite" and c.multi_latent_attention and c.rotary_interleaved
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_moe_experts) == (47, 2048, 20, 64)
-    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) == (
-        768,
-        512,
-        192,
-        64,
-        256,
-    )
+    assert mla_dims(c) == (768, 512, 192, 64, 256)
     assert c.moe_layer_pattern() == [0] + [1] * 46
     assert c.moe_shared_expert_intermediate_size == 1536 and c.moe_router_topk == 4
     assert c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias
@@ -152,19 +118,14 @@ def test_published_config_maps():
     assert config_from_hf(config_to_hf(c)) == c
 
 
-REFUSED = {
-    "scoring_func": {"scoring_func": "softmax"},
-    "topk_method": {"topk_method": "greedy"},
+REFUSED = SIGMOID_MOE_REFUSED | {
     "norm_topk_prob": {"num_experts_per_tok": 1, "norm_topk_prob": True},
-    "head_dim": {"head_dim": 16},
     "mlp_layer_types": {"mlp_layer_types": ["dense", "moe", "sparse"]},
     "mlp_layer_types ": {"mlp_layer_types": ["dense", "sparse"]},
     "first_k_dense_replace": {"first_k_dense_replace": 2},
     "n_group": {"n_group": 8, "topk_group": 2},  # one expert a group: transformers' top-2 group score fails
     "topk_group": {"n_group": 2, "topk_group": 3},
     "n_shared_experts": {"n_shared_experts": 0},
-    "attention_bias": {"attention_bias": True},
-    "num_key_value_heads": {"num_key_value_heads": 2},
     "partial_rotary_factor": {"partial_rotary_factor": 0.5},
 }
 

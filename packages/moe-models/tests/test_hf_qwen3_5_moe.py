@@ -5,19 +5,25 @@ accounted for, the refusals, the MTP block left unread, and the published config
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
 import torch
 from _hf_reference import (
-    assert_exercised,
+    HYBRID_FEATURES,
+    HYBRID_REFUSED,
+    HYBRID_TINY,
     assert_export_refused,
+    assert_hybrid_export_refused,
     assert_import_refused,
+    attention_kinds,
     both_ways_within,
     class_defaults_agree,
+    draw_hybrid,
+    exercise_hybrid_case,
     hf_from_config,
     logits,
+    mtp_block_left_unread,
     randomize_,
     rel_err,
 )
@@ -37,60 +43,15 @@ MROPE = {"mrope_section": [11, 11, 10], "mrope_interleaved": True}
 
 
 def _tiny(**overrides) -> Qwen3_5MoeTextConfig:
-    base = {
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "moe_intermediate_size": 16,
-        "shared_expert_intermediate_size": 24,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 256,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 6,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-    }
-    return Qwen3_5MoeTextConfig(**(base | overrides))
+    return Qwen3_5MoeTextConfig(**(HYBRID_TINY | {"linear_value_head_dim": 6} | overrides))
 
 
 @st.composite
 def _configs(draw) -> Qwen3_5MoeTextConfig:
-    layers = draw(st.integers(2, 4))
-    heads = draw(st.sampled_from([2, 4]))
-    key_heads = draw(st.sampled_from([1, 2, 3]))
-    experts = draw(st.integers(2, 8))
-    kinds = st.sampled_from(["linear_attention", "full_attention"])
-    types = ["linear_attention", "full_attention", *draw(st.lists(kinds, min_size=layers - 2, max_size=layers - 2))]
-    rope = {
-        "rope_type": "default",
-        "rope_theta": draw(st.sampled_from([10_000.0, 10_000_000.0])),
-        "partial_rotary_factor": draw(st.sampled_from([0.25, 0.5, 1.0])),
-    }
-    fields = {
-        "num_hidden_layers": layers,
-        "layer_types": draw(st.permutations(types)),
-        "num_attention_heads": heads,
-        "num_key_value_heads": draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0])),
-        "head_dim": draw(st.sampled_from([8, 16])),
-        "linear_num_key_heads": key_heads,
-        "linear_num_value_heads": key_heads * draw(st.sampled_from([1, 2, 4])),
-        "linear_key_head_dim": draw(st.sampled_from([4, 8])),
-        "linear_value_head_dim": draw(st.sampled_from([4, 6])),
-        "linear_conv_kernel_dim": draw(st.sampled_from([2, 3, 4])),
-        "num_experts": experts,
-        "num_experts_per_tok": draw(st.integers(1, min(experts, 3))),
-        "shared_expert_intermediate_size": draw(st.sampled_from([8, 24])),
-        "tie_word_embeddings": draw(st.booleans()),
-        "rms_norm_eps": draw(st.sampled_from([1e-6, 1e-5])),
-        # the published files' multimodal sections, or none (transformers then takes [11, 11, 10])
-        "rope_parameters": rope | (MROPE if draw(st.booleans()) else {}),
-    }
-    return _tiny(**fields)
+    fields = draw_hybrid(draw, key_heads=[1, 2, 3], value_ratios=[1, 2, 4])
+    # the published files' multimodal sections, or none (transformers then takes [11, 11, 10])
+    rope = fields["rope_parameters"] | (MROPE if draw(st.booleans()) else {})
+    return _tiny(**fields | {"rope_parameters": rope})
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,7 +59,7 @@ def _configs(draw) -> Qwen3_5MoeTextConfig:
 def test_random_configs_match_transformers_both_ways(cfg, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("q35")
     r = both_ways_within(cfg, tmp, label="qwen3_5_moe random", worst=WORST, tolerance=TOLERANCE, quiet=True)
-    assert r.ours.config.attention_kinds() == ["attention" if t == "full_attention" else t for t in cfg.layer_types]
+    assert r.ours.config.attention_kinds() == attention_kinds(cfg.layer_types)
 
 
 def test_split_in_proj_is_permuted_to_key_head_groups(tmp_path):
@@ -194,31 +155,16 @@ def test_multimodal_checkpoint_loads_as_its_text_model(tmp_path):
     assert torch.equal(expert["w_down_EFH"], state["layers.1.mlp.experts.w_down_EFH"][3])
 
 
-FEATURES = {
-    "hybrid_interval": (
-        {"full_attention_interval": 2, "layer_types": None},
-        [
-            {"layernorm_zero_centered_gamma": False},
-            {"rotary_percent": 1.0},
-            {"moe_shared_expert_gate": False},
-            {"moe_router_pre_softmax": True},  # transformers renormalises the top-k
-            {"linear_attention_freq": [0, 1, 1, 1], "experimental_attention_variant": "gated_delta_net"},
-        ],
-    ),
-    # one q/k head serves four value heads; a kernel of 2 taps
-    "grouped_values": ({"linear_num_key_heads": 1, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 2}, []),
-}
+_INTERVAL, _INTERVAL_CHANGES = HYBRID_FEATURES["hybrid_interval"]
+# transformers renormalises the top-k
+FEATURES = HYBRID_FEATURES | {"hybrid_interval": (_INTERVAL, [*_INTERVAL_CHANGES, {"moe_router_pre_softmax": True}])}
 
 
 @pytest.mark.parametrize("case", list(FEATURES))
 def test_feature_is_exercised(case, tmp_path):
     fields, changes = FEATURES[case]
-    r = both_ways_within(
-        _tiny(**fields), tmp_path, label=f"qwen3_5_moe {case}", worst=WORST, tolerance=TOLERANCE, quiet=True
-    )
-    assert_exercised(r, case, changes)
-    if case == "hybrid_interval":
-        assert r.ours.config.attention_kinds() == ["linear_attention", "attention"] * 2
+    label = f"qwen3_5_moe {case}"
+    exercise_hybrid_case(_tiny(**fields), tmp_path, case, changes, label=label, worst=WORST, tolerance=TOLERANCE)
 
 
 def test_every_default_field_is_accounted_for():
@@ -239,36 +185,16 @@ def test_every_default_field_is_accounted_for():
 def test_mtp_block_is_left_unread(tmp_path):
     """The published checkpoints' MTP block (``mtp.*`` tensors), which transformers drops, loads as the main model
     alone."""
-    from safetensors.torch import load_file, save_file
-
-    ref = hf_from_config(_tiny(), seed=2)
-    ref.save_pretrained(tmp_path)
-    config_json = tmp_path / "config.json"
-    config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {"mtp_num_hidden_layers": 1}))
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors["mtp.fc.weight"] = torch.zeros(32, 64)
-    tensors["mtp.layers.0.linear_attn.in_proj_qkv.weight"] = torch.zeros(44, 32)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_pretrained(tmp_path)
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    assert ours.config.mtp_num_layers is None
-    assert rel_err(logits(ours, ids), logits(ref, ids)) < TOLERANCE
+    tensors = {"mtp.fc.weight": torch.zeros(32, 64), "mtp.layers.0.linear_attn.in_proj_qkv.weight": torch.zeros(44, 32)}
+    assert mtp_block_left_unread(_tiny(), tmp_path, {"mtp_num_hidden_layers": 1}, tensors) < TOLERANCE
 
 
 REFUSED = [
-    ({"attention_bias": True}, "attention_bias"),
+    *HYBRID_REFUSED,
     ({"attn_output_gate": False}, "attn_output_gate"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ({"mlp_only_layers": [0]}, "mlp_only_layers"),
-    ({"num_experts": 0}, "num_experts"),
-    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
-    ({"layer_types": ["full_attention"]}, "layer_types"),
-    ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"sliding_window": 4}, "sliding_window"),
 ]
 
 
@@ -279,14 +205,10 @@ def test_refusals_name_the_field(change, key):
 
 def test_export_refusals_name_the_field():
     ours = config_from_hf(_tiny().to_dict())
-    for name in ("qk_layernorm", "attention_output_gate", "layernorm_zero_centered_gamma", "moe_shared_expert_gate"):
-        assert_export_refused(ours, {name: False}, name, "qwen3_5_moe")
+    always = ("qk_layernorm", "attention_output_gate", "layernorm_zero_centered_gamma", "moe_shared_expert_gate")
+    assert_hybrid_export_refused(ours, "qwen3_5_moe", always)
     assert_export_refused(ours, {"moe_layer_freq": [0, 1, 1, 1]}, "moe_layer_freq", "qwen3_5_moe")
     assert_export_refused(ours, {"moe_router_pre_softmax": True}, "moe_router_pre_softmax", "qwen3_5_moe")
-    assert_export_refused(ours, {"mtp_num_layers": 1}, "mtp_num_layers", "qwen3_5_moe")
-    shared = {"moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False}
-    assert_export_refused(ours, shared, "moe_shared_expert_intermediate_size", "qwen3_5_moe")
-    assert_export_refused(ours, {"add_qkv_bias": True}, "add_qkv_bias", "qwen3_5_moe")
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

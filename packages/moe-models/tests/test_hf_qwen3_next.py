@@ -5,28 +5,34 @@ exercised case per feature, every config field accounted for, the refusals and t
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from _hf_reference import (
-    assert_exercised,
+    HYBRID_FEATURES,
+    HYBRID_REFUSED,
+    HYBRID_TINY,
+    NO_SHARED_EXPERT,
     assert_export_refused,
+    assert_hybrid_export_refused,
     assert_import_refused,
+    attention_kinds,
     both_ways_within,
     class_defaults_agree,
+    draw_hybrid,
+    exercise_hybrid_case,
     hf_from_config,
     logits,
+    mtp_block_left_unread,
     rel_err,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3NextConfig
 
-from moe_models.hf import config_from_hf, config_to_hf, load_pretrained
+from moe_models.hf import config_from_hf, config_to_hf
 from moe_models.linear_attention import GatedDeltaNet
 
 TOLERANCE = 1e-4
@@ -34,63 +40,19 @@ WORST: dict[str, float] = {}
 
 
 def _tiny(**overrides) -> Qwen3NextConfig:
-    base = {
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "intermediate_size": 40,
-        "moe_intermediate_size": 16,
-        "shared_expert_intermediate_size": 24,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 256,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-    }
-    return Qwen3NextConfig(**(base | overrides))
+    return Qwen3NextConfig(**(HYBRID_TINY | {"intermediate_size": 40, "linear_value_head_dim": 8} | overrides))
 
 
 @st.composite
 def _configs(draw) -> Qwen3NextConfig:
-    layers = draw(st.integers(2, 4))
-    heads = draw(st.sampled_from([2, 4]))
-    key_heads = draw(st.sampled_from([1, 2]))
-    experts = draw(st.integers(2, 8))
-    kinds = st.sampled_from(["linear_attention", "full_attention"])
-    # at least one layer of each kind
-    types = ["linear_attention", "full_attention", *draw(st.lists(kinds, min_size=layers - 2, max_size=layers - 2))]
-    fields = {
-        "num_hidden_layers": layers,
-        "layer_types": draw(st.permutations(types)),
-        "num_attention_heads": heads,
-        "num_key_value_heads": draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0])),
-        "head_dim": draw(st.sampled_from([8, 16])),
-        "linear_num_key_heads": key_heads,
-        "linear_num_value_heads": key_heads * draw(st.sampled_from([1, 2])),
-        "linear_key_head_dim": draw(st.sampled_from([4, 8])),
-        "linear_value_head_dim": draw(st.sampled_from([4, 6])),
-        "linear_conv_kernel_dim": draw(st.sampled_from([2, 3, 4])),
-        "num_experts": experts,
-        "num_experts_per_tok": draw(st.integers(1, min(experts, 3))),
+    fields = draw_hybrid(draw, key_heads=[1, 2], value_ratios=[1, 2])
+    layers = fields["num_hidden_layers"]
+    routing = {
         "norm_topk_prob": draw(st.booleans()),
-        "shared_expert_intermediate_size": draw(st.sampled_from([8, 24])),
         "decoder_sparse_step": draw(st.sampled_from([1, 2])),
         "mlp_only_layers": draw(st.lists(st.integers(0, layers - 1), max_size=1, unique=True)),
-        "tie_word_embeddings": draw(st.booleans()),
-        "rms_norm_eps": draw(st.sampled_from([1e-6, 1e-5])),
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": draw(st.sampled_from([10_000.0, 10_000_000.0])),
-            "partial_rotary_factor": draw(st.sampled_from([0.25, 0.5, 1.0])),
-        },
     }
-    return _tiny(**fields)
+    return _tiny(**fields, **routing)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,7 +60,7 @@ def _configs(draw) -> Qwen3NextConfig:
 def test_random_configs_match_transformers_both_ways(cfg):
     with tempfile.TemporaryDirectory() as tmp:
         r = both_ways_within(cfg, Path(tmp), label="qwen3_next random", worst=WORST, tolerance=TOLERANCE, quiet=True)
-    assert r.ours.config.attention_kinds() == ["attention" if t == "full_attention" else t for t in cfg.layer_types]
+    assert r.ours.config.attention_kinds() == attention_kinds(cfg.layer_types)
 
 
 @pytest.mark.parametrize("chunk", [4, 5, 64])
@@ -119,32 +81,15 @@ def test_chunks_that_do_and_do_not_divide_the_sequence(chunk, tmp_path):
     assert max(errors.values()) < TOLERANCE, errors
 
 
-# per fixed case: the transformers config, and ModelConfig changes that must each move the logits off the reference
-FEATURES = {
-    "hybrid_interval": (
-        {"full_attention_interval": 2, "layer_types": None},
-        [
-            {"layernorm_zero_centered_gamma": False},
-            {"rotary_percent": 1.0},
-            {"moe_shared_expert_gate": False},
-            {"linear_attention_freq": [0, 1, 1, 1], "experimental_attention_variant": "gated_delta_net"},
-        ],
-    ),
-    "pre_softmax": ({"norm_topk_prob": False}, [{"moe_router_pre_softmax": False}]),
-    # one q/k head serves four value heads; a kernel of 2 taps
-    "grouped_values": ({"linear_num_key_heads": 1, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 2}, []),
-}
+FEATURES = HYBRID_FEATURES | {"pre_softmax": ({"norm_topk_prob": False}, [{"moe_router_pre_softmax": False}])}
 
 
 @pytest.mark.parametrize("case", list(FEATURES))
 def test_feature_is_exercised(case, tmp_path):
     fields, changes = FEATURES[case]
-    r = both_ways_within(
-        _tiny(**fields), tmp_path, label=f"qwen3_next {case}", worst=WORST, tolerance=TOLERANCE, quiet=True
-    )
-    assert_exercised(r, case, changes)
+    label = f"qwen3_next {case}"
+    r = exercise_hybrid_case(_tiny(**fields), tmp_path, case, changes, label=label, worst=WORST, tolerance=TOLERANCE)
     if case == "hybrid_interval":
-        assert r.ours.config.attention_kinds() == ["linear_attention", "attention"] * 2
         assert _without_output_gate(r) > 1e-3, "hybrid_interval does not exercise attention_output_gate"
 
 
@@ -171,9 +116,7 @@ def test_layer_types_derived_as_transformers_does():
         hf = cfg.to_dict()
         del hf["layer_types"]
         hf["full_attention_interval"] = interval
-        assert config_from_hf(hf).attention_kinds() == [
-            "attention" if t == "full_attention" else t for t in cfg.layer_types
-        ]
+        assert config_from_hf(hf).attention_kinds() == attention_kinds(cfg.layer_types)
     assert config_from_hf(_tiny(full_attention_interval=4).to_dict()).linear_attention_freq == 4
 
 
@@ -193,38 +136,12 @@ def test_every_default_field_is_accounted_for():
 def test_mtp_block_is_left_unread(tmp_path):
     """The published checkpoints' MTP block (``mtp.*`` tensors, ``mtp_*`` keys), which transformers drops, loads as
     the main model alone."""
-    from safetensors.torch import load_file, save_file
-
-    ref = hf_from_config(_tiny(), seed=2)
-    ref.save_pretrained(tmp_path)
-    config_json = tmp_path / "config.json"
-    config_json.write_text(
-        json.dumps(
-            json.loads(config_json.read_text()) | {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
-        )
-    )
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors["mtp.fc.weight"] = torch.zeros(32, 64)
-    tensors["mtp.layers.0.input_layernorm.weight"] = torch.zeros(32)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_pretrained(tmp_path)
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    assert ours.config.mtp_num_layers is None
-    assert rel_err(logits(ours, ids), logits(ref, ids)) < TOLERANCE
+    keys = {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+    tensors = {"mtp.fc.weight": torch.zeros(32, 64), "mtp.layers.0.input_layernorm.weight": torch.zeros(32)}
+    assert mtp_block_left_unread(_tiny(), tmp_path, keys, tensors) < TOLERANCE
 
 
-REFUSED = [
-    ({"attention_bias": True}, "attention_bias"),
-    ({"num_experts": 0}, "num_experts"),
-    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
-    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
-    ({"layer_types": ["full_attention"]}, "layer_types"),
-    ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"sliding_window": 4}, "sliding_window"),
-]
+REFUSED = [*HYBRID_REFUSED, ({"decoder_sparse_step": 0}, "decoder_sparse_step")]
 
 
 @pytest.mark.parametrize(("change", "key"), REFUSED)
@@ -248,14 +165,11 @@ def test_interval_refused_without_layer_types():
 
 def test_export_refusals_name_the_field():
     ours = config_from_hf(_tiny().to_dict())
-    for name in ("qk_layernorm", "attention_output_gate", "layernorm_zero_centered_gamma"):
-        assert_export_refused(ours, {name: False}, name, "qwen3_next")
-    assert_export_refused(ours, {"mtp_num_layers": 1}, "mtp_num_layers", "qwen3_next")
-    shared = {"moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False}
-    assert_export_refused(ours, shared, "moe_shared_expert_intermediate_size", "qwen3_next")
-    assert_export_refused(ours, {"add_qkv_bias": True}, "add_qkv_bias", "qwen3_next")
+    assert_hybrid_export_refused(
+        ours, "qwen3_next", ("qk_layernorm", "attention_output_gate", "layernorm_zero_centered_gamma")
+    )
     # a hybrid written as another family: its config.json has no Gated DeltaNet layers
-    plain = {"attention_output_gate": False, "layernorm_zero_centered_gamma": False, **shared}
+    plain = {"attention_output_gate": False, "layernorm_zero_centered_gamma": False, **NO_SHARED_EXPERT}
     assert_export_refused(ours, {"family": "qwen3_moe", **plain}, "experimental_attention_variant", "qwen3_moe")
 
 

@@ -18,34 +18,23 @@ from __future__ import annotations
 from typing import Any
 
 from moe_models.config import ModelConfig
-from moe_models.hf.families.deepseek_v2 import (
-    group_score_topk,
-    groups_from_hf,
-    mla_from_hf,
-    mla_to_hf,
-    scaling_from_hf,
-    shared_experts_from_hf,
-    shared_experts_to_hf,
-)
-from moe_models.hf.family import (
-    CheckpointNames,
-    HFFamily,
-    ReadFields,
-    compact,
-    leading_dense_layers,
-    refuse_unless,
-    require,
-    required,
-    unsupported,
-)
+from moe_models.hf.families.deepseek_v2 import groups_from_hf, mla_from_hf, mla_to_hf
+from moe_models.hf.families.glm4_moe_lite import GROUP_SCORE_TOPK, sigmoid_moe_from_hf, sigmoid_moe_to_hf
+from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, refuse_unless, require, required, unsupported
 
 # DeepseekV32Config's defaults (DeepSeek-V3.2-Exp's values)
 _MLA_DEFAULTS: dict[str, int | None] = {"qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536}
 _INDEX_DEFAULTS = {"index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}
 _FIRST_DENSE = 3
 _GROUP_DEFAULTS = {"n_group": 8, "topk_group": 4}
-# transformers scores a group by the sum of its top-2 experts, whatever the top-k
-_GROUP_SCORE_TOPK = 2
+_DEFAULTS = {
+    "num_experts_per_tok": 8,
+    "n_routed_experts": 256,
+    "moe_intermediate_size": 2048,
+    "intermediate_size": 18432,
+    "routed_scaling_factor": 2.5,
+    "rms_norm_eps": 1e-6,
+}
 
 
 def _mlp_pattern(hf: ReadFields, num_layers: int) -> list[int]:
@@ -75,90 +64,45 @@ def _indexer_from_hf(hf: ReadFields) -> dict[str, int]:
 
 
 def _from_hf(hf: ReadFields) -> dict[str, Any]:
-    topk = hf.get("num_experts_per_tok", 8)
-    if not isinstance(topk, int) or topk < 1:
-        raise unsupported("num_experts_per_tok", topk, "give the routed experts per token (DeepSeek-V3.2: 8)")
-    refuse_unless(hf, "scoring_func", "sigmoid", "sigmoid", "DeepSeek-V3.2 routes on sigmoid scores")
-    refuse_unless(hf, "topk_method", ("noaux_tc", None), None, "transformers' router is DeepSeek-V3's 'noaux_tc'")
     refuse_unless(hf, "moe_layer_freq", (1, None), None, "every layer after the dense ones is MoE: set it to 1")
     # transformers' MLA rotates interleaved pairs whatever config.json says (DeepseekV32Config has no such field)
     refuse_unless(hf, "rope_interleave", (True, None), None, "DeepSeek-V3.2's MLA always rotates interleaved pairs")
-    norm_topk = bool(hf.get("norm_topk_prob", True))
-    if topk == 1 and norm_topk:
-        # transformers renormalises even a single weight (to 1); Megatron-Core keeps the sigmoid score for topk 1
-        raise unsupported("norm_topk_prob", True, "with num_experts_per_tok=1 every routing weight is 1: set false")
-    rope = hf.get("qk_rope_head_dim", 64)
-    # transformers' config sets head_dim to qk_rope_head_dim (its rotary width)
-    refuse_unless(hf, "head_dim", (rope, None), None, f"an alias of qk_rope_head_dim={rope}: remove it")
-    num_layers, experts = required(hf, "num_hidden_layers"), hf.get("n_routed_experts", 256)
+    num_layers = required(hf, "num_hidden_layers")
     types = hf.get("layer_types")
     if types is not None and types != ["indexed_attention"] * num_layers:
         raise unsupported("layer_types", types, "every DeepSeek-V3.2 layer is 'indexed_attention'")
-    moe_width = hf.get("moe_intermediate_size", 2048)
+    moe = sigmoid_moe_from_hf(hf, "DeepSeek-V3.2", _DEFAULTS, _mlp_pattern(hf, num_layers))
     mla = mla_from_hf(hf, "deepseek_v32", _MLA_DEFAULTS)
     if mla["q_lora_rank"] is None:
         raise unsupported("q_lora_rank", None, "the indexer reads the q latent: DeepSeek-V3.2 needs a q_lora_rank")
     return (
         mla
         | _indexer_from_hf(hf)
-        | {
-            "rotary_interleaved": True,
-            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-            "num_moe_experts": experts,
-            "moe_router_topk": topk,
-            "moe_ffn_hidden_size": moe_width,
-            "ffn_hidden_size": hf.get("intermediate_size", 18432),
-            "moe_layer_freq": compact(_mlp_pattern(hf, num_layers)),
-            "moe_shared_expert_intermediate_size": shared_experts_from_hf(hf, 1, moe_width),
-            "moe_router_score_function": "sigmoid",
-            "moe_router_sigmoid_norm_topk": norm_topk,
-            "moe_router_enable_expert_bias": True,
-            "moe_router_topk_scaling_factor": scaling_from_hf(hf, 2.5),
-            # the MTP layer transformers drops on load (model.layers.{num_hidden_layers}), DeepSeek-V3's layout
-            "mtp_num_layers": hf.get("num_nextn_predict_layers") or None,
-        }
-        | _groups_from_hf(hf, experts, topk)
+        | {"rotary_interleaved": True}
+        | moe
+        | _groups_from_hf(hf, moe["num_moe_experts"], moe["moe_router_topk"])
     )
 
 
 def _groups_from_hf(hf: ReadFields, experts: int, topk: int) -> dict[str, Any]:
     """Group-limited routing with DeepseekV32Config's defaults, which differ: n_group 8, topk_group 4."""
     filled = ReadFields(_GROUP_DEFAULTS | dict(hf))
-    out = groups_from_hf(filled, experts, topk, None, score_topk=_GROUP_SCORE_TOPK)
+    out = groups_from_hf(filled, experts, topk, None, score_topk=GROUP_SCORE_TOPK)
     hf.read |= filled.read
     return out
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:
-    f, pattern = c.family, c.moe_layer_pattern()
+    f = c.family
     require(c.dsa_indexer_topk is not None, "dsa_indexer_topk", None, f, "every layer has the lightning indexer")
     require(c.q_lora_rank is not None, "q_lora_rank", None, f, "the attention always has a q latent")
     require(c.rotary_interleaved, "rotary_interleaved", False, f, "MLA rotates interleaved pairs")
-    require(c.moe_router_score_function == "sigmoid", "moe_router_score_function", "softmax", f, "sigmoid only")
-    score_topk = group_score_topk(c)
-    ok = score_topk in (None, _GROUP_SCORE_TOPK)
-    require(ok, "moe_router_group_score_topk", score_topk, f, "a group scores its top-2 experts")
-    first_dense, dense_first = leading_dense_layers(c)
-    return mla_to_hf(c) | {
+    indexer = {
         "index_topk": c.dsa_indexer_topk,
         "index_n_heads": c.dsa_indexer_n_heads,
         "index_head_dim": c.dsa_indexer_head_dim,
-        "n_routed_experts": c.num_moe_experts,
-        "moe_intermediate_size": c.moe_ffn_hidden_size,
-        "intermediate_size": c.ffn_hidden_size,
-        "mlp_layer_types": ["sparse" if moe else "dense" for moe in pattern],
-        # what inference engines read (vLLM, SGLang), when the pattern has that form
-        **({"first_k_dense_replace": first_dense} if dense_first else {}),
-        "n_shared_experts": shared_experts_to_hf(c),
-        "n_group": c.moe_router_num_groups or 1,
-        "topk_group": c.moe_router_group_topk or 1,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        # our topk-1 weight is the sigmoid score, renormalised or not (Megatron-Core); transformers' is then 1
-        "norm_topk_prob": c.moe_router_sigmoid_norm_topk and c.moe_router_topk > 1,
-        "routed_scaling_factor": c.moe_router_topk_scaling_factor or 1.0,
-        "num_nextn_predict_layers": c.mtp_num_layers or 0,
     }
+    return mla_to_hf(c) | indexer | sigmoid_moe_to_hf(c) | {"scoring_func": "sigmoid"}
 
 
 FAMILY = HFFamily(

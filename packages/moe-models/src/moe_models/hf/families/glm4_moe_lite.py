@@ -1,6 +1,9 @@
 """GLM-4.7-Flash: transformers' ``glm4_moe_lite`` model type. DeepSeek-V3's multi-latent attention and router
 (sigmoid scores plus e_score_correction_bias for the choice, groups scored by their top-2 experts, the top-k optionally
-renormalised, times routed_scaling_factor), shared experts, dense or MoE MLP per layer (mlp_layer_types)."""
+renormalised, times routed_scaling_factor), shared experts, dense or MoE MLP per layer (mlp_layer_types).
+
+The MoE mapping here (:func:`sigmoid_moe_from_hf`, :func:`sigmoid_moe_to_hf`) serves DeepSeek-V3.2 (``deepseek_v32``)
+too."""
 
 from __future__ import annotations
 
@@ -30,8 +33,16 @@ from moe_models.hf.family import (
 
 # Glm4MoeLiteConfig's defaults
 _MLA_DEFAULTS: dict[str, int | None] = {"qk_nope_head_dim": 192, "v_head_dim": 256, "q_lora_rank": 768}
+_DEFAULTS = {
+    "num_experts_per_tok": 4,
+    "n_routed_experts": 64,
+    "moe_intermediate_size": 1536,
+    "intermediate_size": 10240,
+    "routed_scaling_factor": 1.8,
+    "rms_norm_eps": 1e-5,
+}
 # transformers scores a group by the sum of its top-2 experts, whatever the top-k
-_GROUP_SCORE_TOPK = 2
+GROUP_SCORE_TOPK = 2
 
 
 def _mlp_pattern(hf: ReadFields, num_layers: int) -> list[int]:
@@ -51,53 +62,52 @@ def _mlp_pattern(hf: ReadFields, num_layers: int) -> list[int]:
     return pattern
 
 
-def _from_hf(hf: ReadFields) -> dict[str, Any]:
-    topk = hf.get("num_experts_per_tok", 4)
+def sigmoid_moe_from_hf(hf: ReadFields, model: str, defaults: dict[str, Any], pattern: list[int]) -> dict[str, Any]:
+    """DeepSeek-V3's MoE fields, which GLM-4.7-Flash and DeepSeek-V3.2 share: the sigmoid router with the expert bias
+    (top-k renormalised or not, times routed_scaling_factor), n_shared_experts x the expert width, the MLP widths, the
+    norm epsilon and the MTP layers; ``defaults``: the config class's values by config.json key, ``pattern``: 1 per
+    MoE layer. Group routing is the caller's (the defaults differ)."""
+    topk = hf.get("num_experts_per_tok", defaults["num_experts_per_tok"])
     if not isinstance(topk, int) or topk < 1:
-        raise unsupported("num_experts_per_tok", topk, "give the routed experts per token (GLM-4.7-Flash: 4)")
-    refuse_unless(hf, "scoring_func", "sigmoid", "sigmoid", "GLM-4.7-Flash routes on sigmoid scores")
+        why = f"give the routed experts per token ({model}: {defaults['num_experts_per_tok']})"
+        raise unsupported("num_experts_per_tok", topk, why)
+    refuse_unless(hf, "scoring_func", "sigmoid", "sigmoid", f"{model} routes on sigmoid scores")
     refuse_unless(hf, "topk_method", ("noaux_tc", None), None, "transformers' router is DeepSeek-V3's 'noaux_tc'")
     norm_topk = bool(hf.get("norm_topk_prob", True))
     if topk == 1 and norm_topk:
         # transformers renormalises even a single weight (to 1); Megatron-Core keeps the sigmoid score for topk 1
         raise unsupported("norm_topk_prob", True, "with num_experts_per_tok=1 every routing weight is 1: set false")
     rope = hf.get("qk_rope_head_dim", 64)
-    # transformers' config maps head_dim onto qk_rope_head_dim (head_dim wins when both are given)
+    # head_dim is qk_rope_head_dim in both config classes (Glm4MoeLiteConfig's alias, where head_dim wins when both
+    # are given; DeepseekV32Config overwrites it with qk_rope_head_dim)
     refuse_unless(hf, "head_dim", (rope, None), None, f"an alias of qk_rope_head_dim={rope}: remove it")
-    num_layers, experts = required(hf, "num_hidden_layers"), hf.get("n_routed_experts", 64)
-    moe_width = hf.get("moe_intermediate_size", 1536)
-    mtp = hf.get("num_nextn_predict_layers") or None
-    return (
-        mla_from_hf(hf, "glm4_moe_lite", _MLA_DEFAULTS)
-        | {
-            "rotary_interleaved": bool(hf.get("rope_interleave", True)),
-            "norm_epsilon": float(hf.get("rms_norm_eps", 1e-5)),
-            "num_moe_experts": experts,
-            "moe_router_topk": topk,
-            "moe_ffn_hidden_size": moe_width,
-            "ffn_hidden_size": hf.get("intermediate_size", 10240),
-            "moe_layer_freq": compact(_mlp_pattern(hf, num_layers)),
-            "moe_shared_expert_intermediate_size": shared_experts_from_hf(hf, 1, moe_width),
-            "moe_router_score_function": "sigmoid",
-            "moe_router_sigmoid_norm_topk": norm_topk,
-            "moe_router_enable_expert_bias": True,
-            "moe_router_topk_scaling_factor": scaling_from_hf(hf, 1.8),
-            # the MTP layer transformers drops on load (model.layers.{num_hidden_layers}), DeepSeek-V3's layout
-            "mtp_num_layers": mtp,
-        }
-        | groups_from_hf(hf, experts, topk, 1, score_topk=_GROUP_SCORE_TOPK)
-    )
+    moe_width = hf.get("moe_intermediate_size", defaults["moe_intermediate_size"])
+    return {
+        "norm_epsilon": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        "num_moe_experts": hf.get("n_routed_experts", defaults["n_routed_experts"]),
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": moe_width,
+        "ffn_hidden_size": hf.get("intermediate_size", defaults["intermediate_size"]),
+        "moe_layer_freq": compact(pattern),
+        "moe_shared_expert_intermediate_size": shared_experts_from_hf(hf, 1, moe_width),
+        "moe_router_score_function": "sigmoid",
+        "moe_router_sigmoid_norm_topk": norm_topk,
+        "moe_router_enable_expert_bias": True,
+        "moe_router_topk_scaling_factor": scaling_from_hf(hf, defaults["routed_scaling_factor"]),
+        # the MTP layer transformers drops on load (model.layers.{num_hidden_layers}), DeepSeek-V3's layout
+        "mtp_num_layers": hf.get("num_nextn_predict_layers") or None,
+    }
 
 
-def _to_hf(c: ModelConfig) -> dict[str, Any]:
+def sigmoid_moe_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """config.json's side of :func:`sigmoid_moe_from_hf` and of the group routing."""
     f, pattern = c.family, c.moe_layer_pattern()
     require(c.moe_router_score_function == "sigmoid", "moe_router_score_function", "softmax", f, "sigmoid only")
     score_topk = group_score_topk(c)
-    ok = score_topk in (None, _GROUP_SCORE_TOPK)
+    ok = score_topk in (None, GROUP_SCORE_TOPK)
     require(ok, "moe_router_group_score_topk", score_topk, f, "a group scores its top-2 experts")
     first_dense, dense_first = leading_dense_layers(c)
-    return mla_to_hf(c) | {
-        "rope_interleave": c.rotary_interleaved,
+    return {
         "n_routed_experts": c.num_moe_experts,
         "moe_intermediate_size": c.moe_ffn_hidden_size,
         "intermediate_size": c.ffn_hidden_size,
@@ -113,6 +123,20 @@ def _to_hf(c: ModelConfig) -> dict[str, Any]:
         "routed_scaling_factor": c.moe_router_topk_scaling_factor or 1.0,
         "num_nextn_predict_layers": c.mtp_num_layers or 0,
     }
+
+
+def _from_hf(hf: ReadFields) -> dict[str, Any]:
+    moe = sigmoid_moe_from_hf(hf, "GLM-4.7-Flash", _DEFAULTS, _mlp_pattern(hf, required(hf, "num_hidden_layers")))
+    return (
+        mla_from_hf(hf, "glm4_moe_lite", _MLA_DEFAULTS)
+        | {"rotary_interleaved": bool(hf.get("rope_interleave", True))}
+        | moe
+        | groups_from_hf(hf, moe["num_moe_experts"], moe["moe_router_topk"], 1, score_topk=GROUP_SCORE_TOPK)
+    )
+
+
+def _to_hf(c: ModelConfig) -> dict[str, Any]:
+    return mla_to_hf(c) | {"rope_interleave": c.rotary_interleaved} | sigmoid_moe_to_hf(c)
 
 
 FAMILY = HFFamily(

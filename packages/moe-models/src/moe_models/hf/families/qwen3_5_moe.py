@@ -31,12 +31,9 @@ from __future__ import annotations
 from typing import Any
 
 from moe_models.config import ModelConfig
-from moe_models.hf.families.qwen2_moe import cannot_write
-from moe_models.hf.families.qwen3_next import _LINEAR_DEFAULTS, _linear_attention_freq, _linear_pattern, _rotary_percent
+from moe_models.hf.families.qwen3_next import hybrid_from_hf, hybrid_to_hf
 from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, require, unsupported
-from moe_models.hf.rope_fields import rope_to_hf
 
-_LINEAR, _FULL = "linear_attention", "full_attention"
 # Qwen3_5MoeTextConfig's values where config.json is silent
 _DEFAULT_EXPERTS, _DEFAULT_MOE_FFN, _DEFAULT_SHARED = 256, 512, 512
 
@@ -53,8 +50,7 @@ def _refuse_dense_fields(hf: ReadFields) -> None:
 
 
 def _from_hf(hf: ReadFields) -> dict[str, Any]:
-    if hf.get("attention_bias", False):
-        raise unsupported("attention_bias", True, "it would bias o_proj too, which the stack has no field for")
+    hybrid = hybrid_from_hf(hf)
     if hf.get("attn_output_gate", True) is not True:
         raise unsupported("attn_output_gate", hf["attn_output_gate"], "transformers gates every attention: set true")
     _refuse_dense_fields(hf)
@@ -64,19 +60,9 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
     shared = hf.get("shared_expert_intermediate_size", _DEFAULT_SHARED)
     if (shared or 0) < 1:
         raise unsupported("shared_expert_intermediate_size", shared, "Qwen3.5 has one gated shared expert: >= 1")
-    heads = hf["num_attention_heads"]
-    linear = _linear_pattern(hf, hf["num_hidden_layers"])
     return {
-        "num_query_groups": hf.get("num_key_value_heads", 2) or heads,
-        "kv_channels": hf.get("head_dim", 256) or hf["hidden_size"] // heads,
+        **hybrid,
         "moe_router_topk": hf.get("num_experts_per_tok", 8),
-        "qk_layernorm": True,
-        "rotary_percent": _rotary_percent(hf),
-        "attention_output_gate": True,
-        "layernorm_zero_centered_gamma": True,
-        "experimental_attention_variant": "gated_delta_net" if any(linear) else None,
-        "linear_attention_freq": _linear_attention_freq(linear) if any(linear) else None,
-        **{name: hf.get(name, default) for name, default in _LINEAR_DEFAULTS.items()},
         "num_moe_experts": experts,
         "moe_ffn_hidden_size": hf.get("moe_intermediate_size", _DEFAULT_MOE_FFN),
         "moe_layer_freq": 1,
@@ -88,28 +74,16 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:
-    f = c.family
-    shared = c.moe_shared_expert_intermediate_size
-    if shared is None:
-        raise cannot_write(c, "moe_shared_expert_intermediate_size", "every Qwen3.5 block has a shared expert")
-    for name in ("qk_layernorm", "attention_output_gate", "layernorm_zero_centered_gamma", "moe_shared_expert_gate"):
-        require(getattr(c, name), name, getattr(c, name), f, "Qwen3.5 always has it: set it true")
+    hybrid, f = hybrid_to_hf(c, "Qwen3.5"), c.family
     require(all(c.moe_layer_pattern()), "moe_layer_freq", c.moe_layer_freq, f, "every Qwen3.5 layer is MoE: set 1")
     why = "Qwen3.5 renormalises the top-k: set it false"
     require(not c.moe_router_pre_softmax, "moe_router_pre_softmax", c.moe_router_pre_softmax, f, why)
-    require(c.mtp_num_layers is None, "mtp_num_layers", c.mtp_num_layers, f, "transformers builds no MTP layer")
-    require(c.window_size is None, "window_size", c.window_size, f, "every attention layer sees the whole sequence")
     return {
-        "attention_bias": False,
+        **hybrid,
         "attn_output_gate": True,
-        # in rope_parameters and at the top level, even when 1: absent would read as 0.25
-        "rope_parameters": rope_to_hf(c) | {"partial_rotary_factor": c.rotary_percent},
-        "partial_rotary_factor": c.rotary_percent,
-        "layer_types": [_LINEAR if v else _FULL for v in c.linear_attention_pattern()],
-        **{name: getattr(c, name) for name in _LINEAR_DEFAULTS},
         "num_experts": c.num_moe_experts,
         "moe_intermediate_size": c.moe_ffn_hidden_size,
-        "shared_expert_intermediate_size": shared,
+        "shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
     }
 
 

@@ -61,10 +61,10 @@ def _linear_attention_freq(linear: list[int]) -> int | list[int]:
     return every_nth_full if isinstance(every_nth_full, int) else linear
 
 
-def _from_hf(hf: ReadFields) -> dict[str, Any]:
+def hybrid_from_hf(hf: ReadFields) -> dict[str, Any]:
+    """The attention and Gated DeltaNet fields, which Qwen3.5 MoE shares."""
     if hf.get("attention_bias", False):
         raise unsupported("attention_bias", True, "it would bias o_proj too, which the stack has no field for")
-    moe = gated_shared_moe_from_hf(hf, "Qwen3-Next", experts=512, shared=512, moe_ffn=512, norm_topk_prob=True)
     heads = hf["num_attention_heads"]
     linear = _linear_pattern(hf, hf["num_hidden_layers"])
     return {
@@ -77,29 +77,43 @@ def _from_hf(hf: ReadFields) -> dict[str, Any]:
         "experimental_attention_variant": "gated_delta_net" if any(linear) else None,
         "linear_attention_freq": _linear_attention_freq(linear) if any(linear) else None,
         **{name: hf.get(name, default) for name, default in _LINEAR_DEFAULTS.items()},
+    }
+
+
+def hybrid_to_hf(c: ModelConfig, model: str) -> dict[str, Any]:
+    """config.json's side of :func:`hybrid_from_hf`, refusing what neither family can write (``model``: the family's
+    name in the messages)."""
+    f = c.family
+    if c.moe_shared_expert_intermediate_size is None:
+        raise cannot_write(c, "moe_shared_expert_intermediate_size", f"every {model} block has a shared expert")
+    for name in ("qk_layernorm", "attention_output_gate", "layernorm_zero_centered_gamma", "moe_shared_expert_gate"):
+        require(getattr(c, name), name, getattr(c, name), f, f"{model} always has it: set it true")
+    require(c.mtp_num_layers is None, "mtp_num_layers", c.mtp_num_layers, f, "transformers builds no MTP layer")
+    require(c.window_size is None, "window_size", c.window_size, f, "every attention layer sees the whole sequence")
+    return {
+        "attention_bias": False,
+        # in rope_parameters and at the top level, even when 1: absent would read as 0.25
+        "rope_parameters": rope_to_hf(c) | {"partial_rotary_factor": c.rotary_percent},
+        "partial_rotary_factor": c.rotary_percent,
+        "layer_types": [_LINEAR if v else _FULL for v in c.linear_attention_pattern()],
+        **{name: getattr(c, name) for name in _LINEAR_DEFAULTS},
+    }
+
+
+def _from_hf(hf: ReadFields) -> dict[str, Any]:
+    hybrid = hybrid_from_hf(hf)
+    moe = gated_shared_moe_from_hf(hf, "Qwen3-Next", experts=512, shared=512, moe_ffn=512, norm_topk_prob=True)
+    return {
+        **hybrid,
         **moe,
         "moe_aux_loss_coeff": [float(hf.get("router_aux_loss_coef", 0.001))],  # Qwen3NextConfig's default
     }
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:
-    f = c.family
-    shared = c.moe_shared_expert_intermediate_size
-    if shared is None:
-        raise cannot_write(c, "moe_shared_expert_intermediate_size", "every Qwen3-Next block has a shared expert")
-    for name in ("qk_layernorm", "attention_output_gate", "layernorm_zero_centered_gamma", "moe_shared_expert_gate"):
-        require(getattr(c, name), name, getattr(c, name), f, "Qwen3-Next always has it: set it true")
-    require(c.mtp_num_layers is None, "mtp_num_layers", c.mtp_num_layers, f, "transformers builds no MTP layer")
-    require(c.window_size is None, "window_size", c.window_size, f, "every attention layer sees the whole sequence")
-    linear = c.linear_attention_pattern()
     return {
-        "attention_bias": False,
-        # in rope_parameters and at the top level, even when 1: absent would read as 0.25
-        "rope_parameters": rope_to_hf(c) | {"partial_rotary_factor": c.rotary_percent},
-        "partial_rotary_factor": c.rotary_percent,
-        "layer_types": [_LINEAR if v else _FULL for v in linear],
-        **{name: getattr(c, name) for name in _LINEAR_DEFAULTS},
-        **experts_to_hf(c, shared),
+        **hybrid_to_hf(c, "Qwen3-Next"),
+        **experts_to_hf(c, c.moe_shared_expert_intermediate_size),
         "norm_topk_prob": not c.moe_router_pre_softmax,
     }
 
