@@ -31,11 +31,9 @@ from unittest import mock
 import torch
 from _harness import cli, header, parse, write  # beside this script
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from moe_memory import measure as measure_module
 from moe_memory.estimate import LocalParameters, Mamba2Shape, RankSizes, RunShape
-from moe_memory.measure import SavedTensorBytes
+from moe_memory.measure import SavedAtBackwardBytes, SavedTensorBytes
 from moe_models import mamba as mamba_module
 from moe_models import ssd
 from moe_models.config import ModelConfig
@@ -68,26 +66,6 @@ SEQUENCES = (2048, 4096, 8192)
 QUICK_SEQUENCES = (256, 512, 1024)
 
 
-class SavedAtBackward(SavedTensorBytes):
-    """SavedTensorBytes counting only the storages still saved (alive) when asked: a storage freed after it was
-    saved drops out, and a later storage at its address counts as new."""
-
-    def __enter__(self) -> SavedAtBackward:
-        self._refs: dict[int, StorageWeakRef] = {}
-        return super().__enter__()
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        for pointer, _, plain in measure_module._storage_keys(tensor):
-            if pointer in self._seen and self._refs[pointer].expired():
-                del self._seen[pointer]
-            if pointer not in self._seen:
-                self._refs[pointer] = StorageWeakRef(plain.untyped_storage())
-        return super()._pack(tensor)
-
-    def alive(self) -> list[measure_module.SavedStorage]:
-        return [saved for pointer, saved in self._seen.items() if not self._refs[pointer].expired()]
-
-
 @contextlib.contextmanager
 def gated_norm_as_module(mixer: mamba_module.Mamba2Mixer):
     """Runs the mixer's gated norm (the function ``ssd.gated_rms_norm``) as a call of ``mixer.norm``, the module
@@ -114,7 +92,7 @@ def measure_gated_delta_net(layer: nn.Module, x_BSH: torch.Tensor) -> dict[str, 
 
 def measure_mamba2(layer: mamba_module.Mamba2Mixer, x_BSH: torch.Tensor) -> dict[str, int]:
     """Bytes the Mamba-2 mixer's forward leaves saved for the backward, by estimate module."""
-    with gated_norm_as_module(layer), SavedAtBackward(model=layer) as saved:
+    with gated_norm_as_module(layer), SavedAtBackwardBytes(model=layer) as saved:
         out_BSH = layer(x_BSH)
     by_module: dict[str, int] = {}
     for storage in saved.alive():

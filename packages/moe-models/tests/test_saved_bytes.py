@@ -12,11 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from moe_memory import measure
 from moe_memory.estimate import LocalParameters, Mamba2Shape, RankSizes, RunShape, estimate_memory
-from moe_memory.measure import SavedTensorBytes
+from moe_memory.measure import SavedAtBackwardBytes, SavedTensorBytes
 from moe_models import build_model, causal_lm_loss, ssd
 from moe_models import mamba as mamba_module
 from moe_models.config import ModelConfig, ModelConfigError
@@ -123,26 +121,6 @@ def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype, 
     assert declared == measured_by_module
 
 
-class _SavedAtBackward(SavedTensorBytes):
-    """SavedTensorBytes counting only the storages still saved (alive) when asked: a storage freed after it was
-    saved drops out, and a later storage at its address counts as new."""
-
-    def __enter__(self) -> _SavedAtBackward:
-        self._refs: dict[int, StorageWeakRef] = {}
-        return super().__enter__()
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        for pointer, _, plain in measure._storage_keys(tensor):
-            if pointer in self._seen and self._refs[pointer].expired():
-                del self._seen[pointer]
-            if pointer not in self._seen:
-                self._refs[pointer] = StorageWeakRef(plain.untyped_storage())
-        return super()._pack(tensor)
-
-    def alive(self) -> list[measure.SavedStorage]:
-        return [saved for pointer, saved in self._seen.items() if not self._refs[pointer].expired()]
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -163,7 +141,7 @@ def test_gated_delta_net_layer(dtype, batch, seq, chunk, heads) -> None:
     torch.manual_seed(0)
     layer = GatedDeltaNet(config).to(dtype)
     x = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
-    with _SavedAtBackward(model=layer) as measured:
+    with SavedAtBackwardBytes(model=layer) as measured:
         out = layer(x)
     measured_by_module: dict[str, int] = {}
     for saved in measured.alive():
@@ -268,7 +246,7 @@ def test_mamba2_layer(dtype, batch, seq, chunk, heads, dims, conv_bias) -> None:
     torch.manual_seed(0)
     layer = mamba_module.Mamba2Mixer(config).to(dtype)
     x = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
-    with _gated_norm_as_module(layer), _SavedAtBackward(model=layer) as measured:
+    with _gated_norm_as_module(layer), SavedAtBackwardBytes(model=layer) as measured:
         out = layer(x)
     measured_by_module: dict[str, int] = {}
     for saved in measured.alive():

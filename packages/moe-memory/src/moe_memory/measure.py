@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 OUTSIDE = "<outside>"  # saved while no module of the model was running (the loss, user code)
@@ -173,3 +174,25 @@ class SavedTensorBytes:
         self._stack.clear()
         self._held.clear()
         self._running.clear()
+
+
+class SavedAtBackwardBytes(SavedTensorBytes):
+    """:class:`SavedTensorBytes` that also knows which saved storages are still alive: :meth:`alive` lists those the
+    backward would find (a storage freed after it was saved, such as one only the last chunk of a scan keeps, drops
+    out), and a later storage at a freed one's address counts as new rather than as the freed one again."""
+
+    def __enter__(self) -> SavedAtBackwardBytes:
+        self._refs: dict[int, StorageWeakRef] = {}
+        return super().__enter__()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        for pointer, _, plain in _storage_keys(tensor):
+            if pointer in self._seen and self._refs[pointer].expired():
+                del self._seen[pointer]
+            if pointer not in self._seen:
+                self._refs[pointer] = StorageWeakRef(plain.untyped_storage())
+        return super()._pack(tensor)
+
+    def alive(self) -> list[SavedStorage]:
+        """The saved storages still alive (what the backward will read)."""
+        return [saved for pointer, saved in self._seen.items() if not self._refs[pointer].expired()]
