@@ -15,6 +15,10 @@ Parameters (names used in checkpoints):
 - ``w_down_FH`` ``[F, H]``: HuggingFace's ``down_proj.weight`` transposed.
 - ``w_gate_H1`` ``[H, 1]`` (gate=True only): HuggingFace's ``shared_expert_gate.weight`` (``[1, H]``) transposed.
 
+With a non-gated ``activation`` (Nemotron-H's ``squared_relu``) the MLP is ``act(x @ W_up) @ W_down`` and the first
+projection, still ``w_gate_up_H2F``, is ``[H, F]`` (HuggingFace's ``up_proj.weight`` transposed), as the grouped
+experts store theirs.
+
 The shared expert does not depend on the routing, so on CUDA it can run on a side stream while the tokens are
 dispatched: :meth:`SharedExperts.start` launches it and returns a :class:`SharedExpertsHandle`; its
 :meth:`~SharedExpertsHandle.wait` makes the current stream wait for the result. Off CUDA, and under
@@ -29,6 +33,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moe_experts.activations import get_activation
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -72,10 +78,15 @@ class SharedExpertsHandle:
 class SharedExperts(nn.Module):
     """Dense SwiGLU MLP of width ``ffn_hidden_size`` with an optional per-token sigmoid gate (module docstring)."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, gate: bool = False) -> None:
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, gate: bool = False, activation: str = "swiglu") -> None:
         super().__init__()
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.w_gate_up_H2F = nn.Parameter(torch.empty(hidden_size, 2 * ffn_hidden_size))
+        # a non-gated activation (Nemotron-H's squared ReLU): the first projection is [H, F], act(x W) W_down; a gated
+        # one is SwiGLU whichever it is (the families with shared experts use SwiGLU)
+        act = get_activation(activation)
+        self.activation = None if act.gated else act
+        width = 2 * ffn_hidden_size if act.gated else ffn_hidden_size
+        self.w_gate_up_H2F = nn.Parameter(torch.empty(hidden_size, width))
         self.w_down_FH = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size))
         self.w_gate_H1 = nn.Parameter(torch.empty(hidden_size, 1)) if gate else None
         self.reset_parameters()
@@ -94,8 +105,12 @@ class SharedExperts(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., H]``; computed in the input dtype (the weights are cast, as GroupedExperts)."""
         dtype = x_TH.dtype
-        gate_NF, up_NF = (x_TH @ self.w_gate_up_H2F.to(dtype)).chunk(2, dim=-1)
-        out = (F.silu(gate_NF) * up_NF) @ self.w_down_FH.to(dtype)
+        h_NF = x_TH @ self.w_gate_up_H2F.to(dtype)
+        if self.activation is None:
+            gate_NF, up_NF = h_NF.chunk(2, dim=-1)
+            out = (F.silu(gate_NF) * up_NF) @ self.w_down_FH.to(dtype)
+        else:
+            out = self.activation.fn(h_NF) @ self.w_down_FH.to(dtype)
         if self.w_gate_H1 is not None:
             out = torch.sigmoid(x_TH @ self.w_gate_H1.to(dtype)) * out
         return out
@@ -117,4 +132,5 @@ class SharedExperts(nn.Module):
         return SharedExpertsHandle(out_TH, done)
 
     def extra_repr(self) -> str:
-        return f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, gate={self.gated}"
+        act = "swiglu" if self.activation is None else self.activation.name
+        return f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, gate={self.gated}, activation={act}"

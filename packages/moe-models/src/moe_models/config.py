@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 from moe_dispatch import RouterConfig, RouterConfigError
 from moe_experts import ACTIVATIONS, BACKENDS
+from moe_models.config_error import ModelConfigError
+from moe_models.layer_patterns import LayerMixers, hybrid_layers, layer_pattern
+
+__all__ = ["FAMILIES", "LayerMixers", "ModelConfig", "ModelConfigError"]
 
 # the recurrent layers' kernel back ends (moe_models.recurrent_backends): Gated DeltaNet and KDA, and Mamba-2
 LINEAR_ATTENTION_BACKENDS = ("auto", "torch", "fla")
@@ -79,32 +83,6 @@ _POSITIVE = (
     "ffn_hidden_size",
     "max_position_embeddings",
 )
-
-
-class ModelConfigError(ValueError):
-    """An invalid :class:`ModelConfig`: ``field`` is the ModelConfig field to change, ``reason`` what is wrong and
-    the fix (it may name other ModelConfig fields). ``str(err)`` is ``f"{field}={value!r}: {reason}"``."""
-
-    def __init__(self, field: str, value: object, reason: str) -> None:
-        super().__init__(f"{field}={value!r}: {reason}")
-        self.field, self.value, self.reason = field, value, reason
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        # pickling (multiprocessing, torch.distributed) rebuilds from the constructor's arguments
-        return type(self), (self.field, self.value, self.reason)
-
-
-def _layer_pattern(value: int | list[int], num_layers: int, name: str, every_nth_is: int) -> list[int]:
-    """Megatron's int-or-list layer patterns: an int N marks layers ``(i + 1) % N == 0`` (1-based every N-th)
-    with ``every_nth_is``, a list gives one 0/1 per layer."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise ModelConfigError(name, value, "must be at least 1, or a list of 0/1 per layer")
-        return [every_nth_is if (i + 1) % value == 0 else 1 - every_nth_is for i in range(num_layers)]
-    pattern = [int(v) for v in value]
-    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
-        raise ModelConfigError(name, value, f"give one 0/1 per layer (num_layers={num_layers} values), or an int")
-    return pattern
 
 
 @dataclass
@@ -184,6 +162,11 @@ class ModelConfig:
     # o_proj (Qwen3-Next's gated attention; Megatron-Core's --attention-output-gate). The projection's rows are
     # per head [q of the head, gate of the head]
     attention_output_gate: bool = False
+    # --- hybrid layer pattern (Nemotron-H; Megatron-Core's --hybrid-override-pattern) ---
+    # one symbol per layer, each layer then a single pre-norm residual block: M = Mamba-2, * = attention, - = dense
+    # MLP, E = MoE. num_layers is its length; moe_layer_freq and linear_attention_freq stay unset (no_rope_freq=1:
+    # NoPE attention, as Nemotron-H's). None: every layer is an attention (or linear-attention) block then an MLP block
+    hybrid_override_pattern: str | None = None
     # --- linear attention (Qwen3-Next's Gated DeltaNet layers; Megatron-Core's names) ---
     experimental_attention_variant: str | None = None  # None | gated_delta_net: the linear layers' kind
     # which layers are linear: int N = every N-th layer is full attention and the others linear (Qwen3-Next's
@@ -309,6 +292,7 @@ class ModelConfig:
             raise ModelConfigError(
                 "moe_expert_backend", self.moe_expert_backend, f"choose one of {('auto', *BACKENDS)}"
             )
+        self._validate_hybrid()
         self.moe_layer_pattern()  # validates moe_layer_freq
         self.full_attention_pattern()  # validates window_attn_skip_freq
         shared = self.moe_shared_expert_intermediate_size
@@ -467,6 +451,18 @@ class ModelConfig:
                 f"its first qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} dimensions rotate: at least that",
             )
 
+    def _validate_hybrid(self) -> None:
+        if self.hybrid_override_pattern is None:
+            return
+        hybrid_layers(self.hybrid_override_pattern, self.num_layers)
+        for name, unset in (("moe_layer_freq", 1), ("linear_attention_freq", None)):
+            if getattr(self, name) != unset:
+                raise ModelConfigError(
+                    name, getattr(self, name), f"hybrid_override_pattern says which layer is which: set it to {unset}"
+                )
+        if self.multi_latent_attention:
+            raise ModelConfigError("multi_latent_attention", True, "hybrid patterns have GQA attention: set it false")
+
     def _validate_mamba(self) -> None:
         for name in (
             "mamba_state_dim",
@@ -511,9 +507,24 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    def layer_mixers(self) -> list[LayerMixers]:
+        """Each decoder layer's token mixer and channel mixer (:class:`~moe_models.layer_patterns.LayerMixers`): from
+        ``hybrid_override_pattern`` where set (one of the two per layer), else an attention or linear-attention
+        block and a MoE or dense-MLP block per layer."""
+        if self.hybrid_override_pattern is not None:
+            return hybrid_layers(self.hybrid_override_pattern, self.num_layers)
+        moe = layer_pattern(self.moe_layer_freq, self.num_layers, "moe_layer_freq", every_nth_is=1)
+        return [
+            LayerMixers("linear_attention" if linear else "attention", "moe" if m else "mlp")
+            for linear, m in zip(self.linear_attention_pattern(), moe, strict=True)
+        ]
+
     def moe_layer_pattern(self) -> list[int]:
-        """One 0/1 per layer: 1 = the layer's MLP is a routed MoE, 0 = a dense MLP."""
-        return _layer_pattern(self.moe_layer_freq, self.num_layers, "moe_layer_freq", every_nth_is=1)
+        """One 0/1 per layer: 1 = the layer's channel mixer is a routed MoE, 0 = a dense MLP (or, in a hybrid
+        pattern, no MoE)."""
+        if self.hybrid_override_pattern is not None:
+            return [int(mixers.channel == "moe") for mixers in self.layer_mixers()]
+        return layer_pattern(self.moe_layer_freq, self.num_layers, "moe_layer_freq", every_nth_is=1)
 
     def router_layers(self) -> list[str]:
         """The layers holding a router, in the order of the model's routers (the rows of its ``tokens_per_expert_LE``,
@@ -526,7 +537,7 @@ class ModelConfig:
         """One 0/1 per layer: 1 = the layer rotates q and k (rotary embeddings), 0 = NoPE (``no_rope_freq``)."""
         if self.no_rope_freq is None:
             return [1] * self.num_layers
-        no_rope = _layer_pattern(self.no_rope_freq, self.num_layers, "no_rope_freq", every_nth_is=1)
+        no_rope = layer_pattern(self.no_rope_freq, self.num_layers, "no_rope_freq", every_nth_is=1)
         return [1 - v for v in no_rope]
 
     def full_attention_pattern(self) -> list[int]:
@@ -535,17 +546,18 @@ class ModelConfig:
             return [1] * self.num_layers
         if self.window_attn_skip_freq is None:
             return [0] * self.num_layers
-        return _layer_pattern(self.window_attn_skip_freq, self.num_layers, "window_attn_skip_freq", every_nth_is=1)
+        return layer_pattern(self.window_attn_skip_freq, self.num_layers, "window_attn_skip_freq", every_nth_is=1)
 
     def linear_attention_pattern(self) -> list[int]:
         """One 0/1 per layer: 1 = a linear-attention layer (``experimental_attention_variant``), 0 = attention."""
         if self.linear_attention_freq is None:
             return [0] * self.num_layers
-        return _layer_pattern(self.linear_attention_freq, self.num_layers, "linear_attention_freq", every_nth_is=0)
+        return layer_pattern(self.linear_attention_freq, self.num_layers, "linear_attention_freq", every_nth_is=0)
 
-    def attention_kinds(self) -> list[str]:
-        """Each layer's token mixer: ``"attention"`` (softmax attention, GQA or MLA) or ``"linear_attention"``."""
-        return ["linear_attention" if v else "attention" for v in self.linear_attention_pattern()]
+    def attention_kinds(self) -> list[str | None]:
+        """Each layer's token mixer: ``"attention"`` (softmax attention, GQA or MLA), ``"linear_attention"``,
+        ``"mamba"``, or None (a hybrid pattern's MLP or MoE layer)."""
+        return [mixers.token for mixers in self.layer_mixers()]
 
     def router_config(self) -> RouterConfig:
         """The RouterConfig of the MoE layers; a RouterConfigError is re-raised naming our field."""

@@ -1,9 +1,9 @@
 """Initial weights as a function of ``(seed, parameter name)`` alone, so a rank can draw just the part it holds.
 
 Megatron's init (normal(0, std) weights, std / sqrt(2 * layers) for the projections that add to the residual
-stream, ones for norms (zeros for zero-centred ones), zeros for biases, sinks and the expert bias; the Gated DeltaNet's
-A_log, dt_bias and short convolution as :func:`_rules` says), but each tensor comes from its own generator
-seeded by the seed and its name, in blocks of rows with a generator each, and each routed expert from
+stream, ones for norms (zeros for zero-centred ones), zeros for biases, sinks and the expert bias; the Gated
+DeltaNet's and Mamba-2's A_log, dt_bias, D and short convolution as :func:`_rules` says), but each tensor comes from its
+own generator seeded by the seed and its name, in blocks of rows with a generator each, and each routed expert from
 :meth:`~moe_experts.GroupedExperts.initial_expert`. A slice therefore has the same values whichever way the model is
 split and whichever device it is on: one process, a tensor-parallel shard or an FSDP shard of the same tensor agree,
 and a rank never draws (or allocates) the rest of a tensor it does not hold.
@@ -27,18 +27,28 @@ from moe_experts import GroupedExperts, SharedExperts, expert_seed
 ROWS_PER_DRAW = 1024  # rows of dim 0 drawn from one generator: a slice draws only the blocks it touches
 # Linear layers whose output adds to the residual stream: initialised with std / sqrt(2 * layers), as Megatron
 _OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
-# Gated DeltaNet: A = exp(A_log) drawn uniformly in this range per value head (Mamba-2's, Megatron-Core's)
+# Gated DeltaNet and Mamba-2: A = exp(A_log) drawn uniformly in this range per value head (Mamba-2's, Megatron-Core's)
 A_INIT_RANGE = (1.0, 16.0)
+# Mamba-2: the time step softplus(dt_bias) starts log-uniform in this range, at least MAMBA_DT_INIT_FLOOR (Mamba-2's,
+# Megatron-Core's and transformers' Nemotron-H defaults)
+MAMBA_DT_INIT_RANGE = (1e-3, 1e-1)
+MAMBA_DT_INIT_FLOOR = 1e-4
 
 
 @dataclass(frozen=True)
 class Rule:
     """How one tensor starts: normal(0, std) when ``std`` is set, the log of a uniform draw in ``log_uniform`` when
-    that is set, else filled with ``fill``."""
+    that is set, the inverse softplus of a log-uniform draw in ``softplus_log_uniform`` (at least
+    :data:`MAMBA_DT_INIT_FLOOR`) when that is set, else filled with ``fill``."""
 
     std: float | None = None
     fill: float = 0.0
     log_uniform: tuple[float, float] | None = None
+    softplus_log_uniform: tuple[float, float] | None = None
+
+    @property
+    def uniform(self) -> tuple[float, float] | None:
+        return self.log_uniform or self.softplus_log_uniform
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -62,9 +72,11 @@ def _rules(model: nn.Module, std: float, num_layers: int) -> tuple[dict[str, Rul
             elif isinstance(module, nn.Conv1d) and name == "weight":
                 # the Gated DeltaNet's short convolution: the variance of torch's default U(-1/sqrt(W), 1/sqrt(W))
                 rule = Rule(std=(3.0 * module.kernel_size[0]) ** -0.5)
-            elif name == "A_log":  # Gated DeltaNet: log of the per-head decay rate
+            elif name == "A_log":  # Gated DeltaNet and Mamba-2: log of the per-head decay rate
                 rule = Rule(log_uniform=A_INIT_RANGE)
-            elif name == "dt_bias":  # Gated DeltaNet: softplus(a + dt_bias), ones as transformers
+            elif name == "dt_bias" and hasattr(module, "D"):  # Mamba-2: softplus(dt_bias) is the initial time step
+                rule = Rule(softplus_log_uniform=MAMBA_DT_INIT_RANGE)
+            elif name in ("dt_bias", "D"):  # Gated DeltaNet: softplus(a + dt_bias); Mamba-2: the skip. Ones
                 rule = Rule(fill=1.0)
             elif isinstance(module, nn.Embedding | TopKRouter) and name == "weight":
                 rule = Rule(std)
@@ -94,7 +106,7 @@ class InitialWeights:
         rule = self.rules[name]
         box = box or tuple(slice(0, n) for n in shape)
         local = tuple(s.stop - s.start for s in box)
-        if rule.std is None and rule.log_uniform is None:
+        if rule.std is None and rule.uniform is None:
             return torch.full(local, rule.fill, device="cpu")
         rows = box[0] if shape else slice(0, 1)
         first, last = rows.start // ROWS_PER_DRAW, max(rows.stop - 1, rows.start) // ROWS_PER_DRAW
@@ -104,15 +116,19 @@ class InitialWeights:
             # generator is a CPU one, and the values must not depend on the device
             gen = torch.Generator(device="cpu").manual_seed(expert_seed(name_seed(self.seed, name), block))
             n = min(ROWS_PER_DRAW, (shape[0] if shape else 1) - block * ROWS_PER_DRAW)
-            draw = torch.randn if rule.log_uniform is None else torch.rand
+            draw = torch.randn if rule.uniform is None else torch.rand
             blocks.append(draw(n, *shape[1:], generator=gen, device="cpu"))
         start = rows.start - first * ROWS_PER_DRAW
         value = torch.cat(blocks)[start : start + (rows.stop - rows.start)]
-        if rule.log_uniform is None:
-            value = value.mul_(rule.std)
-        else:
+        if rule.log_uniform is not None:
             low, high = rule.log_uniform
             value = value.mul_(high - low).add_(low).log_()
+        elif rule.softplus_log_uniform is not None:
+            low, high = (math.log(v) for v in rule.softplus_log_uniform)
+            dt = value.mul_(high - low).add_(low).exp_().clamp_(min=MAMBA_DT_INIT_FLOOR)
+            value = dt + torch.log(-torch.expm1(-dt))  # softplus(value) = dt
+        else:
+            value = value.mul_(rule.std)
         return value[(slice(None), *box[1:])] if shape else value.reshape(())
 
     def expert(self, path: str, index: int) -> dict[str, torch.Tensor]:

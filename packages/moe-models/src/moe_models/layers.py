@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_dispatch import LocalDispatcher, RouterConfig, RoutingResult, TopKRouter
-from moe_experts import GroupedExperts, SharedExperts
+from moe_experts import GroupedExperts, SharedExperts, get_activation
 
 
 def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,17 +37,23 @@ class RMSNorm(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP of the dense layers: ``down(silu(gate(x)) * up(x))``."""
+    """MLP of the dense layers: SwiGLU ``down(silu(gate(x)) * up(x))``, or with a non-gated ``activation`` (Nemotron-H's
+    ``squared_relu``) ``down(act(up(x)))`` and no ``gate_proj``. A gated activation other than SwiGLU still gives
+    SwiGLU here (the families with dense layers use it)."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        act = get_activation(activation)
+        self.activation = None if act.gated else act
+        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False) if act.gated else None
         self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
         self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
 
     def forward(self, x_BSH: torch.Tensor, document_ids_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
         # document_ids_BS: taken so that a layer calls either MLP alike; each token is on its own here, so packed
         # documents and padding change nothing
+        if self.activation is not None:
+            return self.down_proj(self.activation.fn(self.up_proj(x_BSH))), None
         return self.down_proj(F.silu(self.gate_proj(x_BSH)) * self.up_proj(x_BSH)), None
 
 
@@ -86,7 +92,9 @@ class MoEBlock(nn.Module):
         self.experts = GroupedExperts(
             router.num_experts, hidden_size, ffn_hidden_size, activation=activation, backend=expert_backend, bias=bias
         )
-        shared = SharedExperts(hidden_size, shared_expert_size, gate=shared_expert_gate) if shared_expert_size else None
+        shared = None
+        if shared_expert_size:
+            shared = SharedExperts(hidden_size, shared_expert_size, gate=shared_expert_gate, activation=activation)
         self.shared_experts = shared
 
     def forward(

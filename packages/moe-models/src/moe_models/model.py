@@ -1,7 +1,9 @@
 """The decoder-only MoE transformer every family is built as (Qwen3-MoE, DeepSeek-V3/Kimi-K2, GPT-OSS, Mixtral):
 pre-norm layers of attention (GQA or MLA) and an MLP (routed MoE or dense), plus DeepSeek-V3's multi-token
-prediction. Which variant a layer uses comes from :class:`~moe_models.config.ModelConfig` alone; the model holds
-no parallelism and no device choice (moe_parallel applies those from outside).
+prediction; linear-attention layers (Qwen3-Next) and hybrid patterns of one block per layer (Nemotron-H's Mamba-2,
+attention, MLP and MoE blocks) are layers of the same class. Which variant a layer uses comes from
+:class:`~moe_models.config.ModelConfig` alone; the model holds no parallelism and no device choice (moe_parallel
+applies those from outside).
 
 Parameter names (the checkpoint layout; ``moe_models.hf`` maps them to HuggingFace's)::
 
@@ -10,13 +12,15 @@ Parameter names (the checkpoint layout; ``moe_models.hf`` maps them to HuggingFa
     layers.{i}.attention.{q,k,v,o}_proj.{weight,bias}, q_norm, k_norm, sinks              (GQA)
     layers.{i}.attention.q_proj | q_a_proj, q_a_norm, q_b_proj; kv_a_proj, kv_a_norm, kv_b_proj, o_proj  (MLA)
     layers.{i}.attention.in_proj, conv1d, A_log, dt_bias, norm, out_proj              (Gated DeltaNet layers)
-    layers.{i}.mlp.{gate,up,down}_proj.weight                                             (dense layers)
+    layers.{i}.attention.in_proj, conv1d, A_log, dt_bias, D, norm, out_proj           (Mamba-2 layers)
+    layers.{i}.mlp.{gate,up,down}_proj.weight (no gate_proj: non-gated activations)       (dense layers)
     layers.{i}.mlp.router.{weight,bias,expert_bias}, mlp.experts.*, mlp.shared_experts.*  (MoE layers)
     mtp.{k}.enorm, hnorm, eh_proj, final_norm, layer.*                                    (MTP depth k+1)
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,8 +32,10 @@ from moe_models.attention import Attention
 from moe_models.config import ModelConfig
 from moe_models.forward import at_positions, aux_loss_sum, rotary_tables, run_head, run_layers, tokens_per_expert
 from moe_models.init import InitialWeights
+from moe_models.layer_patterns import LayerMixers
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.linear_attention import GatedDeltaNet
+from moe_models.mamba import Mamba2Mixer
 from moe_models.mla import MultiLatentAttention
 from moe_models.module_kinds import module_kinds as kinds_of
 from moe_models.parallel_plan import parallel_plan as plan_of
@@ -52,30 +58,29 @@ class ModelOutput:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); the mlp is MoE or dense."""
+    """Pre-norm block: x + token mixer(norm(x)), then x + channel mixer(norm(x)). The token mixer (``attention``) is
+    softmax attention, a Gated DeltaNet or a Mamba-2 mixer, the channel mixer (``mlp``) MoE or dense; a hybrid
+    pattern's layer has one of the two (the other and its norm are None)."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        moe: bool = True,
-        full_attention: bool = True,
-        rope: bool = True,
-        linear_attention: bool = False,
+        self, config: ModelConfig, mixers: LayerMixers, full_attention: bool = True, rope: bool = True
     ) -> None:
         super().__init__()
         c = config
         zero_centered = c.layernorm_zero_centered_gamma
-        self.input_norm = RMSNorm(c.hidden_size, c.norm_epsilon, zero_centered)
-        self.attention: Attention | MultiLatentAttention | GatedDeltaNet
-        if linear_attention:  # the token mixer of experimental_attention_variant's layers
+        norm = functools.partial(RMSNorm, c.hidden_size, c.norm_epsilon, zero_centered)
+        self.input_norm = norm() if mixers.token is not None else None
+        self.attention: Attention | MultiLatentAttention | GatedDeltaNet | Mamba2Mixer | None = None
+        if mixers.token == "linear_attention":  # the token mixer of experimental_attention_variant's layers
             self.attention = GatedDeltaNet(c)
-        elif c.multi_latent_attention:
-            self.attention = MultiLatentAttention(c)
-        else:
-            self.attention = Attention(c, full_attention, rope)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.norm_epsilon, zero_centered)
-        if moe:
-            self.mlp: MoEBlock | DenseMLP = MoEBlock(
+        elif mixers.token == "mamba":
+            self.attention = Mamba2Mixer(c)
+        elif mixers.token == "attention":
+            self.attention = MultiLatentAttention(c) if c.multi_latent_attention else Attention(c, full_attention, rope)
+        self.post_attention_norm = norm() if mixers.channel is not None else None
+        self.mlp: MoEBlock | DenseMLP | None = None
+        if mixers.channel == "moe":
+            self.mlp = MoEBlock(
                 c.hidden_size,
                 c.moe_ffn_hidden_size,
                 c.router_config(),
@@ -86,8 +91,15 @@ class DecoderLayer(nn.Module):
                 shared_expert_gate=c.moe_shared_expert_gate,
                 probs_on_input=c.moe_apply_probs_on_input,
             )
-        else:
-            self.mlp = DenseMLP(c.hidden_size, c.ffn_hidden_size)
+        elif mixers.channel == "mlp":
+            self.mlp = DenseMLP(c.hidden_size, c.ffn_hidden_size, c.activation_func)
+
+    @property
+    def mixers(self) -> LayerMixers:
+        """The kinds of this layer's token and channel mixers (None where it has none)."""
+        token = {GatedDeltaNet: "linear_attention", Mamba2Mixer: "mamba"}.get(type(self.attention), "attention")
+        channel = "moe" if self.is_moe else "mlp"
+        return LayerMixers(token if self.attention is not None else None, channel if self.mlp is not None else None)
 
     @property
     def is_moe(self) -> bool:
@@ -97,6 +109,12 @@ class DecoderLayer(nn.Module):
     def is_linear_attention(self) -> bool:
         """Whether the token mixer is a linear-attention layer (:class:`~moe_models.linear_attention.GatedDeltaNet`)."""
         return isinstance(self.attention, GatedDeltaNet)
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the token mixer carries a state along the sequence (a Gated DeltaNet or a Mamba-2 mixer): no core
+        attention; under context parallelism its ``segments`` module chains the states."""
+        return isinstance(self.attention, GatedDeltaNet | Mamba2Mixer)
 
     def forward(
         self,
@@ -109,9 +127,12 @@ class DecoderLayer(nn.Module):
         """``positions_S``: the positions of the sequences this layer computes (None: all); ``document_ids_BS``: the
         whole sequences' document ids (packed rows; None: one document per row). Attention takes them whole; a MoE
         mlp takes those of the tokens it computes (padding then weighs in no routing statistic)."""
-        # without documents both calls are exactly those of unpacked rows
-        attend = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
-        x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos_SF, sin_SF, positions_S, **attend)
+        if self.attention is not None:
+            # without documents both calls are exactly those of unpacked rows
+            attend = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
+            x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos_SF, sin_SF, positions_S, **attend)
+        if self.mlp is None:
+            return x_BSH, None
         route = {}
         if document_ids_BS is not None and self.is_moe:
             route = {"document_ids_BS": at_positions(document_ids_BS, positions_S)}
@@ -130,7 +151,7 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(h, eps, zero_centered)
         self.hnorm = RMSNorm(h, eps, zero_centered)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(config, moe=True)
+        self.layer = DecoderLayer(config, LayerMixers("attention", "moe"))
         self.final_norm = RMSNorm(h, eps, zero_centered)
 
     def forward(
@@ -155,15 +176,10 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        patterns = (
-            c.moe_layer_pattern(),
-            c.full_attention_pattern(),
-            c.rope_layer_pattern(),
-            c.linear_attention_pattern(),
-        )
+        patterns = c.layer_mixers(), c.full_attention_pattern(), c.rope_layer_pattern()
         self.layers = nn.ModuleList(
-            DecoderLayer(c, moe=bool(moe), full_attention=bool(full), rope=bool(rope), linear_attention=bool(linear))
-            for moe, full, rope, linear in zip(*patterns, strict=True)
+            DecoderLayer(c, mixers, full_attention=bool(full), rope=bool(rope))
+            for mixers, full, rope in zip(*patterns, strict=True)
         )
         self.norm = RMSNorm(c.hidden_size, c.norm_epsilon, c.layernorm_zero_centered_gamma)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
