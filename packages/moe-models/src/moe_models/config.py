@@ -43,6 +43,7 @@ FAMILIES = (
     "qwen3_next",
     "deepseek_v32",
     "qwen3_5_moe",
+    "nemotron_h",
 )
 
 # ModelConfig field (Megatron flag) -> RouterConfig field

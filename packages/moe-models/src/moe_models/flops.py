@@ -6,14 +6,21 @@ k top-k, F moe_ffn_hidden_size, a the activation's width factor (2 gated, 1 not)
 F_d ffn_hidden_size (dense layers); the per-head q/k width is d_qk = d (GQA) or d_n + d_r (MLA), v's is d (GQA)
 or d_v (MLA).
 
-Parameters (:func:`count_parameters`): embedding, final norm and lm_head (once when tied), and per layer two
-norms, the attention (projections with their biases, q/k norms, sinks; MLA's latent norms; q_proj twice as wide
-with the output gate) or the Gated DeltaNet layer (in_proj, conv, A_log, dt_bias, gated norm, out_proj), and the
-MLP: dense
-3 H F_d, or MoE = router E H (+ E bias) + E experts of a H F + F H (+ a F + H biases) + shared 3 H F_s (+ H for
-its gate). ``active``
-counts k of the E routed experts; ``total`` and ``active`` leave the MTP layers out, as published figures do,
-``mtp`` counts them: per depth enorm, hnorm, final_norm (3 H), eh_proj 2 H^2, one MoE decoder layer.
+Mamba-2 layers (hybrid patterns, ``hybrid_override_pattern``): N_m mamba_num_heads of P mamba_head_dim channels,
+I = N_m P, G_m mamba_num_groups of B and C of D_s mamba_state_dim each, W_m mamba_conv_kernel_dim.
+
+Parameters (:func:`count_parameters`): embedding, final norm and lm_head (once when tied), and per layer one norm
+per block it has (two for an attention-then-MLP layer, one for a hybrid pattern's single-block layer), its token
+mixer: the attention (projections with their biases, q/k norms, sinks; MLA's latent norms; q_proj twice as wide
+with the output gate), the Gated DeltaNet layer (in_proj, conv, A_log, dt_bias, gated norm, out_proj) or the
+Mamba-2 mixer (in_proj ``H (2 I + 2 G_m D_s + N_m)``, conv ``(I + 2 G_m D_s) W_m``, dt_bias, A_log and D per
+head, the gated norm's I, out_proj ``I H``; the conv's ``I + 2 G_m D_s`` biases with mamba_conv_bias, in_proj's
+and out_proj's with mamba_proj_bias), and its channel mixer: dense ``(a + 1) H F_d``, or MoE = router E H
+(+ E bias) + E experts of a H F + F H (+ a F + H biases) + shared ``(a + 1) H F_s`` (+ H for its gate); the dense
+MLP and the shared expert are SwiGLU for every gated activation (``3 H F``), up and down alone for a non-gated one
+such as squared ReLU (``2 H F``). ``active`` counts k of the E routed experts; ``total`` and ``active`` leave the
+MTP layers out, as published figures do, ``mtp`` counts them: per depth enorm, hnorm, final_norm (3 H), eh_proj
+2 H^2, one MoE decoder layer.
 
 Megatron convention (the default; how Megatron-LM reports TFLOPS/GPU and MFU): a GEMM costs 6 FLOPs per
 multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per token:
@@ -29,7 +36,14 @@ multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per tok
   ``H (2 K + 2 V + 2 N_v) + (2 K + V) W + V H`` (K = N_k d_k and V = N_v d_v its key and value widths, W the
   convolution's kernel), and the gated delta rule ``6 x 3 N_v d_k d_v`` (per value head the state is read by k,
   written and read by q: the recurrent form's count, whatever the chunk size);
-- MLP: MoE ``6 k (a + 1) H F + 18 H F_s``, dense ``18 H F_d``;
+- a Mamba-2 layer (instead of the attention terms): its projections and short convolution, 6 x
+  ``H (2 I + 2 G_m D_s + N_m) + (I + 2 G_m D_s) W_m + I H``, and the SSD scan ``6 x 2 N_m P D_s`` (per head the
+  state ``[P, D_s]`` is written by x B^T and read by C: the recurrent form's count, whatever the chunk size, as
+  the gated delta rule's; the D skip's N_m P is left out);
+- MLP: MoE ``6 k (a + 1) H F + 6 (a + 1) H F_s`` (+ ``6 H`` for the shared expert's gate), dense
+  ``6 (a + 1) H F_d`` (``18 H F_d`` SwiGLU, ``12 H F_d`` squared ReLU);
+- a hybrid pattern's layer has one block: no attention term without a token mixer, no MLP term without a channel
+  mixer;
 - logits ``6 H V`` (tied embeddings too: the GEMM still runs);
 - MTP, per depth: eh_proj ``6 * 2 H^2``, one MoE decoder layer with full causal attention, its logits ``6 H V``;
 - not counted: routers (as Megatron), norms, biases, sinks, rotary, softmax, activations, embedding lookups.
@@ -37,8 +51,9 @@ multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per tok
 torchtitan convention: ``6 x (active parameters - the input embedding)`` (every weight a GEMM weight, routers
 and norms included) plus core attention ``6 N K (d_qk + d_v)`` per layer with K = S (no causal halving; for
 GQA this is torchtitan's ``12 L N d S``), K = ``min(w, S)`` in a sliding-window layer, ``min(c, S)`` in a chunked
-one; a Gated DeltaNet layer adds its gated delta rule ``6 x 3 N_v d_k d_v`` instead. MTP depths add ``6 x`` their
-active parameters, their attention term with K = S, and ``6 H V`` for the shared head's logits.
+one; a Gated DeltaNet layer adds its gated delta rule ``6 x 3 N_v d_k d_v`` instead, a Mamba-2 layer its SSD scan
+``6 x 2 N_m P D_s``, a layer with no token mixer nothing. MTP depths add ``6 x`` their active parameters, their
+attention term with K = S, and ``6 H V`` for the shared head's logits.
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ from dataclasses import dataclass
 
 from moe_experts import ACTIVATIONS
 from moe_models.config import ModelConfig
+from moe_models.layer_patterns import LayerMixers
 
 CONVENTIONS = ("megatron", "torchtitan")
 
@@ -122,6 +138,44 @@ def _gated_delta_rule_flops(c: ModelConfig) -> float:
     return 6.0 * 3 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
 
 
+def _mamba_widths(c: ModelConfig) -> tuple[int, int]:
+    """A Mamba-2 mixer's x width ``I = N_m P`` and its convolution's channels ``I + 2 G_m D_s`` (x, B and C)."""
+    inner = c.mamba_num_heads * c.mamba_head_dim
+    return inner, inner + 2 * c.mamba_num_groups * c.mamba_state_dim
+
+
+def _mamba_macs(c: ModelConfig) -> int:
+    """Multiply-adds per token of a Mamba-2 mixer's projections and short convolution (= their weight count):
+    in_proj ``H (2 I + 2 G_m D_s + N_m)`` (z, x, B, C, dt), conv ``(I + 2 G_m D_s) W_m``, out_proj ``I H``."""
+    inner, conv_channels = _mamba_widths(c)
+    in_proj = c.hidden_size * (inner + conv_channels + c.mamba_num_heads)
+    return in_proj + conv_channels * c.mamba_conv_kernel_dim + inner * c.hidden_size
+
+
+def _mamba_params(c: ModelConfig) -> int:
+    """A Mamba-2 mixer's parameters: its weights, dt_bias, A_log and D per head, the gated norm's weight per channel
+    of x, and the biases it is configured with (in_proj and out_proj: mamba_proj_bias; conv: mamba_conv_bias)."""
+    inner, conv_channels = _mamba_widths(c)
+    proj_biases = (inner + conv_channels + c.mamba_num_heads + c.hidden_size) * c.mamba_proj_bias
+    return _mamba_macs(c) + proj_biases + conv_channels * c.mamba_conv_bias + 3 * c.mamba_num_heads + inner
+
+
+def _ssd_scan_flops(c: ModelConfig) -> float:
+    """Training FLOPs per token of the SSD scan (both conventions): per head the state ``[P, D_s]`` is written by
+    x B^T and read by C (``2 P D_s`` multiply-adds, the recurrent form's count, as the gated delta rule's; the D
+    skip's P left out), 6 FLOPs each."""
+    return 6.0 * 2 * c.mamba_num_heads * c.mamba_head_dim * c.mamba_state_dim
+
+
+# each token mixer's parameters and its GEMM multiply-adds per token (= its GEMM and convolution weights)
+_TOKEN_MIXER_PARAMS = {
+    "attention": _attention_params,
+    "linear_attention": _linear_attention_params,
+    "mamba": _mamba_params,
+}
+_TOKEN_MIXER_MACS = {"attention": _attention_macs, "linear_attention": _linear_attention_macs, "mamba": _mamba_macs}
+
+
 @dataclass(frozen=True)
 class _MLP:
     total: int  # parameters
@@ -130,30 +184,35 @@ class _MLP:
 
 
 def _mlp(c: ModelConfig, moe: bool) -> _MLP:
-    h = c.hidden_size
+    # the dense MLP and the shared expert: SwiGLU for every gated activation (a = 2), up and down alone otherwise
+    h, a = c.hidden_size, ACTIVATIONS[c.activation_func].width_factor
     if not moe:
-        dense = 3 * h * c.ffn_hidden_size
+        dense = (a + 1) * h * c.ffn_hidden_size
         return _MLP(dense, dense, dense)
-    a, f, e = ACTIVATIONS[c.activation_func].width_factor, c.moe_ffn_hidden_size, c.num_moe_experts
+    f, e = c.moe_ffn_hidden_size, c.num_moe_experts
     expert_macs = (a + 1) * h * f
     expert = expert_macs + (a * f + h) * c.add_bias_linear
-    shared = 3 * h * (c.moe_shared_expert_intermediate_size or 0) + h * c.moe_shared_expert_gate
+    shared = (a + 1) * h * (c.moe_shared_expert_intermediate_size or 0) + h * c.moe_shared_expert_gate
     router = e * h + e * c.add_bias_linear
     topk = c.moe_router_topk
     return _MLP(router + e * expert + shared, router + topk * expert + shared, topk * expert_macs + shared)
 
 
-def _layer_params(c: ModelConfig, moe: bool, linear: bool = False) -> tuple[int, int]:
-    """(total, active) parameters of one decoder layer (``linear``: a Gated DeltaNet layer)."""
-    fixed = 2 * c.hidden_size + (_linear_attention_params(c) if linear else _attention_params(c))
-    mlp = _mlp(c, moe)
-    return fixed + mlp.total, fixed + mlp.active
+def _layer_params(c: ModelConfig, mixers: LayerMixers) -> tuple[int, int]:
+    """(total, active) parameters of one decoder layer: each block it has, its norm and its mixer."""
+    total = active = 0
+    if mixers.token is not None:
+        total = active = c.hidden_size + _TOKEN_MIXER_PARAMS[mixers.token](c)
+    if mixers.channel is not None:
+        mlp = _mlp(c, mixers.channel == "moe")
+        total, active = total + c.hidden_size + mlp.total, active + c.hidden_size + mlp.active
+    return total, active
 
 
 def _mtp_params(c: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters of one MTP depth."""
     h = c.hidden_size
-    total, active = _layer_params(c, moe=True)
+    total, active = _layer_params(c, LayerMixers("attention", "moe"))
     fixed = 3 * h + 2 * h * h  # enorm, hnorm, final_norm; eh_proj
     return fixed + total, fixed + active
 
@@ -162,8 +221,8 @@ def count_parameters(c: ModelConfig) -> ParameterCount:
     """Total and active parameter counts of ``c`` (module docstring), and the MTP layers' separately."""
     h, v = c.hidden_size, c.vocab_size
     total = active = v * h + h + (0 if c.share_embeddings_and_output_weights else v * h)
-    for moe, linear in zip(c.moe_layer_pattern(), c.linear_attention_pattern(), strict=True):
-        layer_total, layer_active = _layer_params(c, bool(moe), bool(linear))
+    for mixers in c.layer_mixers():
+        layer_total, layer_active = _layer_params(c, mixers)
         total, active = total + layer_total, active + layer_active
     return ParameterCount(total=total, active=active, mtp=(c.mtp_num_layers or 0) * _mtp_params(c)[0])
 
@@ -186,6 +245,20 @@ def _core_attention_flops(
     return 6 * c.num_attention_heads * _keys_per_query(seq_len, window, causal_half, chunk) * (qk + v)
 
 
+def _sequence_mixing_flops(
+    c: ModelConfig, token: str | None, seq_len: int, window: int | None, causal_half: bool, chunk: int | None
+) -> float:
+    """The FLOPs per token a token mixer spends beyond its weights' GEMMs (the same in both conventions but for
+    attention's causal half): core attention, the gated delta rule or the SSD scan; 0 without a token mixer."""
+    if token == "attention":
+        return _core_attention_flops(c, seq_len, window, causal_half, chunk)
+    if token == "linear_attention":
+        return _gated_delta_rule_flops(c)
+    if token == "mamba":
+        return _ssd_scan_flops(c)
+    return 0.0
+
+
 def _layer_spans(c: ModelConfig) -> list[tuple[int | None, int | None]]:
     """(window, chunk) of each decoder layer: the sliding window of windowed layers, the chunk of rope layers."""
     windows = [None if full else c.window_size for full in c.full_attention_pattern()]
@@ -196,27 +269,37 @@ def _layer_spans(c: ModelConfig) -> list[tuple[int | None, int | None]]:
 @dataclass(frozen=True)
 class StageCosts:
     """Training FLOPs per token of the pieces a pipeline splits the model into (Megatron's convention): what
-    moe_parallel balances its stages by. Dense and MoE layers differ; windowed layers attend to fewer keys."""
+    moe_parallel balances its stages by. Dense and MoE layers differ; windowed layers attend to fewer keys; a
+    hybrid pattern's layer costs its one block."""
 
     embedding: float  # the lookup's backward (a scatter-add of one row per token): all but free, counted all the same
     layers: tuple[float, ...]  # one per decoder layer
     head: float  # output projection, plus every MTP depth (its layer, input projection and own pass of the head)
 
 
+def _megatron_layer_flops(
+    c: ModelConfig, mixers: LayerMixers, seq_len: int, window: int | None, chunk: int | None
+) -> float:
+    """One decoder layer's training FLOPs per token in Megatron's convention: each block it has."""
+    flops = 0.0
+    if mixers.token is not None:
+        flops = 6 * _TOKEN_MIXER_MACS[mixers.token](c) + _sequence_mixing_flops(
+            c, mixers.token, seq_len, window, True, chunk
+        )
+    if mixers.channel is not None:
+        flops += 6 * _mlp(c, mixers.channel == "moe").macs
+    return flops
+
+
 def stage_costs(c: ModelConfig, seq_len: int) -> StageCosts:
     """The FLOPs of the embedding, each decoder layer and the head (MTP included) at ``seq_len``; they sum to
     :func:`training_flops_per_token` (``megatron``) less the embedding's."""
     h, v = c.hidden_size, c.vocab_size
-    attention = 6 * _attention_macs(c)
-    linear_attention = 6 * _linear_attention_macs(c) + _gated_delta_rule_flops(c)
     layers = tuple(
-        (linear_attention if linear else attention + _core_attention_flops(c, seq_len, window, True, chunk))
-        + 6 * _mlp(c, bool(moe)).macs
-        for moe, linear, (window, chunk) in zip(
-            c.moe_layer_pattern(), c.linear_attention_pattern(), _layer_spans(c), strict=True
-        )
+        _megatron_layer_flops(c, mixers, seq_len, window, chunk)
+        for mixers, (window, chunk) in zip(c.layer_mixers(), _layer_spans(c), strict=True)
     )
-    mtp_depth = 6 * 2 * h * h + attention + _core_attention_flops(c, seq_len, None, True) + 6 * _mlp(c, True).macs
+    mtp_depth = 6 * 2 * h * h + _megatron_layer_flops(c, LayerMixers("attention", "moe"), seq_len, None, None)
     return StageCosts(float(h), layers, 6.0 * h * v + (c.mtp_num_layers or 0) * (mtp_depth + 6 * h * v))
 
 
@@ -234,8 +317,8 @@ def training_flops_per_token(c: ModelConfig, seq_len: int, convention: str = "me
         return sum(costs.layers) + costs.head
     flops = 6.0 * (count_parameters(c).active - v * h)  # embedding lookups are not GEMMs
     flops += sum(
-        _gated_delta_rule_flops(c) if linear else _core_attention_flops(c, seq_len, window, False, chunk)
-        for linear, (window, chunk) in zip(c.linear_attention_pattern(), _layer_spans(c), strict=True)
+        _sequence_mixing_flops(c, mixers.token, seq_len, window, False, chunk)
+        for mixers, (window, chunk) in zip(c.layer_mixers(), _layer_spans(c), strict=True)
     )
     mtp_depth = 6 * _mtp_params(c)[1] + _core_attention_flops(c, seq_len, None, False) + 6 * h * v
     return flops + mtp_layers * mtp_depth

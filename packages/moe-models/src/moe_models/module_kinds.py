@@ -14,15 +14,18 @@ if TYPE_CHECKING:
 
 def _layer_kinds(prefix: str, layer: DecoderLayer) -> dict[str, list[str]]:
     attn = layer.attention
-    kinds: dict[str, list[str]] = {
-        "layernorm": [f"{prefix}.input_norm", f"{prefix}.post_attention_norm"],
-        "attn_norm": [f"{prefix}.input_norm"],
-        "mlp_norm": [f"{prefix}.post_attention_norm"],
-    }
-    if layer.is_linear_attention:  # a Gated DeltaNet: no core-attention module; its input and output projections
+    norms = [f"{prefix}.{name}" for name in ("input_norm", "post_attention_norm") if getattr(layer, name) is not None]
+    kinds: dict[str, list[str]] = {"layernorm": norms}
+    if attn is not None:
+        kinds["attn_norm"] = [f"{prefix}.input_norm"]
+    if layer.mlp is not None:
+        kinds["mlp_norm"] = [f"{prefix}.post_attention_norm"]
+    if (
+        layer.is_recurrent
+    ):  # a Gated DeltaNet or Mamba-2 mixer: no core-attention module; its input and output projections
         kinds["qkv_linear"] = [f"{prefix}.attention.in_proj"]
         kinds["attn_proj"] = [f"{prefix}.attention.out_proj"]
-    else:
+    elif attn is not None:
         kinds["core_attn"] = [f"{prefix}.attention.core_attention"]
         kinds["attn_proj"] = [f"{prefix}.attention.o_proj"]
         if hasattr(attn, "up_proj"):  # multi-latent attention
@@ -37,7 +40,7 @@ def _layer_kinds(prefix: str, layer: DecoderLayer) -> dict[str, list[str]]:
         kinds["expert_fc1"] = [f"{prefix}.mlp.experts.fc1"]
         if layer.mlp.shared_experts is not None:
             kinds["shared_experts"] = [f"{prefix}.mlp.shared_experts"]
-    else:
+    elif layer.mlp is not None:
         kinds["mlp"] = [f"{prefix}.mlp"]
     return kinds
 

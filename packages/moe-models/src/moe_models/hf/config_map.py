@@ -230,6 +230,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     multimodal one's text model (``text_config``) where the family reads one."""
     hf = _language_model(hf)
     family = FAMILIES[family_of(hf)]
+    if family.prepare is not None:
+        hf = family.prepare(hf)
     fields_read = ReadFields(hf)
     fields = _common_from_hf(fields_read, family.name) | family.from_hf(fields_read)
     if fields["moe_router_topk"] is None:

@@ -220,3 +220,6 @@ class HFFamily:
     # the family's own reading of the rotary fields (rope_parameters: NTK-alpha, llama3...), instead of the common one
     # (default rope and YaRN); called with the config.json dict and the family name
     rope_from_hf: Callable[[ReadFields, str], dict[str, Any]] | None = None
+    # config.json as the family's transformers config class reads it, before the mapping does (Nemotron-H: the number
+    # of layers is the length of its layer pattern, whatever num_hidden_layers says)
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None

@@ -340,6 +340,85 @@ def _mtp(plan: Plan, c: ModelConfig, k: int, experts: tuple[int, ...], available
     plan.copies[f"{hf}.shared_head.head.weight"] = "lm_head.weight"
 
 
+def _mamba_mixer(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
+    """A Mamba-2 mixer: transformers' ``NemotronHMamba2Mixer`` tensors under the same names and layouts."""
+    h, heads, inner = c.hidden_size, c.mamba_num_heads, c.mamba_num_heads * c.mamba_head_dim
+    conv = inner + 2 * c.mamba_num_groups * c.mamba_state_dim
+    shapes = {
+        "in_proj.weight": (inner + conv + heads, h),
+        "conv1d.weight": (conv, 1, c.mamba_conv_kernel_dim),
+        "dt_bias": (heads,),
+        "A_log": (heads,),
+        "D": (heads,),
+        "norm.weight": (inner,),
+        "out_proj.weight": (h, inner),
+    }
+    if c.mamba_conv_bias:
+        shapes["conv1d.bias"] = (conv,)
+    if c.mamba_proj_bias:
+        shapes |= {"in_proj.bias": (inner + conv + heads,), "out_proj.bias": (h,)}
+    for name, shape in shapes.items():
+        _copy(plan, f"{ours}.{name}", f"{hf}.{name}", shape)
+
+
+def _non_gated_moe(
+    plan: Plan, c: ModelConfig, ours: str, hf: str, experts: tuple[int, ...], available: set[str] | None
+) -> None:
+    """Nemotron-H's MoE: DeepSeek-V3's router (its bias always stored), non-gated routed experts (``up_proj``,
+    ``down_proj`` each) and one non-gated shared expert."""
+    e, h, f = c.num_moe_experts, c.hidden_size, c.moe_ffn_hidden_size
+    _copy(plan, f"{ours}.router.weight", f"{hf}.gate.weight", (e, h))
+    if c.moe_router_enable_expert_bias:
+        _copy(plan, f"{ours}.router.expert_bias", f"{hf}.gate.e_score_correction_bias", (e,))
+    else:
+        plan.zeros[f"{hf}.gate.e_score_correction_bias"] = (e,)
+        plan.ignored.add(f"{hf}.gate.e_score_correction_bias")
+    if available is not None and f"{hf}.experts.up_proj" in available:
+        # transformers 5's in-memory layout ([E, F, H], [E, H, F]): read, never written
+        rows = None if experts == tuple(range(e)) else experts
+        up = Source(f"{hf}.experts.up_proj", (e, f, h), rows)
+        plan.entries.append(Entry(f"{ours}.experts.w_gate_up_EH2F", (up,), _transpose, None))
+        down = Source(f"{hf}.experts.down_proj", (e, h, f), rows)
+        plan.entries.append(Entry(f"{ours}.experts.w_down_EFH", (down,), _transpose, None))
+    else:  # one [F, H] / [H, F] per expert: each ours is the stack of their transposes
+        ups = tuple(Source(f"{hf}.experts.{i}.up_proj.weight", (f, h)) for i in experts)
+        plan.entries.append(Entry(f"{ours}.experts.w_gate_up_EH2F", ups, _down_to_ours, _down_to_hf))
+        downs = tuple(Source(f"{hf}.experts.{i}.down_proj.weight", (h, f)) for i in experts)
+        plan.entries.append(Entry(f"{ours}.experts.w_down_EFH", downs, _down_to_ours, _down_to_hf))
+    shared = c.moe_shared_expert_intermediate_size
+    for name, key, shape in (("w_gate_up_H2F", "up_proj", (shared, h)), ("w_down_FH", "down_proj", (h, shared))):
+        source = (Source(f"{hf}.shared_experts.{key}.weight", shape),)
+        plan.entries.append(Entry(f"{ours}.shared_experts.{name}", source, _transpose, _transpose_back))
+
+
+def _hybrid_plan(c: ModelConfig, experts: tuple[int, ...], available: set[str] | None) -> Plan:
+    """Nemotron-H's layout (``hybrid_override_pattern``): ``backbone.embeddings``, one ``norm`` and ``mixer`` per
+    layer, ``backbone.norm_f``; a layer's norm is our ``input_norm`` before a token mixer, ``post_attention_norm``
+    before a channel mixer."""
+    plan, v, h = Plan(), c.vocab_size, c.hidden_size
+    _copy(plan, "embed_tokens.weight", "backbone.embeddings.weight", (v, h))
+    for i, mixers in enumerate(c.layer_mixers()):
+        ours, hf = f"layers.{i}", f"backbone.layers.{i}"
+        norm = "input_norm" if mixers.token is not None else "post_attention_norm"
+        _copy(plan, f"{ours}.{norm}.weight", f"{hf}.norm.weight", (h,))
+        if mixers.token == "mamba":
+            _mamba_mixer(plan, c, f"{ours}.attention", f"{hf}.mixer")
+        elif mixers.token == "attention":
+            _gqa_attention(plan, c, f"{ours}.attention", f"{hf}.mixer")
+        elif mixers.channel == "moe":
+            _non_gated_moe(plan, c, f"{ours}.mlp", f"{hf}.mixer", experts, available)
+        else:
+            f = c.ffn_hidden_size
+            _copy(plan, f"{ours}.mlp.up_proj.weight", f"{hf}.mixer.up_proj.weight", (f, h))
+            _copy(plan, f"{ours}.mlp.down_proj.weight", f"{hf}.mixer.down_proj.weight", (h, f))
+    _copy(plan, "norm.weight", "backbone.norm_f.weight", (h,))
+    if c.share_embeddings_and_output_weights:
+        plan.ignored.add("lm_head.weight")
+    else:
+        _copy(plan, "lm_head.weight", "lm_head.weight", (v, h))
+    return plan
+
+
 def mtp_prefixes(c: ModelConfig) -> list[str]:
     """The HF name prefix of each MTP module of ``c`` ("model.layers.{num_layers + k}.")."""
     return [f"model.layers.{c.num_layers + k}." for k in range(c.mtp_num_layers or 0)]
@@ -349,6 +428,8 @@ def build_plan(c: ModelConfig, *, experts: Sequence[int] | None = None, availabl
     """The plan of ``c``; ``experts`` keeps only those routed experts, ``available`` (a checkpoint's names) picks
     transformers' fused expert layout where a checkpoint has it."""
     expert_ids = tuple(range(c.num_moe_experts)) if experts is None else tuple(int(i) for i in experts)
+    if c.hybrid_override_pattern is not None:
+        return _hybrid_plan(c, expert_ids, available)
     plan, v, h = Plan(), c.vocab_size, c.hidden_size
     _copy(plan, "embed_tokens.weight", "model.embed_tokens.weight", (v, h))
     for i, (moe, linear) in enumerate(zip(c.moe_layer_pattern(), c.linear_attention_pattern(), strict=True)):

@@ -17,6 +17,7 @@ from moe_models.hf.families import (
     llama4,
     mellum,
     minimax_m2,
+    nemotron_h,
     olmoe,
     qwen2_moe,
     qwen3_5_moe,
@@ -43,4 +44,5 @@ FAMILY_MODULES = (
     qwen3_next,
     deepseek_v32,
     qwen3_5_moe,
+    nemotron_h,
 )
