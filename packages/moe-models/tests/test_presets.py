@@ -70,7 +70,7 @@ TINY_OF = {
     "tiny-deepseek-v32": "deepseek-v3.2",
 }
 # tiny proxies of families without a published preset yet
-TINY_ALONE: tuple[str, ...] = ()
+TINY_ALONE: tuple[str, ...] = ("tiny-nemotron-h",)
 # fields that choose a feature rather than a size: a proxy must agree with its published model on all of them
 FEATURE_FIELDS = (
     "family",

@@ -394,6 +394,34 @@ def _tiny_qwen3_next() -> ModelConfig:
     )
 
 
+def _tiny_nemotron_h() -> ModelConfig:
+    """Nemotron-H / Nemotron 3's features at the tiny sizes: six one-block layers (Mamba-2, MoE, NoPE attention, MoE,
+    Mamba-2, dense MLP: "ME*EM-"), squared-ReLU MLPs, experts and shared expert, a sigmoid router with the expert bias,
+    top-2 of 8 renormalised and scaled by 2.5; Mamba-2 mixers of 8 heads of 16 channels in 2 groups of B and C with a
+    16-wide state, scanned in chunks of 16."""
+    return ModelConfig(
+        family="nemotron_h",
+        **_TINY_GQA,
+        num_layers=6,
+        hybrid_override_pattern="ME*EM-",
+        no_rope_freq=1,
+        qk_layernorm=False,
+        activation_func="squared_relu",
+        norm_epsilon=1e-5,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        mamba_num_groups=2,
+        mamba_state_dim=16,
+        mamba_chunk_size=16,
+        mamba_dt_clamp_min=1e-3,
+        moe_shared_expert_intermediate_size=64,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5,
+        **_BIAS_BALANCED,
+    )
+
+
 def _tiny_llama4() -> ModelConfig:
     """Llama 4 Scout's features at the tiny sizes: four layers (the fourth NoPE, with temperature tuning every 16
     positions), chunks of 48 positions, top-1 of 8 experts applied to the input, a shared expert, Llama 3.1's rope
@@ -438,6 +466,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-hunyuan-v1-moe": lambda: _tiny_hf("hunyuan-a13b"),
     "tiny-llama4": lambda: _tiny_llama4(),
     "tiny-qwen3-next": _tiny_qwen3_next,
+    "tiny-nemotron-h": _tiny_nemotron_h,
     # DeepSeek-V3.2's indexer at the tiny sizes: 8 heads of 32 picking 16 keys, so 128-token sequences are sparse (8
     # heads: a key scores exactly 0, a tie, only when all 8 relus are 0)
     "tiny-deepseek-v32": lambda: _tiny_hf(

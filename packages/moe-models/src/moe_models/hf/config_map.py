@@ -487,6 +487,10 @@ def _architecture(c: ModelConfig) -> dict[str, Any]:
     else:  # llama3 reads the factor and the original context of YaRN's fields
         for name in set(_YARN_FIELDS) - {"rotary_scaling_factor", "original_max_position_embeddings"}:
             values.pop(name)
+    if not any(c.rope_layer_pattern()) and not c.mtp_num_layers:  # nothing rotates (Nemotron-H): no rope field counts
+        rope_fields = ("rope_type", "rotary_base", "rotary_percent", "rotary_interleaved")
+        for name in (*rope_fields, *_YARN_FIELDS, *_LLAMA3_FIELDS):
+            values.pop(name, None)
     if c.moe_router_topk == 1:  # one weight is never renormalised (Megatron-Core)
         values["moe_router_sigmoid_norm_topk"] = True
     if all(c.moe_layer_pattern()):  # no dense layer
