@@ -151,6 +151,14 @@ CONTEXT_MODELS: dict[str, tuple[str, dict[str, str]]] = {
     # DeepSeek-V3.2: MLA over each query's top 6 keys of 32, picked by the lightning indexer from every cp rank's keys
     # (the selection crosses the 8-token cp chunks)
     "tiny-deepseek-v32": ("tiny-qwen3-moe", {"model.preset": "tiny-deepseek-v32", "model.dsa_indexer_topk": "6"}),
+    # Nemotron-H: one-block layers "ME*EM-" (Mamba-2, MoE, NoPE attention, MoE, Mamba-2, dense squared-ReLU MLP); under
+    # cp each Mamba-2 layer starts a rank's chunks from the states of the chunks before them, under tp it computes
+    # whole on every rank; two micro-batches of 2 a step for the pipeline (its stages split the pattern)
+    "tiny-nemotron-h": ("tiny-qwen3-moe", {"model.preset": "tiny-nemotron-h"}),
+    "tiny-nemotron-h 2 micro-batches": (
+        "tiny-qwen3-moe",
+        {"model.preset": "tiny-nemotron-h", "train.micro_batch_size": "2"},
+    ),
 }
 CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # + the models each runs on
     "cp=2": (
@@ -165,11 +173,16 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
             "tiny-ernie4-5-moe",
             "tiny-deepseek-v2",
             "tiny-qwen3-next",
+            "tiny-nemotron-h",
         ),
     ),
     "ep=2": (2, {"parallel.ep": "2"}, ("tiny-llama4 2 micro-batches", "tiny-qwen3-next 2 micro-batches")),
     "tp=2 x ep=2 (etp=1)": (2, {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"}, ("tiny-glm4-moe",)),
-    "pp=2": (2, {"parallel.pp": "2"}, ("tiny-glm4-moe 2 micro-batches", "tiny-qwen3-next 2 micro-batches")),
+    "pp=2": (
+        2,
+        {"parallel.pp": "2"},
+        ("tiny-glm4-moe 2 micro-batches", "tiny-qwen3-next 2 micro-batches", "tiny-nemotron-h 2 micro-batches"),
+    ),
     # the experts over the cp ranks (parallel folding: ep borrows them)
     "cp=2 x ep=2": (
         2,
@@ -194,6 +207,7 @@ CONTEXT_LAYOUTS: dict[str, tuple[int, dict[str, str], tuple[str, ...]]] = {  # +
             "tiny-minimax-m2",
             "tiny-hunyuan-v1-moe",
             "tiny-qwen3-next 2 micro-batches",
+            "tiny-nemotron-h 2 micro-batches",
         ),
     ),
 }

@@ -17,6 +17,7 @@ from moe_memory.estimate import (
     GQAShape,
     LayerShape,
     LocalParameters,
+    Mamba2Shape,
     MemoryEstimate,
     MLAShape,
     ModelShape,
@@ -241,3 +242,42 @@ def test_mtp_after_a_gated_delta_net_needs_its_attention() -> None:
         estimate_memory(shape, run())
     with_attention = dataclasses.replace(shape, mtp_attention=GQAShape(2, 2, 4))
     assert "MTP moe layer x1 (GQA)" in {t.where for t in estimate_memory(with_attention, run()).activations}
+
+
+# 4 heads of 2 channels in 2 groups of B and C, a 2-wide state, a 2-tap convolution, chunks of 4 positions
+MAMBA = Mamba2Shape(heads=4, head_dim=2, groups=2, state_dim=2, conv_kernel=2, chunk=4)
+
+
+def test_hybrid_layers_of_one_block_save_as_the_two_blocks_of_a_layer() -> None:
+    """A hybrid pattern's layers hold one pre-norm block each: an attention-only layer then an MLP-only layer save
+    what one layer of both blocks saves (the same norms, projections and MLP), under their own layer kinds; a
+    token-only layer has no pre-MLP norm and a channel-only layer no input norm."""
+    split = dataclasses.replace(
+        DENSE, layers=(LayerShape(GQAShape(2, 1, 4), channel=False), LayerShape(None, moe=False))
+    )
+    whole, hybrid = estimate_memory(DENSE, run()), estimate_memory(split, run())
+    assert hybrid.activations_by_module() == whole.activations_by_module()
+    assert {t.where for t in hybrid.activations} == {"attention-only layer x1 (GQA)", "mlp-only layer x1", "model"}
+    by_kind: dict[str, set[str]] = {}
+    for t in hybrid.activations:
+        by_kind.setdefault(t.where, set()).add(t.module)
+    assert "mlp_norm" not in by_kind["attention-only layer x1 (GQA)"]
+    assert by_kind["mlp-only layer x1"] == {"mlp_norm", "dense_mlp"}
+
+
+def test_mamba_only_and_moe_only_layers() -> None:
+    """Mamba-2 mixers as layers: counted once per kind, their own modules only (no rotary tables: nothing rotates);
+    MoE-only layers route. A layer of no block is refused; without a channel mixer ``moe`` means nothing."""
+    layers = (LayerShape(MAMBA, channel=False), LayerShape(None, moe=True)) * 2
+    estimate = estimate_memory(dataclasses.replace(MOE, layers=layers), run(seq_len=8))
+    assert {t.where for t in estimate.activations} == {"mamba-only layer x2 (Mamba-2)", "moe-only layer x2", "model"}
+    modules = set(estimate.activations_by_module())
+    assert {"mamba_mixer", "mamba_norm", "router", "expert_fc1"} <= modules
+    assert not {"rope", "core_attn", "linear_attn"} & modules
+    assert LayerShape(MAMBA, moe=True, channel=False) == LayerShape(MAMBA, moe=False, channel=False)
+    with pytest.raises(ValueError, match="^LayerShape: attention=None and channel=False"):
+        LayerShape(None, channel=False)
+    with pytest.raises(ValueError, match="^ModelShape.mtp_attention: the last layer is a Mamba-2"):
+        estimate_memory(dataclasses.replace(MOE, layers=layers[:1], mtp_depth=1), run())
+    with pytest.raises(ValueError, match="^ModelShape.mtp_attention: the last layer has no token mixer"):
+        estimate_memory(dataclasses.replace(MOE, layers=layers[:2], mtp_depth=1), run())

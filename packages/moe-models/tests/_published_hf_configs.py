@@ -1,4 +1,5 @@
-"""The published config.json values (moved to :mod:`moe_models.published_configs`), for the family tests."""
+"""The published config.json values (moved to :mod:`moe_models.published_configs`, the hybrid models' to
+:mod:`moe_models.published_hybrid_configs` and merged back in), for the family tests."""
 
 from moe_models.published_configs import PUBLISHED_HF_CONFIGS
 

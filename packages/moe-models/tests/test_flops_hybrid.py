@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from _hybrid_configs import HYBRID_BLOCKS, hybrid_config
 
 from moe_experts import GroupedExperts
 from moe_models import ModelConfig, count_parameters, training_flops_per_token
@@ -15,29 +16,21 @@ from moe_models.model import build_model
 # H 32, V 64; attention 4 heads of 8, 2 kv groups, NoPE, no q/k norms; Mamba-2 8 heads of 16, 2 groups of B/C of
 # state 16, a 4-tap convolution with bias; dense ffn 40; 4 experts top-2 of 24, a shared expert of 64; squared ReLU
 TINY = {
+    **HYBRID_BLOCKS,
     "vocab_size": 64,
     "hidden_size": 32,
     "num_attention_heads": 4,
     "num_query_groups": 2,
     "kv_channels": 8,
-    "activation_func": "squared_relu",
-    "no_rope_freq": 1,
-    "qk_layernorm": False,
-    "mamba_num_heads": 8,
-    "mamba_num_groups": 2,
-    "mamba_head_dim": 16,
-    "mamba_state_dim": 16,
-    "mamba_chunk_size": 8,
     "num_moe_experts": 4,
     "moe_router_topk": 2,
     "moe_ffn_hidden_size": 24,
     "ffn_hidden_size": 40,
-    "moe_shared_expert_intermediate_size": 64,
 }
 
 
 def _hybrid(pattern: str, **overrides) -> ModelConfig:
-    return ModelConfig(**{**TINY, "hybrid_override_pattern": pattern, "num_layers": len(pattern), **overrides})
+    return hybrid_config(pattern, **{**TINY, **overrides})
 
 
 def _built_counts(cfg: ModelConfig) -> tuple[int, int, int]:

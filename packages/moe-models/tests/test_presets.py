@@ -47,6 +47,11 @@ EXACT_TOTAL_ACTIVE_MTP = {
     "qwen3.5-397b-a17b": (396_346_350_336, 17_349_040_896, 0),
     # equal to transformers' DeepseekV32ForCausalLM of the same config.json (which builds no MTP layer)
     "deepseek-v3.2": (671_877_929_216, 38_403_807_488, 11_624_027_392),
+    # equal to transformers' NemotronHForCausalLM of the same config.json (dense: all of it active)
+    "nemotron-h-8b": (8_100_852_736, 8_100_852_736, 0),
+    "nemotron-h-47b": (46_791_554_816, 46_791_554_816, 0),
+    "nemotron-h-56b": (56_324_350_464, 56_324_350_464, 0),
+    "nemotron-3-nano-30b-a3b": (31_577_937_344, 3_580_073_408, 0),
 }
 
 # each tiny proxy and the published model whose features it keeps
@@ -68,9 +73,10 @@ TINY_OF = {
     "tiny-llama4": "llama-4-scout-17b-16e",
     "tiny-qwen3-next": "qwen3-next-80b-a3b",
     "tiny-deepseek-v32": "deepseek-v3.2",
+    "tiny-nemotron-h": "nemotron-3-nano-30b-a3b",
 }
 # tiny proxies of families without a published preset yet
-TINY_ALONE: tuple[str, ...] = ("tiny-nemotron-h",)
+TINY_ALONE: tuple[str, ...] = ()
 # fields that choose a feature rather than a size: a proxy must agree with its published model on all of them
 FEATURE_FIELDS = (
     "family",
@@ -168,7 +174,9 @@ def test_tiny_preset_keeps_its_family_features(name):
     assert (tiny.moe_router_num_groups is None) == (big.moe_router_num_groups is None)
     assert (0 in tiny.moe_layer_pattern()) == (0 in big.moe_layer_pattern())
     assert tiny.full_attention_pattern()[:2] == big.full_attention_pattern()[:2]
-    assert tiny.vocab_size == 256 and 64 <= tiny.hidden_size <= 128 and 2 <= tiny.num_layers <= 4
+    # a Nemotron-H layer is one block (a mixer or an MLP): two of them make one transformer layer
+    transformer_layers = tiny.num_layers / 2 if tiny.hybrid_override_pattern is not None else tiny.num_layers
+    assert tiny.vocab_size == 256 and 64 <= tiny.hidden_size <= 128 and 2 <= transformer_layers <= 4
     counted = count_parameters(tiny)
     assert 0.4e6 <= counted.total + counted.mtp <= 3e6
 

@@ -36,3 +36,18 @@ def test_preset_has_transformers_parameter_count(name: str) -> None:
     our_count = sum(p.numel() for n, p in ours.named_parameters() if not n.startswith("mtp."))
     print(f"\n{name}: transformers {their_count:,}, ours {our_count:,}")
     assert our_count == their_count == counted.total
+
+
+@pytest.mark.parametrize(
+    "name", [name for name in FROM_CONFIG_JSON if PUBLISHED_HF_CONFIGS[name]["model_type"] == "nemotron_h"]
+)
+def test_nemotron_h_preset_has_transformers_layer_order(name: str) -> None:
+    """The published Nemotron-H files give the legacy hybrid_override_pattern string, which transformers turns into
+    its layers_block_type list: the preset's layers are transformers' NemotronHForCausalLM's, one for one."""
+    values = dict(PUBLISHED_HF_CONFIGS[name])
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    symbol = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    theirs = "".join(symbol[kind] for kind in config.layers_block_type)
+    assert theirs == values["hybrid_override_pattern"] == preset(name).hybrid_override_pattern
+    assert len(theirs) == values["num_hidden_layers"] == preset(name).num_layers
+    assert transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__ == "NemotronHForCausalLM"

@@ -1,27 +1,31 @@
 """moe_models.saved_bytes (with moe_dispatch's and moe_experts' declarations it composes) against what a forward and
-loss of every family's tiny model really save for backward (moe_memory.measure.SavedTensorBytes), byte for byte and
-module by module: one process, CPU, dropless routing, fp32 and bf16 parameters and activations. A Gated DeltaNet
-layer and a Mamba-2 mixer alone, over their shapes, against what is still saved when the backward starts."""
+loss of every family's tiny model really save for backward, still saved when the backward starts
+(moe_memory.measure.SavedAtBackwardBytes), byte for byte and module by module: one process, CPU, dropless routing,
+fp32 and bf16 parameters and activations; hybrid patterns of Mamba-2, attention, dense-MLP and MoE blocks
+(Nemotron-H) too. A Gated DeltaNet layer and a Mamba-2 mixer alone, over their shapes."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from unittest import mock
 
 import pytest
 import torch
+from _hybrid_configs import HYBRID_BLOCKS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_memory.estimate import LocalParameters, Mamba2Shape, RankSizes, RunShape, estimate_memory
-from moe_memory.measure import SavedAtBackwardBytes, SavedTensorBytes
-from moe_models import build_model, causal_lm_loss, ssd
+from moe_memory.estimate import LocalParameters, Mamba2Shape, MemoryEstimate, RankSizes, RunShape, estimate_memory
+from moe_memory.measure import SavedAtBackwardBytes
+from moe_models import MoETransformer, build_model, causal_lm_loss, ssd
 from moe_models import mamba as mamba_module
 from moe_models.config import ModelConfig, ModelConfigError
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
 from moe_models.presets import TINY_PRESETS, preset
-from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES, gated_delta_net_saved_bytes, mamba2_saved_bytes
+from moe_models.recurrent_saved_bytes import gated_delta_net_saved_bytes, mamba2_saved_bytes
+from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 
 # the families' building blocks on a tiny preset: (preset, ModelConfig overrides), each in fp32 and bf16
 BLOCKS = [
@@ -81,34 +85,38 @@ BLOCKS = [
         },
     ),
 ]
-# Gated DeltaNet layers over 32 positions: in two chunks, the last padded. SavedTensorBytes counts what a forward
-# saves; with one chunk, or whole chunks of more than one row, the delta rule's scan saves tensors that are freed
-# before the backward (its last state update feeds nothing), which test_gated_delta_net_layer below measures
+# Gated DeltaNet layers over 32 positions: in two chunks, the last padded (one chunk, or whole chunks of more than one
+# row, free some of the scan's saves before the backward: test_gated_delta_net_layer below measures those)
 LINEAR_CHUNKS = {"tiny-qwen3-next": {"linear_attention_chunk_size": 24}}
 # tiny presets whose attention the estimate does not model yet: model_shape refuses them (checked below)
 NOT_ESTIMATED = ("tiny-deepseek-v32",)
 CASES = (
     [(name, torch.float32, LINEAR_CHUNKS.get(name, {})) for name in TINY_PRESETS if name not in NOT_ESTIMATED]
     + [(name, torch.bfloat16, {}) for name in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")]
-    + [("tiny-qwen3-next", torch.bfloat16, LINEAR_CHUNKS["tiny-qwen3-next"])]
+    + [("tiny-qwen3-next", torch.bfloat16, LINEAR_CHUNKS["tiny-qwen3-next"]), ("tiny-nemotron-h", torch.bfloat16, {})]
     + [(name, dtype, overrides) for name, overrides in BLOCKS for dtype in (torch.float32, torch.bfloat16)]
 )
 
 
-@pytest.mark.parametrize(("name", "dtype", "overrides"), CASES, ids=lambda case: str(case))
-def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype, overrides: dict) -> None:
-    config = preset(name, **overrides)
-    batch, seq_len = 2, 32
-    model = build_model(config, seed=0).to(dtype)
+def _measured_by_module(model: MoETransformer, config: ModelConfig, batch: int, seq_len: int) -> dict[str, int]:
+    """What a forward and loss of ``model`` on ``batch`` random sequences leave saved when the backward starts, by the
+    estimate's module (each Mamba-2 mixer's gated norm run as its ``norm`` module)."""
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    with SavedTensorBytes(model=model) as measured:
-        causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
+    mixers = {n: m for n, m in model.named_modules() if isinstance(m, mamba_module.Mamba2Mixer)}
+    with _gated_norm_as_module(*mixers.values()), SavedAtBackwardBytes(model=model) as measured:
+        loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
     dense = {n for n, m in model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
     linear = {n for n, m in model.named_modules() if isinstance(m, GatedDeltaNet)}
-    measured_by_module: dict[str, int] = {}
-    for saved in measured.storages:
-        module = estimate_module(saved.module, saved.module in dense, saved.module in linear)
-        measured_by_module[module] = measured_by_module.get(module, 0) + saved.nbytes
+    by_module: dict[str, int] = {}
+    for saved in measured.alive():  # the loss (and its graph) still held
+        mamba = saved.module.removesuffix(".norm") in mixers
+        module = estimate_module(saved.module, saved.module in dense, saved.module in linear, mamba)
+        by_module[module] = by_module.get(module, 0) + saved.nbytes
+    del loss
+    return by_module
+
+
+def _declared(model: MoETransformer, config: ModelConfig, batch: int, seq_len: int, dtype) -> MemoryEstimate:
     size = dtype.itemsize
     params = local_parameters(model)
     run = run_shape(
@@ -116,9 +124,23 @@ def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype, 
     )
     shape = model_shape(config)
     assert shape.saved_bytes is MOE_TRANSFORMER_SAVED_BYTES
-    declared = estimate_memory(shape, run).activations_by_module()
-    declared["dispatch"] = declared.get("dispatch", 0) + declared.pop("combine", 0)  # both run in the block's forward
-    assert declared == measured_by_module
+    return estimate_memory(shape, run)
+
+
+def _declared_by_module(estimate: MemoryEstimate) -> dict[str, int]:
+    declared = estimate.activations_by_module()
+    if "combine" in declared:  # dispatch and combine run in the MoE block's forward
+        declared["dispatch"] = declared.get("dispatch", 0) + declared.pop("combine")
+    return declared
+
+
+@pytest.mark.parametrize(("name", "dtype", "overrides"), CASES, ids=lambda case: str(case))
+def test_declared_saves_are_what_the_model_saves(name: str, dtype: torch.dtype, overrides: dict) -> None:
+    config = preset(name, **overrides)
+    batch, seq_len = 2, 32
+    model = build_model(config, seed=0).to(dtype)
+    declared = _declared_by_module(_declared(model, config, batch, seq_len, dtype))
+    assert declared == _measured_by_module(model, config, batch, seq_len)
 
 
 @settings(max_examples=40, deadline=None)
@@ -181,11 +203,12 @@ def test_cp_with_gated_delta_net_layers_is_refused() -> None:
 def test_token_mixers_not_estimated_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer kind the declarations do not describe is refused, naming the field, rather than estimated as
     attention (moe-train's ``plan --memory`` shows this one line)."""
-    from moe_models import ModelConfig, ModelConfigError
+    from moe_models.layer_patterns import LayerMixers
 
     config = preset("tiny-qwen3-next")
-    monkeypatch.setattr(ModelConfig, "attention_kinds", lambda self: ["mamba", "attention"] * 2)
-    with pytest.raises(ModelConfigError, match="^experimental_attention_variant=.*not estimated: .* mamba layers"):
+    layers = [LayerMixers("kimi_delta", "moe"), LayerMixers("attention", "moe")] * 2
+    monkeypatch.setattr(ModelConfig, "layer_mixers", lambda self: layers)
+    with pytest.raises(ModelConfigError, match="^experimental_attention_variant=.*not estimated: .* kimi_delta layers"):
         model_shape(config)
 
 
@@ -194,15 +217,23 @@ MAMBA_MODULES = {"": "mamba_mixer", "in_proj": "qkv_linear", "norm": "mamba_norm
 
 
 @contextlib.contextmanager
-def _gated_norm_as_module(mixer: mamba_module.Mamba2Mixer):
-    """The mixer's gated norm is a function (ssd.gated_rms_norm) holding its weight in ``mixer.norm``: run it as that
-    module's call, so that a measurement attributes what it saves to ``norm``."""
-    mixer.norm.forward = ssd.gated_rms_norm  # this instance only
+def _gated_norm_as_module(*mixers: mamba_module.Mamba2Mixer):
+    """A mixer's gated norm is a function (ssd.gated_rms_norm) holding its weight in ``mixer.norm``: run it as that
+    module's call (the norm of the mixer whose weight it is given), so that a measurement attributes what it saves to
+    ``norm``."""
+    norm_of_weight = {id(mixer.norm.weight): mixer.norm for mixer in mixers}
+    for mixer in mixers:
+        mixer.norm.forward = ssd.gated_rms_norm  # these instances only
+
+    def as_module(y, z, weight, **kwargs):
+        return norm_of_weight[id(weight)](y, z, weight, **kwargs)
+
     try:
-        with mock.patch.object(mamba_module, "gated_rms_norm", lambda *args, **kwargs: mixer.norm(*args, **kwargs)):
+        with mock.patch.object(mamba_module, "gated_rms_norm", as_module):
             yield
     finally:
-        del mixer.norm.forward
+        for mixer in mixers:
+            del mixer.norm.forward
 
 
 def _mamba_config(groups: int, per_group: int, head_dim: int, state_dim: int, chunk: int, conv_bias: bool):
@@ -284,3 +315,53 @@ def test_a_model_the_estimate_does_not_describe_is_refused_naming_the_field(name
     with pytest.raises(ModelConfigError) as err:
         model_shape(preset(name))
     assert err.value.field == "dsa_indexer_topk" and "not estimated" in str(err.value)
+
+
+# Nemotron-H's building blocks: one block per layer (Mamba-2, NoPE attention, squared-ReLU dense MLP and MoE with a
+# non-gated shared expert)
+HYBRID = HYBRID_BLOCKS
+# (pattern, sequence length, the layer kinds the estimate names): whole chunks of 8 positions, the last chunk padded,
+# one chunk; a MoE block first, an attention block last
+HYBRID_CASES = [
+    (
+        "M-ME*E",
+        32,
+        {"mamba-only layer x2 (Mamba-2)", "mlp-only layer x1", "moe-only layer x2", "attention-only layer x1 (GQA)"},
+    ),
+    (
+        "EM*-",
+        20,
+        {"moe-only layer x1", "mamba-only layer x1 (Mamba-2)", "attention-only layer x1 (GQA)", "mlp-only layer x1"},
+    ),
+    ("-M*", 8, {"mlp-only layer x1", "mamba-only layer x1 (Mamba-2)", "attention-only layer x1 (GQA)"}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("pattern", "seq_len", "kinds"), HYBRID_CASES, ids=lambda case: str(case)[:12])
+def test_hybrid_declared_saves_are_what_the_model_saves(pattern: str, seq_len: int, kinds: set, dtype) -> None:
+    """A hybrid pattern's model (layers of one block each) saves what the estimate declares, module by module and in
+    total, measured when the backward starts (the Mamba-2 scan's last state update is freed before it)."""
+    config = ModelConfig(hybrid_override_pattern=pattern, num_layers=len(pattern), **HYBRID)
+    batch = 2
+    model = build_model(config, seed=0).to(dtype)
+    estimate = _declared(model, config, batch, seq_len, dtype)
+    declared = _declared_by_module(estimate)
+    assert declared == _measured_by_module(model, config, batch, seq_len)
+    blocks = {"mamba_mixer", "mamba_norm", "dense_mlp", "core_attn"} | ({"shared_experts"} if "E" in pattern else set())
+    assert blocks <= set(declared)
+    assert {t.where for t in estimate.activations} == kinds | {"model"}
+
+
+def test_non_gated_mlps_declare_their_activation_by_hand() -> None:
+    """The squared-ReLU dense MLP and shared expert, hand counted (fp32, 2 x 4 tokens): the input, relu(h) (kept once
+    by relu and by the square) and the activation's output, [tokens, ffn] each; SwiGLU's four [tokens, ffn] tensors
+    where the activation is gated."""
+    tokens, hidden, ffn, shared = 8, 128, 512, 64
+    config = ModelConfig(hybrid_override_pattern="-E", num_layers=2, **HYBRID)
+    run = RunShape(micro_batch=2, seq_len=4, params=LocalParameters(1, 1), activation_bytes=4, device="cpu")
+    by_module = estimate_memory(model_shape(config), run).activations_by_module()
+    assert by_module["dense_mlp"] == tokens * hidden * 4 + 2 * tokens * ffn * 4
+    assert by_module["shared_experts"] == tokens * hidden * 4 + 2 * tokens * shared * 4  # it runs before the router
+    gated = estimate_memory(model_shape(dataclasses.replace(config, activation_func="swiglu")), run)
+    assert gated.activations_by_module()["dense_mlp"] == tokens * hidden * 4 + 4 * tokens * ffn * 4

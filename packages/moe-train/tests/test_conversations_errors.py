@@ -189,8 +189,12 @@ def test_a_template_refusing_a_record_is_a_bad_record(tmp_path: Path) -> None:
         ({"model.mtp_num_layers": "1"}, "model.mtp_num_layers=1: multi-token prediction is not supported on packed"),
         (
             {"model.preset": "tiny-qwen3-next", "parallel.cp": "2"},
-            "parallel.cp=2: the model's linear-attention layers (model.experimental_attention_variant=gated_delta_net) "
+            "parallel.cp=2: the model's recurrent layers (model.experimental_attention_variant=gated_delta_net) "
             "take packed conversations at cp=1 only yet; set --data.packing false or --parallel.cp 1",
+        ),
+        (
+            {"model.preset": "tiny-nemotron-h", "parallel.cp": "2"},
+            "parallel.cp=2: the model's recurrent layers (model.hybrid_override_pattern=ME*EM-) take packed",
         ),
     ],
 )

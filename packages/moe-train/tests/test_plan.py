@@ -145,6 +145,11 @@ OTHER_PRESET_LAYOUTS = {
     "qwen3.5-397b-a17b": (256, ParallelConfig(ep=128, tp=2, etp=1)),
     # the lightning indexers stay whole on every tp rank (DeepSeek-V3's heads split as V3's)
     "deepseek-v3.2": (256, ParallelConfig(ep=32, tp=8, etp=1)),
+    # Nemotron-H: attention heads and dense MLP widths split over tp, the Mamba-2 mixers whole on every tp rank
+    "nemotron-h-8b": (8, ParallelConfig(tp=8)),
+    "nemotron-h-47b": (16, ParallelConfig(tp=8)),
+    "nemotron-h-56b": (16, ParallelConfig(tp=8)),
+    "nemotron-3-nano-30b-a3b": (16, ParallelConfig(ep=8, tp=2, etp=1)),  # 2 query groups: tp <= 2
 }
 
 
@@ -380,6 +385,6 @@ def test_a_memory_plan_the_estimate_cannot_describe_is_one_line(capsys: pytest.C
     assert cli.main(["plan", "--model.preset", "tiny-qwen3-next", "--parallel.cp", "2", "--memory"]) == cli.EXIT_USAGE
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith("moe-train: error: parallel.cp=2: the memory estimate does not model linear-")
+    assert captured.err.startswith("moe-train: error: parallel.cp=2: the memory estimate does not model recurrent ")
     assert captured.err.count("\n") == 1
     assert cli.main(["plan", "--model.preset", "tiny-qwen3-next", "--parallel.cp", "2"]) == 0

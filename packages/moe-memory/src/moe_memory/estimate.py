@@ -2,12 +2,13 @@
 
 Inputs are plain frozen values (no torch, nothing of the other packages):
 
-- :class:`ModelShape`: hidden size, vocabulary, one :class:`LayerShape` per decoder layer (MoE or dense MLP; attention
+- :class:`ModelShape`: hidden size, vocabulary, one :class:`LayerShape` per decoder layer (its token mixer: attention
   :class:`GQAShape` with heads / key-value heads / head dim, sliding window, sinks, QK-norm, output gate, or
-  :class:`MLAShape`, or a linear-attention :class:`GatedDeltaNetShape` with its heads, convolution and chunk; a
-  Mamba-2 mixer, :class:`Mamba2Shape`, is declared one layer alone, not yet as a layer of the model), the
-  routed experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not, biases, router scoring and losses),
-  the shared-expert and dense FFN widths, zero-centred norms, the MTP depth;
+  :class:`MLAShape`, or a linear-attention :class:`GatedDeltaNetShape` with its heads, convolution and chunk, or a
+  Mamba-2 mixer :class:`Mamba2Shape`; its channel mixer, MoE or dense MLP; a hybrid pattern's layer, Nemotron-H's,
+  has only one of the two), the routed experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not,
+  biases, router scoring and losses), the shared-expert and dense FFN widths and whether their activation is gated,
+  zero-centred norms, the MTP depth;
 - :class:`RunShape`: micro-batch and sequence length, the byte sizes of activations, parameters, gradients, optimizer
   states and master weights, the layout (tp, ep, etp, edp, dp, cp), the capacity factor (None = dropless), the token
   dispatcher, and this rank's parameter element counts (:class:`LocalParameters`, given: the caller knows them exactly,
@@ -17,11 +18,12 @@ Inputs are plain frozen values (no torch, nothing of the other packages):
 weights and buffers; the activations saved for backward, by module and layer kind; dispatcher buffers; logits; a
 total, and a text table (:meth:`MemoryEstimate.format`, :func:`format_estimates` for several ranks side by side).
 
-**Activations** are what the modules of this code base actually save for backward, tensor by tensor, as measured
-with :class:`moe_memory.measure.SavedTensorBytes`: the packages that own the modules declare their saves next to
-their code (``moe_dispatch.saved_bytes``, ``moe_experts.saved_bytes``, ``moe_models.saved_bytes``: what each module
-saves, and how the layouts divide the rows), the model's :class:`ModelShape` carries them (``saved_bytes``, see
-:mod:`moe_memory.saved_activations`), and this module composes them; the inputs are in :mod:`moe_memory.shapes`.
+**Activations** are what the modules of this code base actually save for backward, tensor by tensor, as measured with
+:class:`moe_memory.measure.SavedAtBackwardBytes` (what is still saved when the backward starts): the packages that own
+the modules declare their saves next to their code (``moe_dispatch.saved_bytes``, ``moe_experts.saved_bytes``,
+``moe_models.saved_bytes``: what each module saves, and how the layouts divide the rows), the model's
+:class:`ModelShape` carries them (``saved_bytes``, see :mod:`moe_memory.saved_activations`), and this module composes
+them; the inputs are in :mod:`moe_memory.shapes`.
 
 **Recompute and offload** (Megatron-Core's module kinds) act on the list of saved tensors, each with the module
 that saves it and the modules it runs inside (its ``path``):
@@ -322,16 +324,28 @@ def _check_kinds(recompute: frozenset[str], offload: frozenset[str]) -> None:
         raise ValueError(f"offload={sorted(offload)}: unknown kinds {unknown}; choose from {OFFLOAD_KINDS}")
 
 
+# the recurrent token mixers: (name, the kind of a hybrid pattern's layer of that mixer alone)
+_RECURRENT = {GatedDeltaNetShape: ("Gated DeltaNet", "linear-attention"), Mamba2Shape: ("Mamba-2", "mamba")}
+
+
 def _layer_kind_name(layer: LayerShape, count: int, run: RunShape, mtp: bool) -> str:
+    """``moe layer x3 (GQA)``, ``dense layer x1 (Gated DeltaNet)``; a hybrid pattern's single-block layers:
+    ``mamba-only layer x4 (Mamba-2)``, ``attention-only layer x1 (GQA)``, ``moe-only layer x2``, ``mlp-only layer
+    x1``."""
+    prefix = "MTP " if mtp else ""
     att = layer.attention
+    if att is None:
+        return f"{prefix}{'moe' if layer.moe else 'mlp'}-only layer x{count}"
     if isinstance(att, MLAShape):
-        what = "MLA"
-    elif isinstance(att, GatedDeltaNetShape):
-        what = "Gated DeltaNet"
-    else:
+        what, kind = "MLA", "attention"
+    elif isinstance(att, GQAShape):
         window = att.window is not None and att.window < run.seq_len
-        what = "GQA" + (" sinks" if att.sinks else "") + (f" window {att.window}" if window else "")
-    return f"{'MTP ' if mtp else ''}{'moe' if layer.moe else 'dense'} layer x{count} ({what})"
+        what, kind = "GQA" + (" sinks" if att.sinks else "") + (f" window {att.window}" if window else ""), "attention"
+    else:
+        what, kind = _RECURRENT[type(att)]
+    if not layer.channel:
+        return f"{prefix}{kind}-only layer x{count} ({what})"
+    return f"{prefix}{'moe' if layer.moe else 'dense'} layer x{count} ({what})"
 
 
 def mtp_attention(model: ModelShape) -> GQAShape | MLAShape:
@@ -340,10 +354,9 @@ def mtp_attention(model: ModelShape) -> GQAShape | MLAShape:
     if model.mtp_attention is not None:
         return model.mtp_attention
     attention = model.layers[-1].attention
-    if isinstance(attention, GatedDeltaNetShape):
-        raise ValueError(
-            "ModelShape.mtp_attention: the last layer is a Gated DeltaNet; give the attention of the MTP layers"
-        )
+    if not isinstance(attention, GQAShape | MLAShape):
+        what = "has no token mixer" if attention is None else f"is a {_RECURRENT[type(attention)][0]}"
+        raise ValueError(f"ModelShape.mtp_attention: the last layer {what}; give the attention of the MTP layers")
     if isinstance(attention, GQAShape):
         attention = dataclasses.replace(attention, window=None, rope=True)
     return attention

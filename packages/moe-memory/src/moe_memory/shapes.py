@@ -75,8 +75,8 @@ class Mamba2Shape:
     """A Mamba-2 mixer (Nemotron-H's ``M`` layers): ``heads`` heads of ``head_dim`` channels sharing ``groups`` groups
     of B and C of ``state_dim`` (each group serving ``heads / groups`` consecutive heads), a causal depthwise
     convolution of ``conv_kernel`` taps over x, B and C, and the chunked SSD scan over chunks of ``chunk`` positions
-    (what it saves grows with the number of chunks). Not yet a layer of :class:`LayerShape`: its declaration is
-    ``moe_models.saved_bytes.mamba2_saved_bytes``, one layer alone."""
+    (what it saves grows with the number of chunks). A token mixer of :class:`LayerShape` (a hybrid pattern's ``M``
+    layer); ``moe_models.recurrent_saved_bytes.mamba2_saved_bytes`` declares one alone."""
 
     heads: int
     head_dim: int
@@ -86,10 +86,25 @@ class Mamba2Shape:
     chunk: int
 
 
+TokenMixerShape = GQAShape | MLAShape | GatedDeltaNetShape | Mamba2Shape
+
+
 @dataclass(frozen=True)
 class LayerShape:
-    attention: GQAShape | MLAShape | GatedDeltaNetShape
-    moe: bool = True  # routed experts (plus the shared expert, if any); False: the dense MLP
+    """One decoder layer: a pre-norm token-mixer block (``attention``: softmax attention, a Gated DeltaNet or a Mamba-2
+    mixer) then a pre-norm channel-mixer block (``moe``: routed experts plus the shared expert, if any; False: the dense
+    MLP). A hybrid pattern's layer (Nemotron-H) has one block: ``attention`` None (no token mixer), or ``channel``
+    False (no channel mixer; ``moe`` is then False)."""
+
+    attention: TokenMixerShape | None
+    moe: bool = True
+    channel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attention is None and not self.channel:
+            raise ValueError("LayerShape: attention=None and channel=False leave the layer no block; give one of them")
+        if not self.channel:  # one spelling per layer kind: the estimate counts equal layers as one kind
+            object.__setattr__(self, "moe", False)
 
 
 @dataclass(frozen=True)
@@ -120,11 +135,14 @@ class ModelShape:
     shared_expert_ffn: int | None = None
     shared_expert_gate: bool = False  # the shared expert's output times a per-token sigmoid (Qwen2-MoE)
     dense_ffn: int = 0
+    # the dense MLP's and the shared expert's activation: gated (SwiGLU, a gate and an up projection) or not
+    # (squared ReLU, GELU: act(x W_up) W_down, Nemotron-H)
+    mlp_gated: bool = True
     mtp_depth: int = 0
     tied_embeddings: bool = False  # changes no activation; the parameters are given
     zero_centered_norms: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next): its rows stay fp32
     # the attention of the MTP depths' layers (None: the last layer's, with full attention and rotary embeddings);
-    # needed where the last layer is a Gated DeltaNet
+    # needed where the last layer has no softmax attention (a Gated DeltaNet, a Mamba-2 mixer, no token mixer)
     mtp_attention: GQAShape | MLAShape | None = None
     # what the model's modules save for backward, declared by the packages that own them (moe_memory.saved_activations;
     # moe_models.memory.model_shape sets it); not part of the shape's identity

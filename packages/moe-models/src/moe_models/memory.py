@@ -26,6 +26,7 @@ from moe_memory.estimate import (
     GQAShape,
     LayerShape,
     LocalParameters,
+    Mamba2Shape,
     MLAShape,
     ModelShape,
     RunShape,
@@ -34,8 +35,8 @@ from moe_models.config import ModelConfig, ModelConfigError
 from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
-# the token mixers (ModelConfig.attention_kinds) whose saves moe_models.saved_bytes declares; model_shape refuses others
-ESTIMATED_MIXERS = ("attention", "linear_attention")
+# the token mixers (ModelConfig.layer_mixers) whose saves moe_models.saved_bytes declares; model_shape refuses others
+ESTIMATED_MIXERS = ("attention", "linear_attention", "mamba")
 
 __all__ = ["estimate_module", "local_parameters", "model_shape", "run_shape"]
 
@@ -83,13 +84,36 @@ def _gated_delta_net(config: ModelConfig) -> GatedDeltaNetShape:
     )
 
 
-def model_shape(config: ModelConfig) -> ModelShape:
-    """The layer shapes of ``config`` (one per decoder layer, a Gated DeltaNet for each linear-attention layer; the
-    MTP depths are ``mtp_depth``, with full attention), with what its modules save for backward
-    (:mod:`moe_models.saved_bytes`)."""
+def _mamba2(config: ModelConfig) -> Mamba2Shape:
     c = config
-    mixers = c.attention_kinds()
-    unknown = sorted(set(mixers) - set(ESTIMATED_MIXERS))
+    return Mamba2Shape(
+        heads=c.mamba_num_heads,
+        head_dim=c.mamba_head_dim,
+        groups=c.mamba_num_groups,
+        state_dim=c.mamba_state_dim,
+        conv_kernel=c.mamba_conv_kernel_dim,
+        chunk=c.mamba_chunk_size,
+    )
+
+
+def _token_mixer(
+    config: ModelConfig, token: str | None, full: bool, rope: bool
+) -> GQAShape | MLAShape | GatedDeltaNetShape | Mamba2Shape | None:
+    if token == "linear_attention":
+        return _gated_delta_net(config)
+    if token == "mamba":
+        return _mamba2(config)
+    return None if token is None else _attention(config, full, rope)
+
+
+def model_shape(config: ModelConfig) -> ModelShape:
+    """The layer shapes of ``config`` (one per decoder layer, from :meth:`~moe_models.config.ModelConfig.layer_mixers`:
+    a Gated DeltaNet for each linear-attention layer, a Mamba-2 mixer for each of a hybrid pattern's ``M`` layers, and a
+    hybrid pattern's layers of one block without the other; the MTP depths are ``mtp_depth``, with full attention),
+    with what its modules save for backward (:mod:`moe_models.saved_bytes`)."""
+    c = config
+    mixers = c.layer_mixers()
+    unknown = sorted({m.token for m in mixers if m.token is not None} - set(ESTIMATED_MIXERS))
     if unknown:
         raise ModelConfigError(
             "experimental_attention_variant",
@@ -104,10 +128,11 @@ def model_shape(config: ModelConfig) -> ModelShape:
             "not estimated: the saved-activation estimate does not model DeepSeek sparse attention yet (measure with "
             "moe_memory.SavedTensorBytes)",
         )
-    patterns = c.moe_layer_pattern(), c.full_attention_pattern(), c.rope_layer_pattern(), mixers
     layers = tuple(
-        LayerShape(_gated_delta_net(c) if mixer == "linear_attention" else _attention(c, bool(f), bool(r)), moe=bool(m))
-        for m, f, r, mixer in zip(*patterns, strict=True)
+        LayerShape(
+            _token_mixer(c, m.token, bool(full), bool(rope)), moe=m.channel == "moe", channel=m.channel is not None
+        )
+        for m, full, rope in zip(mixers, c.full_attention_pattern(), c.rope_layer_pattern(), strict=True)
     )
     router = c.router_config()
     experts = ExpertsShape(
@@ -128,10 +153,11 @@ def model_shape(config: ModelConfig) -> ModelShape:
         hidden=c.hidden_size,
         vocab=c.vocab_size,
         layers=layers,
-        experts=experts if any(patterns[0]) or c.mtp_num_layers else None,
+        experts=experts if any(layer.moe for layer in layers) or c.mtp_num_layers else None,
         shared_expert_ffn=c.moe_shared_expert_intermediate_size,
         shared_expert_gate=c.moe_shared_expert_gate,
         dense_ffn=c.ffn_hidden_size,
+        mlp_gated=ACTIVATIONS[c.activation_func].gated,
         mtp_depth=c.mtp_num_layers or 0,
         tied_embeddings=c.share_embeddings_and_output_weights,
         zero_centered_norms=c.layernorm_zero_centered_gamma,
@@ -211,9 +237,9 @@ _MODULE_OF = (
     (r"attention\.up_proj", "mla_up_proj"),
     (r"attention\.core_attention", "core_attn"),
     (r"attention\.o_proj", "attn_proj"),
-    (r"attention\.in_proj", "qkv_linear"),  # a Gated DeltaNet's projections and gated norm
+    (r"attention\.in_proj", "qkv_linear"),  # a Gated DeltaNet's or Mamba-2 mixer's projections and gated norm
     (r"attention\.out_proj", "attn_proj"),
-    (r"attention\.norm", "linear_attn_norm"),
+    (r"attention\.norm", "linear_attn_norm"),  # a Mamba-2 mixer's: estimate_module(mamba=True)
     (r"attention", "rope"),
     (r"mlp\.router", "router"),
     (r"mlp\.shared_experts", "shared_experts"),
@@ -229,14 +255,19 @@ _MODULE_OF = (
 )
 
 
-def estimate_module(name: str, dense_mlp: bool = False, linear_attention: bool = False) -> str:
+def estimate_module(name: str, dense_mlp: bool = False, linear_attention: bool = False, mamba: bool = False) -> str:
     """The estimate's module name for ``MoETransformer``'s module ``name`` (``layers.3.attention.q_proj`` ->
     ``qkv_linear``). The MoE block's own operations are the dispatcher's: ``"dispatch"`` (its dispatch and combine
     run in one forward, so compare them as one), or ``"dense_mlp"`` for a dense layer's MLP (``dense_mlp=True``);
     a Gated DeltaNet's own operations (``name`` is the layer's ``attention`` and ``linear_attention=True``) are
-    ``"linear_attn"``; anything outside the model's modules is the loss."""
+    ``"linear_attn"``, a Mamba-2 mixer's (``mamba=True``) ``"mamba_mixer"`` and its gated norm's (``name`` is its
+    ``attention.norm``, run as a module) ``"mamba_norm"``; anything outside the model's modules is the loss."""
     if linear_attention and re.fullmatch(r"(.*\.)?attention", name):
         return "linear_attn"
+    if mamba and re.fullmatch(r"(.*\.)?attention", name):
+        return "mamba_mixer"
+    if mamba and re.fullmatch(r"(.*\.)?attention\.norm", name):
+        return "mamba_norm"
     for pattern, module in _MODULE_OF:
         if re.fullmatch(rf"(.*\.)?{pattern}", name):
             return module

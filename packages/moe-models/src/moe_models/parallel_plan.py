@@ -40,6 +40,11 @@ the local heads only (its gradient summed over tp). ``linear_num_key_heads`` mus
 parallelism each computes its rank's load-balanced chunks from the chunk-final states of the chunks before them
 (:mod:`moe_models.linear_attention`): its ``segments`` module is listed, to return every cp rank's per-chunk states.
 
+Mamba-2 mixers (Nemotron-H's ``M`` layers) are not split over tp yet: each rank computes the whole mixer on the
+all-gathered sequence and keeps its chunk of the output (:class:`WholeSequenceReplicated`), so its weights' gradients
+are whole on every rank (tp times the mixer's compute; splitting the heads needs ``in_proj``'s five parts each split
+with the heads and groups). A hybrid pattern's layer has one block: its norm and its mixer's entries alone.
+
 Packed documents (``document_ids_BS``): attention takes the whole sequences' ids unchanged (its input is all-gathered
 along the sequence, so it sees every position of the rank's); a MoE block routes its local chunk, so the ids of the
 tokens it computes are cut along the sequence like its input.
@@ -57,6 +62,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -64,6 +70,7 @@ from torch.distributed.tensor.parallel import (
 from moe_models.layers import RMSNorm
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.lora import LoRALinear
+from moe_models.mamba import Mamba2Mixer
 from moe_models.pipeline import pipeline_plan
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan
 
@@ -133,6 +140,23 @@ class LinearAttentionInput(PrepareModuleInput):
         return super()._apply(module, device_mesh)
 
 
+class WholeSequenceReplicated(PrepareModuleInputOutput):
+    """A token mixer computed whole on every tp rank (Nemotron-H's Mamba-2 mixers, for now): its input all-gathered
+    along the sequence, its output cut back to the rank's chunk. Every rank computes the same outputs and, from the
+    all-gathered output gradient, the same whole weight gradients: nothing to sum over tp, at tp times the mixer's
+    compute."""
+
+    def __init__(self) -> None:
+        super().__init__(  # (x, cos, sin, positions); the documents' ids, a keyword, pass whole
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_input=True,
+            output_layouts=Replicate(),
+            desired_output_layouts=Shard(1),
+            use_local_output=True,
+        )
+
+
 class _GatedDeltaNetShard(GatedDeltaNet):
     """:class:`~moe_models.linear_attention.GatedDeltaNet` over this rank's heads."""
 
@@ -164,21 +188,25 @@ def _attention_styles(prefix: str, layer: DecoderLayer, mla: bool) -> dict[str, 
 
 
 def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dict) -> None:
-    """Add decoder layer ``prefix``'s entries to ``plan``'s tensor_parallel / partial / grad-column lists."""
+    """Add decoder layer ``prefix``'s entries to ``plan``'s tensor_parallel / partial / grad-column lists (a hybrid
+    pattern's layer has one of the two blocks)."""
     styles = plan["tensor_parallel"]
-    styles[f"{prefix}.input_norm"] = SequenceParallel()
+    if layer.attention is not None:
+        styles[f"{prefix}.input_norm"] = SequenceParallel()
     if layer.is_linear_attention:
-        styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
         _linear_attention_plan(prefix, plan)
-    else:
+    elif isinstance(layer.attention, Mamba2Mixer):
+        styles[f"{prefix}.attention"] = WholeSequenceReplicated()
+    elif layer.attention is not None:
         styles[f"{prefix}.attention"] = PrepareModuleInput(  # (x, cos, sin, positions)
             input_layouts=(Shard(1), None, None, None),
             desired_input_layouts=(Replicate(), None, None, None),
             use_local_output=True,  # the MLA latents are plain Linears on the whole sequence
         )
-        styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
         _attention_plan(prefix, layer, config, plan)
-    _mlp_plan(prefix, layer, plan)
+    if layer.mlp is not None:
+        styles[f"{prefix}.post_attention_norm"] = SequenceParallel()
+        _mlp_plan(prefix, layer, plan)
 
 
 def _attention_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dict) -> None:
@@ -216,7 +244,8 @@ def _mlp_plan(prefix: str, layer: DecoderLayer, plan: dict) -> None:
         styles[mlp] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
-        styles.update({f"{mlp}.gate_proj": ColwiseParallel(), f"{mlp}.up_proj": ColwiseParallel()})
+        columns = ("gate_proj", "up_proj") if layer.mlp.gate_proj is not None else ("up_proj",)  # squared ReLU: up
+        styles.update({f"{mlp}.{name}": ColwiseParallel() for name in columns})
         styles[f"{mlp}.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
 
 
@@ -255,10 +284,12 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
             column = isinstance(style, ColwiseParallel)
             adapters.update({f"{path}.lora_A": None if column else 1, f"{path}.lora_B": 0 if column else None})
     linear_layers = [prefix for prefix, layer in layers if layer.is_linear_attention]
-    tp_divides = {"num_attention_heads": c.num_attention_heads}
-    if not c.multi_latent_attention:
-        tp_divides["num_query_groups"] = c.num_query_groups
-    if not all(layer.is_moe for layer in model.layers):  # only dense layers split their FFN width
+    tp_divides = {}
+    if any(layer.mixers.token == "attention" for _, layer in layers + depths):
+        tp_divides["num_attention_heads"] = c.num_attention_heads
+        if not c.multi_latent_attention:
+            tp_divides["num_query_groups"] = c.num_query_groups
+    if any(layer.mixers.channel == "mlp" for layer in model.layers):  # only dense layers split their FFN width
         tp_divides["ffn_hidden_size"] = c.ffn_hidden_size
     if linear_layers:  # their key heads (each with its value heads) split over tp
         tp_divides["linear_num_key_heads"] = c.linear_num_key_heads
@@ -277,15 +308,18 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         # every attention: under context parallelism its core attention sees the keys and values of every cp rank;
         # a linear-attention layer chains the states of the segments before its own
         context_parallel=tuple(
-            f"{prefix}.attention.core_attention" for prefix, layer in layers + depths if not layer.is_linear_attention
+            f"{prefix}.attention.core_attention"
+            for prefix, layer in layers + depths
+            if layer.attention is not None and not layer.is_recurrent
         )
         + tuple(  # DeepSeek Sparse Attention: the indexer's ranking needs every rank's index keys too
             f"{prefix}.attention.indexer.top_k"
             for prefix, layer in layers + depths
             if getattr(layer.attention, "indexer", None) is not None
         ),
+        # a Gated DeltaNet or Mamba-2 layer chains the states of the segments before its own
         context_parallel_segments=tuple(
-            f"{prefix}.attention.segments" for prefix, layer in layers + depths if layer.is_linear_attention
+            f"{prefix}.attention.segments" for prefix, layer in layers + depths if layer.is_recurrent
         ),
         pipeline=pipeline_plan(model, seq_len),
     )

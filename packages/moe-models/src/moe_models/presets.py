@@ -236,6 +236,13 @@ _HF_PUBLISHED: dict[str, dict[str, Any]] = {
     "qwen3.5-397b-a17b": {},
     # DeepSeek-V3.2: DeepSeek-V3's aux-loss-free balancing (it was continued from V3.1-Terminus)
     "deepseek-v3.2": _BIAS_BALANCED,
+    # Nemotron-H: no MoE layer, nothing to balance
+    "nemotron-h-8b": {},
+    "nemotron-h-47b": {},
+    "nemotron-h-56b": {},
+    # Nemotron 3: DeepSeek-V3's sigmoid router with the expert bias, balanced aux-loss-free (as Megatron-Bridge's
+    # NemotronHModelProvider: the bias plus a seq_aux_loss of 1e-4)
+    "nemotron-3-nano-30b-a3b": _BIAS_BALANCED,
 }
 
 
@@ -551,4 +558,11 @@ PUBLISHED_SIZES: dict[str, PublishedSize] = {
     # 671B (xorbitsai/inference's stored model page of DeepSeek-V3.2-Exp); 37B active is DeepSeek-V3's figure, whose
     # weights V3.2 continues: the indexers add 0.85B (671.9B and 37.5B counted, without the input embedding)
     "deepseek-v3.2": PublishedSize(671e9, 37e9, 1e9, 1e9, False, "DeepSeek-V3.2-Exp model page; V3's active size"),
+    # "8B / 47B / 56B" (Nemotron-H paper and model cards): 8.10B / 46.79B / 56.32B counted; dense, all of it active
+    "nemotron-h-8b": PublishedSize(8e9, 8e9, 1e9, 1e9, True, "Nemotron-H paper (arXiv 2504.03624), 8B model card"),
+    "nemotron-h-47b": PublishedSize(47e9, 47e9, 1e9, 1e9, True, "Nemotron-H paper (arXiv 2504.03624), 47B model card"),
+    "nemotron-h-56b": PublishedSize(56e9, 56e9, 1e9, 1e9, True, "Nemotron-H paper (arXiv 2504.03624), 56B model card"),
+    # "31.6B total, 3.2B active (3.6B including embeddings)": 31.58B counted, 3.23B active without the input embedding
+    # (3.58B with it)
+    "nemotron-3-nano-30b-a3b": PublishedSize(31.6e9, 3.2e9, 0.1e9, 0.1e9, False, "Nemotron 3 Nano report (2512.20848)"),
 }

@@ -1,5 +1,7 @@
 """Published HF config.json values (architecture keys) of released MoE checkpoints, with where each was read: the
 published presets of the families added in issue 34 are these, mapped by :func:`moe_models.hf.config_from_hf`.
+Those of hybrid models (linear attention or Mamba-2 layers, sparse attention) live in
+:mod:`moe_models.published_hybrid_configs` and are merged in here.
 
 Only architecture-relevant keys are kept, spelled exactly as each checkpoint's config.json spells them
 (legacy ``rope_theta`` / ``rope_scaling`` rather than transformers-5 ``rope_parameters``).  Each entry's
@@ -9,6 +11,10 @@ comment names where the values were read and the authors' published total / acti
 code index; the hub pages themselves could not be reached.  Where a value was not found in any stored
 source and comes from memory of the hub config.json, the comment says so.
 """
+
+from moe_models.published_hybrid_configs import PUBLISHED_HYBRID_CONFIGS
+
+__all__ = ["PUBLISHED_HF_CONFIGS", "PUBLISHED_HYBRID_CONFIGS"]
 
 PUBLISHED_HF_CONFIGS: dict[str, dict] = {
     # zai-org/GLM-4.5 config.json; 355B total, 32B active (model card; HF hub lists ~358B incl. the MTP layer).
@@ -586,209 +592,5 @@ PUBLISHED_HF_CONFIGS: dict[str, dict] = {
         "rms_norm_eps": 1e-05,
         "tie_word_embeddings": False,
     },
-    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (the Thinking and Base checkpoints share it); 80B total, 3B activated
-    # (model card: "80B in total and 3B activated"). Shapes as transformers' Qwen3NextConfig documents this model
-    # and as stored configs of Qwen3-Coder-Next (the same architecture; one stored parameter-count test gives
-    # 79,674,391,296 total and 3,874,929,408 active with the input embedding) spell them; router_aux_loss_coef,
-    # rope_theta and max_position_embeddings are from memory of the hub file. The checkpoint's MTP block
-    # (mtp_num_hidden_layers: 1) is not read by transformers and not counted.
-    "qwen3-next-80b-a3b": {
-        "model_type": "qwen3_next",
-        "architectures": ["Qwen3NextForCausalLM"],
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 5120,
-        "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "partial_rotary_factor": 0.25,
-        "num_experts": 512,
-        "num_experts_per_tok": 10,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "full_attention_interval": 4,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "router_aux_loss_coef": 0.001,
-        "rope_theta": 10000000,
-        "max_position_embeddings": 262144,
-        "rms_norm_eps": 1e-06,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-    },
-    # deepseek-ai/DeepSeek-V3.2 config.json (DeepSeek-V3.2-Exp's architecture: transformers' DeepseekV32Config, whose
-    # docstring checkpoint is deepseek-ai/DeepSeek-V3.2-Exp, has every value below as its default); 671B total, 37B
-    # active (DeepSeek-V3's model plus the indexers). Source: a stored docs page quoting the hub config.json whole
-    # ("DeepSeek-V3.2 模型架构详解", find_string id 45158644663: every key below; its quantization_config (fp8 blocks)
-    # is left out, the weights being read dequantized); a stored Rust test fixture parses_deepseek_v32_indexer_config
-    # (find_string id 55052813023) has the same shapes and index_* values; fredericowieser/DS-V3.2-Indexer-Viz
-    # README.md: the indexer rotates non-interleaved (rotate-half) pairs, MLA interleaved ones.
-    "deepseek-v3.2": {
-        "model_type": "deepseek_v32",
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_nextn_predict_layers": 1,
-        "num_attention_heads": 128,
-        "num_key_value_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "index_topk": 2048,
-        "index_n_heads": 64,
-        "index_head_dim": 128,
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3,
-        "moe_layer_freq": 1,
-        "n_group": 8,
-        "topk_group": 4,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "rope_theta": 10000,
-        "rope_scaling": {
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "factor": 40,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096,
-            "type": "yarn",
-        },
-        "max_position_embeddings": 163840,
-        "rms_norm_eps": 1e-06,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-    },
-    # Qwen3.5 MoE: the published config.json is Qwen3_5MoeForConditionalGeneration's (model_type "qwen3_5_moe"); these
-    # are its text_config (model_type "qwen3_5_moe_text", the language model transformers' Qwen3_5MoeForCausalLM
-    # builds), which config_from_hf also reads nested. The vision tower and the MTP block (mtp_num_hidden_layers: 1) are
-    # not built by it and not counted. Shared by the three sizes, each read in a stored copy: rope_parameters
-    # (rope_theta 10000000, partial_rotary_factor 0.25, mrope_section [11, 11, 10], mrope_interleaved) from a stored
-    # test asserting the published text_config's rope_parameters; full_attention_interval 4 and attn_output_gate true
-    # from a stored table of the published configs keyed by hub id; vocab 248320, rms_norm_eps 1e-6, untied embeddings
-    # from THUDM/slime scripts/models/qwen3.5-35B-A3B.sh and qwen3.5-397B-A17B.sh; max_position_embeddings 262144 from
-    # xorbitsai/inference doc/source/models/builtin/llm/qwen3.5.rst (context length 262144) and two stored nested
-    # Qwen3.5-MoE config.json fixtures (122B, 397B shapes).
-    # Qwen/Qwen3.5-35B-A3B: "35B in total, 3B activated" (model card). Shapes from THUDM/slime
-    # scripts/models/qwen3.5-35B-A3B.sh (layers, heads, kv-channels, hidden, experts, top-k, expert and shared widths,
-    # every linear_* value) and the stored table keyed "Qwen/Qwen3.5-35B-A3B" (the same values).
-    "qwen3.5-35b-a3b": {
-        "model_type": "qwen3_5_moe_text",
-        "vocab_size": 248320,
-        "hidden_size": 2048,
-        "num_hidden_layers": 40,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "attn_output_gate": True,
-        "full_attention_interval": 4,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "num_experts": 256,
-        "num_experts_per_tok": 8,
-        "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512,
-        "max_position_embeddings": 262144,
-        "rms_norm_eps": 1e-06,
-        "partial_rotary_factor": 0.25,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        "tie_word_embeddings": False,
-    },
-    # Qwen/Qwen3.5-122B-A10B: "122B in total, 10B activated" (model card). Shapes from a stored nested config.json
-    # fixture (text_config: hidden 3072, 48 layers, 32 heads, 2 kv heads, 256 experts, top-8, expert and shared width
-    # 1024, max_position_embeddings 262144, rms_norm_eps 1e-6) and a stored launch config of Qwen3.5-122B-A10B (the
-    # same, plus head_dim 256 and linear_num_key_heads 16, linear_num_value_heads 64, key/value head dims 128, kernel
-    # 4).
-    "qwen3.5-122b-a10b": {
-        "model_type": "qwen3_5_moe_text",
-        "vocab_size": 248320,
-        "hidden_size": 3072,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "attn_output_gate": True,
-        "full_attention_interval": 4,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 64,
-        "num_experts": 256,
-        "num_experts_per_tok": 8,
-        "moe_intermediate_size": 1024,
-        "shared_expert_intermediate_size": 1024,
-        "max_position_embeddings": 262144,
-        "rms_norm_eps": 1e-06,
-        "partial_rotary_factor": 0.25,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        "tie_word_embeddings": False,
-    },
-    # Qwen/Qwen3.5-397B-A17B: "397B in total, 17B activated" (model card). Shapes from THUDM/slime
-    # scripts/models/qwen3.5-397B-A17B.sh (layers, heads, kv-channels, hidden, 512 experts, top-10, expert and shared
-    # width 1024), the stored table keyed "Qwen/Qwen3.5-397B-A17B" (the same, plus every linear_* value: 16 key heads,
-    # 64 value heads, head dims 128, kernel 4) and a stored nested config.json fixture of it (max_position_embeddings
-    # 262144).
-    "qwen3.5-397b-a17b": {
-        "model_type": "qwen3_5_moe_text",
-        "vocab_size": 248320,
-        "hidden_size": 4096,
-        "num_hidden_layers": 60,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "attn_output_gate": True,
-        "full_attention_interval": 4,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 64,
-        "num_experts": 512,
-        "num_experts_per_tok": 10,
-        "moe_intermediate_size": 1024,
-        "shared_expert_intermediate_size": 1024,
-        "max_position_embeddings": 262144,
-        "rms_norm_eps": 1e-06,
-        "partial_rotary_factor": 0.25,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        "tie_word_embeddings": False,
-    },
+    **PUBLISHED_HYBRID_CONFIGS,
 }

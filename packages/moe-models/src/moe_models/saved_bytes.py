@@ -4,7 +4,8 @@ experts' (``moe_experts.saved_bytes``) declarations. :data:`MOE_TRANSFORMER_SAVE
 :func:`moe_models.memory.model_shape` hands the memory estimate (``ModelShape.saved_bytes``), which records them
 (:class:`moe_memory.estimate.ForwardSaves`) and applies recompute and offload to them.
 
-What this package's modules save, as :class:`moe_memory.measure.SavedTensorBytes` measures it:
+What this package's modules save, as :class:`moe_memory.measure.SavedAtBackwardBytes` measures it (still saved when
+the backward starts):
 
 - RMSNorm computes in fp32: with fp32 activations it saves its input, the fp32 ``rsqrt`` per row and the normalised
   rows; with 2-byte activations an fp32 copy of the input instead of the input, and the normalised rows in the
@@ -33,27 +34,15 @@ What this package's modules save, as :class:`moe_memory.measure.SavedTensorBytes
   fp32 scale too. The attention output gate multiplies the merged output by ``sigmoid(gate)`` in the attention module
   (counted under ``rope``, with the clamp and the temperature): it keeps the merged output and the sigmoid; the output
   projection the product.
-- A Gated DeltaNet layer (:func:`gated_delta_net_saved_bytes`) keeps, besides its projections' inputs: beta, the
-  fp32 log-decay's factors, the convolution's padded input and output, the q/k L2 norms' fp32 inputs and rsqrt, and
-  in the chunked delta rule (fp32, positions padded to whole chunks: B N T C per position, B N T C^2 per chunk
-  matrix) k, q, v and beta in chunks, the decay, k k^T and q k^T, the triangular system and its solution, and per
-  chunk one [K, V] state and one [C, V] correction: bytes linear in the sequence, the chunk count times a constant
-  on top. The scan's last state update feeds nothing, so what only it keeps is freed before the backward: with one
-  chunk, the decayed k and the chunk decay. Where the chunks' batch dims cannot merge by a view (unpadded sequences:
-  q and k keep the strided layout of the heads), each batched matmul copies its operands. Its gated norm keeps the
-  rule's output (fp32), the rsqrt, the normalised and weighted rows, z (fp32) and silu(z).
-- A Mamba-2 mixer (:func:`mamba2_saved_bytes`, one layer alone: not yet a layer of the model) keeps, besides its
-  projections' inputs: the time step's softplus input, output and clamped value (fp32), exp(A_log) and -exp(A_log),
-  the convolution's padded input and output, the SiLU's output as the scan's x (fp32: an fp32 copy of x otherwise, and
-  an fp32 copy of D), and in the chunked scan (fp32, positions padded to whole chunks) dt x, B and C in chunks, the
-  decay within chunks, C B^T and its decayed product with the heads ([C, C] per chunk, per group for C B^T), the
-  chunks' starting states stacked for their read, exp(gamma) and the read; with two chunks or more also the decayed
-  dt x of the chunks' writes, the chunk decays and, in the scan's loop, the state entering each chunk but the last (the
-  last update feeds nothing: it and what only it keeps are freed before the backward). Where a batched matmul cannot
-  merge the chunks' batch dims by a view (unpadded sequences keep the layout of the convolution's channels-major
-  output), it copies its operand: dt x once more, B and C once per matmul. Its gated norm keeps z (fp32: the whole
-  of in_proj's output it is a view of), the scan's output, silu(z), their product, the rsqrt per group and the
-  normalised rows (all fp32); out_proj the norm's output.
+- A non-gated activation (Nemotron-H's squared ReLU, GELU) makes the dense MLP ``down(act(up(x)))`` and the shared
+  expert ``act(x W1) W2``: each saves its input, the activation's one saved tensor (GELU its input; squared ReLU
+  ``relu(h)``, which relu keeps as its output and the square as its input: one tensor) and the activation's output,
+  all ``[tokens, ffn]``.
+- The recurrent token mixers, a Gated DeltaNet and a Mamba-2 mixer, are declared in
+  :mod:`moe_models.recurrent_saved_bytes` (``gated_delta_net_saved_bytes`` and ``mamba2_saved_bytes``, re-exported
+  here, give one alone).
+- A hybrid pattern's layer (Nemotron-H) is one pre-norm block: a token mixer without a channel mixer, or a channel
+  mixer without a token mixer; its norm saves the layer's input, and the other block and its norm save nothing.
 
 Layouts: context parallelism (cp) gives each rank ``seq_len / cp`` positions of every sequence (attention sees the
 keys and values of all of them); sequence parallelism (tp) splits the rank's tokens by tp outside attention and the
@@ -65,12 +54,11 @@ FFN width split by etp.
 
 from __future__ import annotations
 
-import itertools
-
 from moe_dispatch.saved_bytes import dispatcher_saved_bytes, exchange_buffer_bytes, routed_rows, router_saved_bytes
 from moe_experts.saved_bytes import (
     ACTIVATION_INPUTS,
     ACTIVATION_OUTPUT,
+    SavedBytes,
     grouped_experts_saved_bytes,
     shared_experts_saved_bytes,
 )
@@ -88,6 +76,19 @@ from moe_memory.estimate import (
     RunShape,
     mtp_attention,
 )
+from moe_models.recurrent_saved_bytes import (
+    gated_delta_net_saved_bytes,
+    mamba2_saved_bytes,
+    record_gated_delta_net,
+    record_mamba2,
+)
+
+__all__ = [
+    "MOE_TRANSFORMER_SAVED_BYTES",
+    "MoETransformerSavedBytes",
+    "gated_delta_net_saved_bytes",
+    "mamba2_saved_bytes",
+]
 
 FP32_BYTES = 4
 INDEX_BYTES = 8  # int64 ids and labels
@@ -295,231 +296,27 @@ def _mla(saves: ForwardSaves, attention: MLAShape, sizes: RankSizes, run: RunSha
     )
 
 
-def _merge_as_view(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether dims of these sizes and strides (outermost first) merge into one by a view, as ``reshape`` needs
-    (else it copies): leaving out dims of size 1, each stride is the next one's times that one's size."""
-    dims = [(size, stride) for size, stride in zip(sizes, strides, strict=True) if size != 1]
-    return all(stride == size * inner for (_, stride), (size, inner) in itertools.pairwise(dims))
+def _non_gated_shared_expert_saved_bytes(
+    *, input_tensor: str, tokens: int, hidden: int, ffn_hidden: int, activation_bytes: int, gate: bool
+) -> list[SavedBytes]:
+    """What :class:`~moe_experts.shared.SharedExperts` with a non-gated activation, ``act(x W1) W2``, saves: as
+    ``moe_experts.saved_bytes.shared_experts_saved_bytes`` (which declares SwiGLU's), the activation's one saved tensor
+    and its output in place of the gate|up projection, ``silu(gate)`` and the product (module docstring)."""
 
+    def shared(tensor: str, width: int, description: str) -> SavedBytes:
+        return SavedBytes("shared_experts", tensor, tokens * width * activation_bytes, description)
 
-def _gated_delta_net(
-    saves: ForwardSaves, shape: GatedDeltaNetShape, sizes: RankSizes, run: RunShape, attn_input: str
-) -> None:
-    """A Gated DeltaNet (moe_models.linear_attention, kernels in moe_models.gated_delta) on whole sequences: its
-    projections under ``qkv_linear`` / ``attn_proj``, the gates, convolution and chunked delta rule under
-    ``linear_attn``, the gated norm under ``linear_attn_norm`` (module docstring)."""
-    if sizes.cp > 1:
-        raise ValueError(
-            f"cp={sizes.cp}: Gated DeltaNet layers under context parallelism are not estimated; use cp=1 or measure "
-            "with moe_memory.SavedTensorBytes"
-        )
-    act, batch, seq, tokens = sizes.activation_bytes, sizes.batch, sizes.positions, sizes.tokens
-    key_heads, heads = shape.key_heads // run.tp, shape.value_heads // run.tp
-    per_key, dk, dv, size = heads // key_heads, shape.key_dim, shape.value_dim, shape.chunk
-    chunks = -(-seq // size)
-    padded = chunks * size  # the last chunk padded with zeros
-    conv_channels = key_heads * (2 * dk + per_key * dv)
-    proj_width = key_heads * (2 * dk + 2 * per_key * dv + 2 * per_key)
-    saves.save("qkv_linear", attn_input)
-
-    def save(module: str, name: str, nbytes: float, description: str) -> None:
-        saves.save(module, saves.tensor(f"gdn.{name}", nbytes, description))
-
-    mix = "linear_attn"
-    save(mix, "beta", tokens * heads * act, "beta = sigmoid(b)")
-    save(mix, "rate", heads * FP32_BYTES, "exp(A_log)")
-    save(mix, "neg_rate", heads * FP32_BYTES, "-exp(A_log)")
-    save(mix, "softplus_in", tokens * heads * FP32_BYTES, "a + dt_bias, fp32")
-    save(mix, "softplus", tokens * heads * FP32_BYTES, "softplus(a + dt_bias), fp32")
-    save(mix, "conv_in", batch * conv_channels * (seq + shape.conv_kernel - 1) * act, "conv input after W - 1 zeros")
-    save(mix, "conv_out", batch * conv_channels * seq * act, "conv output (the SiLU's input)")
-    # the q/k L2 norms' inputs: fp32 views of the SiLU output where nothing is copied, else fp32 [B, N, S, K] copies
-    if per_key == 1 and act == FP32_BYTES:
-        save(mix, "silu", batch * conv_channels * seq * act, "conv output after SiLU (q, k, v)")
-    else:
-        save(mix, "q32", tokens * heads * dk * FP32_BYTES, "q on the value heads, fp32")
-        save(mix, "k32", tokens * heads * dk * FP32_BYTES, "k on the value heads, fp32")
-    save(mix, "q_rstd", tokens * heads * FP32_BYTES, "q L2 norm rsqrt")
-    save(mix, "k_rstd", tokens * heads * FP32_BYTES, "k L2 norm rsqrt")
-    # the chunked rule, in fp32: per position (padded), per chunk [C, C], per chunk [K, V] states
-    positions, square = batch * heads * padded * FP32_BYTES, batch * heads * chunks * size * size * FP32_BYTES
-    save(mix, "mask", size * size, "causal mask within a chunk (bool)")
-    save(mix, "decay", square, "decay within chunks")
-    save(mix, "k", positions * dk, "k in chunks (L2-normed)")
-    save(mix, "q", positions * dk, "q in chunks (L2-normed, scaled)")
-    # q and k [B, N, T, C, K]: padding copies them contiguous; unpadded they keep the layout of q/k on the value heads
-    # ([B, S, N, K] after repeating the key heads, else [B, N, K, S] as the convolution's output), and a batched matmul
-    # that cannot merge B, N (and T) by a view copies its operand
-    if padded != seq:
-        strides = (heads * padded * dk, padded * dk, size * dk, dk, 1)
-    elif per_key > 1:
-        strides = (seq * heads * dk, dk, size * heads * dk, heads * dk, 1)
-    else:
-        strides = (heads * dk * seq, dk * seq, size, 1, seq)
-    if not _merge_as_view((batch, heads, chunks), strides[:3]):
-        for what in ("k", "k^T", "q", "k^T again"):
-            save(mix, f"copy {what}", positions * dk, f"{what} copied for the chunks' matmuls")
-    save(mix, "kk", square, "k k^T within chunks")
-    save(mix, "beta_chunks", positions, "beta in chunks")
-    save(mix, "beta_kk", square, "beta k k^T")
-    save(mix, "v", positions * dv, "v in chunks")
-    save(mix, "exp_gamma", positions, "exp(cumulative log decay)")
-    save(mix, "beta_exp_gamma", positions, "beta exp(cumulative log decay)")
-    save(mix, "system", square, "unit lower-triangular system per chunk")
-    save(mix, "solved", positions * (dv + dk), "its solution for [v | k]")
-    save(mix, "qk", square, "q k^T within chunks")
-    save(mix, "exp_gamma_q", positions, "exp(cumulative log decay) for q")
-    save(mix, "attn", square, "decayed q k^T")
-    # the scan: one state and one correction per chunk; the last chunk's state update feeds nothing, so what only it
-    # keeps is freed with it
-    save(mix, "states", chunks * batch * heads * dk * dv * FP32_BYTES, "state entering each chunk")
-    save(mix, "u", chunks * batch * heads * size * dv * FP32_BYTES, "correction of each chunk")
-    if chunks > 1:
-        save(mix, "exp_gamma_k", positions, "exp(decay to the chunk end) for k")
-        save(mix, "chunk_decay", batch * heads * chunks * FP32_BYTES, "decay over each chunk")
-        if _merge_as_view((batch, heads), strides[:2]):  # q and k read / written by chunk: views
-            save(mix, "q_read", positions * dk, "q times its decay")
-            save(mix, "k_write", positions * dk, "k times its decay to the chunk end")
-        else:  # a copy per chunk: q's from the second chunk on (the zero state needs no q), k's but the last
-            chunk_bytes = (chunks - 1) * batch * heads * size * dk * FP32_BYTES
-            save(mix, "q_read", chunk_bytes, "q times its decay, copied per chunk")
-            save(mix, "k_write", chunk_bytes, "k times its decay to the chunk end, copied per chunk")
-    # the gated norm: fp32 math on the rule's output ([B, N, T C, V] with fp32 activations, else an fp32 copy)
-    rows = tokens * heads
-    norm = "linear_attn_norm"
-    save(norm, "o", (batch * heads * padded if act == FP32_BYTES else rows) * dv * FP32_BYTES, "rule output, fp32")
-    save(norm, "rstd", rows * FP32_BYTES, "gated norm rsqrt")
-    save(norm, "normalised", rows * dv * act, "gated norm normalised")
-    # z on the value heads is a view of in_proj's output where its heads merge (one key head, or one value head per
-    # key head), and the SiLU of fp32 activations then keeps that whole output
-    z_is_view = _merge_as_view((key_heads, per_key), (proj_width // key_heads, dv))
-    if z_is_view and act == FP32_BYTES:
-        save(norm, "z", tokens * proj_width * FP32_BYTES, "in_proj output (z)")
-    else:
-        save(norm, "z", rows * dv * FP32_BYTES, "z, fp32")
-    save(norm, "silu_z", rows * dv * FP32_BYTES, "silu(z), fp32")
-    save(norm, "weighted", rows * dv * act, "gated norm times its weight")
-    save("attn_proj", "out", rows * dv * act, "gated norm output")
-
-
-def gated_delta_net_saved_bytes(
-    shape: GatedDeltaNetShape, hidden: int, sizes: RankSizes, run: RunShape
-) -> dict[str, int]:
-    """What one Gated DeltaNet layer (hidden size ``hidden``) saves for backward, by the estimate's module, its input
-    (under ``qkv_linear``) included: the layer alone, as :class:`moe_memory.measure.SavedTensorBytes` measures it on
-    the module."""
-    saves = ForwardSaves()
-    layer_input = saves.tensor("x", sizes.tokens * hidden * sizes.activation_bytes, "layer input")
-    _gated_delta_net(saves, shape, sizes, run, layer_input)
-    by_module: dict[str, int] = {}
-    for key in dict.fromkeys(s.key for s in saves.saves):
-        module = next(s.module for s in saves.saves if s.key == key)
-        by_module[module] = by_module.get(module, 0) + saves.nbytes[key]
-    return by_module
-
-
-def _mamba2(saves: ForwardSaves, shape: Mamba2Shape, sizes: RankSizes, run: RunShape, mixer_input: str) -> None:
-    """A Mamba-2 mixer (moe_models.mamba, kernels in moe_models.ssd and gated_delta.causal_conv1d) on whole sequences:
-    its projections under ``qkv_linear`` / ``attn_proj``, the time steps, convolution and chunked SSD scan under
-    ``mamba_mixer``, the gated norm under ``mamba_norm`` (module docstring)."""
-    if sizes.cp > 1:
-        raise ValueError(
-            f"cp={sizes.cp}: Mamba-2 layers under context parallelism are not estimated; use cp=1 or measure "
-            "with moe_memory.SavedTensorBytes"
-        )
-    act, batch, seq, tokens = sizes.activation_bytes, sizes.batch, sizes.positions, sizes.tokens
-    heads, groups = shape.heads // run.tp, shape.groups // run.tp
-    per_group, dp, dd, size = heads // groups, shape.head_dim, shape.state_dim, shape.chunk
-    chunks = -(-seq // size)
-    padded = chunks * size  # the last chunk padded with zeros
-    inner = heads * dp
-    conv_channels = inner + 2 * groups * dd
-    proj_width = inner + conv_channels + heads
-    saves.save("qkv_linear", mixer_input)
-
-    def save(module: str, name: str, nbytes: float, description: str) -> None:
-        saves.save(module, saves.tensor(f"mamba.{name}", nbytes, description))
-
-    mix = "mamba_mixer"
-    save(mix, "dt_in", tokens * heads * FP32_BYTES, "dt + dt_bias, fp32 (softplus input)")
-    save(mix, "dt_softplus", tokens * heads * FP32_BYTES, "softplus(dt + dt_bias) (clamp input)")
-    save(mix, "conv_in", batch * conv_channels * (seq + shape.conv_kernel - 1) * act, "conv input after W - 1 zeros")
-    save(mix, "conv_out", batch * conv_channels * seq * act, "conv output (the SiLU's input)")
-    save(mix, "rate", heads * FP32_BYTES, "exp(A_log)")
-    save(mix, "dt", tokens * heads * FP32_BYTES, "clamped time step")
-    if act == FP32_BYTES:  # x is a view of the SiLU's output: the whole of it ([x | B | C] channels) is kept
-        save(mix, "silu", batch * conv_channels * seq * FP32_BYTES, "conv output after SiLU (x, B, C)")
-    else:
-        save(mix, "x32", tokens * inner * FP32_BYTES, "x, fp32")
-    save(mix, "A", heads * FP32_BYTES, "A = -exp(A_log)")
-    # the chunked scan in fp32: per position (padded), per chunk [C, C]
-    positions = batch * heads * padded * FP32_BYTES
-    square = batch * heads * chunks * size * size * FP32_BYTES
-    bc_bytes = batch * groups * padded * dd * FP32_BYTES
-    for where in ("on or above", "above"):
-        save(mix, f"mask {where}", size * size, f"mask of the positions {where} the diagonal (bool)")
-    save(mix, "decay", square, "decay within chunks")
-    # B and C [B, G, T, C, D] and dt x [B, G, H, T, C, P]: padding copies them contiguous; unpadded, they keep the
-    # order of the convolution's channels-major output (positions innermost), and a batched matmul that cannot merge
-    # the batch dims by a view copies its operand (B and C in two matmuls each, dt x in one)
-    if padded != seq:
-        bc_merge = xdt_merge = True
-    else:
-        bc_merge = _merge_as_view((batch, groups, chunks), (groups * dd * seq, dd * seq, size))
-        xdt_merge = _merge_as_view(
-            (batch, groups, per_group, chunks), (heads * dp * seq, per_group * dp * seq, dp * seq, size)
-        )
-    for what in ("C", "B"):
-        save(mix, what, bc_bytes, f"{what} in chunks")
-    save(mix, "scores", batch * groups * chunks * size * size * FP32_BYTES, "C B^T within chunks, per group")
-    save(mix, "xdt", positions * dp, "dt x in chunks")
-    if not xdt_merge:
-        save(mix, "xdt copy", positions * dp, "dt x copied for the chunks' matmul")
-    save(mix, "mixing", square, "C B^T times the decay, per head")
-    # the loop over chunks: the last update feeds nothing, so it and what only it keeps are freed (with one chunk,
-    # the chunk's writes too)
-    if chunks > 1:
-        save(mix, "writes", positions * dp, "dt x decayed to its chunk's end")
-        if not bc_merge:
-            save(mix, "B copy", bc_bytes, "B copied once more for the chunks' writes")
-        save(mix, "chunk_decay", batch * heads * chunks * FP32_BYTES, "decay over each chunk")
-        save(
-            mix, "states", (chunks - 1) * batch * heads * dp * dd * FP32_BYTES, "state entering each chunk but the last"
-        )
-    save(mix, "starts", chunks * batch * heads * dp * dd * FP32_BYTES, "chunks' starting states, stacked")
-    if not bc_merge:
-        save(mix, "C copy", bc_bytes, "C copied once more for the read of the states")
-    save(mix, "exp_gamma", positions, "exp(cumulative log decay)")
-    save(mix, "read", positions * dp, "the starting states read by C")
-    if act != FP32_BYTES:
-        save(mix, "D32", heads * FP32_BYTES, "D, fp32")
-    # the gated norm, fp32 math on the scan's fp32 output
-    rows = tokens * inner * FP32_BYTES
-    norm = "mamba_norm"
-    if act == FP32_BYTES:  # z is a view of in_proj's output, the SiLU keeps all of it
-        save(norm, "z", tokens * proj_width * FP32_BYTES, "in_proj output (z)")
-    else:
-        save(norm, "z", rows, "z, fp32")
-    save(norm, "y", rows, "scan output")
-    save(norm, "silu_z", rows, "silu(z), fp32")
-    save(norm, "gated", rows, "y silu(z)")
-    save(norm, "rstd", tokens * groups * FP32_BYTES, "gated norm rsqrt per group")
-    save(norm, "normalised", rows, "gated norm normalised")
-    save("attn_proj", "out", tokens * inner * act, "gated norm output")
-
-
-def mamba2_saved_bytes(shape: Mamba2Shape, hidden: int, sizes: RankSizes, run: RunShape) -> dict[str, int]:
-    """What one Mamba-2 mixer (hidden size ``hidden``) saves for backward, by the estimate's module, its input (under
-    ``qkv_linear``) included: the layer alone, as :class:`moe_memory.measure.SavedTensorBytes` measures it on the
-    module (its gated norm, a function, counted as ``mamba_norm``)."""
-    saves = ForwardSaves()
-    layer_input = saves.tensor("x", sizes.tokens * hidden * sizes.activation_bytes, "layer input")
-    _mamba2(saves, shape, sizes, run, layer_input)
-    by_module: dict[str, int] = {}
-    for key in dict.fromkeys(s.key for s in saves.saves):
-        module = next(s.module for s in saves.saves if s.key == key)
-        by_module[module] = by_module.get(module, 0) + saves.nbytes[key]
-    return by_module
+    saves = [
+        shared(input_tensor, hidden, "shared expert input"),
+        shared("shared.act_in", ffn_hidden, "shared expert activation's saved input (relu(h) for squared ReLU)"),
+        shared("shared.act", ffn_hidden, "shared expert activation output"),
+    ]
+    if gate:  # sigmoid saves its output, and the product both factors
+        saves += [
+            shared("shared.gate", 1, "shared expert sigmoid gate"),
+            shared("shared.mlp_out", hidden, "shared expert output before the gate"),
+        ]
+    return saves
 
 
 def _moe(
@@ -530,14 +327,18 @@ def _moe(
     activation_bytes, tokens, hidden = sizes.activation_bytes, sizes.local_tokens, model.hidden
     path = ("moe",)
     if model.shared_expert_ffn:
-        shared = shared_experts_saved_bytes(
-            input_tensor=mlp_input,
-            tokens=tokens,
-            hidden=hidden,
-            ffn_hidden=model.shared_expert_ffn,
-            activation_bytes=activation_bytes,
-            gate=model.shared_expert_gate,
-        )
+        shared_sizes = {
+            "input_tensor": mlp_input,
+            "tokens": tokens,
+            "hidden": hidden,
+            "ffn_hidden": model.shared_expert_ffn,
+            "activation_bytes": activation_bytes,
+            "gate": model.shared_expert_gate,
+        }
+        if model.mlp_gated:
+            shared = shared_experts_saved_bytes(**shared_sizes)
+        else:
+            shared = _non_gated_shared_expert_saved_bytes(**shared_sizes)
         saves.add(shared, path=path)
         saves.scope("shared_experts", "shared_experts", path, (mlp_input,), ())
     router = router_saved_bytes(
@@ -616,26 +417,52 @@ def _moe(
         )
 
 
+def _dense_mlp(saves: ForwardSaves, model: ModelShape, sizes: RankSizes, run: RunShape, mlp_input: str) -> None:
+    """The dense MLP (moe_models.layers.DenseMLP), its FFN width split by tp: SwiGLU keeps its gate, ``silu(gate)``,
+    up and the product; a non-gated activation its one saved tensor and its output (module docstring)."""
+    activation_bytes, tokens = sizes.activation_bytes, sizes.tokens
+    ffn = model.dense_ffn // run.tp
+    dense_input = mlp_input
+    if run.tp > 1:
+        dense_input = saves.tensor("mlp_in", tokens * model.hidden * activation_bytes, "MLP input, gathered over tp")
+    path = ("mlp",)
+    saves.save("dense_mlp", dense_input, path=path)
+    kept = ("gate", "silu", "up", "product") if model.mlp_gated else ("activation input", "activation output")
+    for what in kept:  # [tokens, ffn] each
+        saves.save(
+            "dense_mlp", saves.tensor(f"mlp.{what}", tokens * ffn * activation_bytes, f"dense MLP {what}"), path=path
+        )
+    saves.scope("mlp", "mlp", (), (dense_input,), (), module="dense_mlp")
+
+
 def _layer(saves: ForwardSaves, model: ModelShape, layer: LayerShape, sizes: RankSizes, run: RunShape) -> None:
-    """One decoder layer (moe_models.model's DecoderLayer): norm, attention, norm, then the MoE block or dense MLP."""
+    """One decoder layer (moe_models.model's DecoderLayer): norm and token mixer, then norm and the MoE block or dense
+    MLP; a hybrid pattern's layer has one of the two blocks."""
     activation_bytes, hidden, tokens = sizes.activation_bytes, model.hidden, sizes.tokens
     local_bytes = sizes.local_tokens * hidden * activation_bytes  # [local tokens, hidden]
     zero_centered = model.zero_centered_norms
-    layer_input = saves.tensor("x_in", local_bytes, "layer input")
-    normed = _norm(
-        saves, "attn_norm", "attn_norm", layer_input, sizes.local_tokens, hidden, activation_bytes, (), zero_centered
-    )
-    saves.scope("layernorm", "attn_norm", (), (layer_input,), (normed,))
-    attn_input = normed
-    if run.tp > 1:
-        attn_input = saves.tensor("attn_in", tokens * hidden * activation_bytes, "attention input, gathered over tp")
-    if isinstance(layer.attention, MLAShape):
-        _mla(saves, layer.attention, sizes, run, attn_input)
-    elif isinstance(layer.attention, GatedDeltaNetShape):
-        _gated_delta_net(saves, layer.attention, sizes, run, attn_input)
-    else:
-        _gqa(saves, layer.attention, sizes, run, attn_input, zero_centered)
-    residual = saves.tensor("x_mid", local_bytes, "residual after attention")
+    residual = saves.tensor("x_in", local_bytes, "layer input")
+    attention = layer.attention
+    if attention is not None:
+        normed = _norm(
+            saves, "attn_norm", "attn_norm", residual, sizes.local_tokens, hidden, activation_bytes, (), zero_centered
+        )
+        saves.scope("layernorm", "attn_norm", (), (residual,), (normed,))
+        attn_input = normed
+        if run.tp > 1:
+            gathered = tokens * hidden * activation_bytes
+            attn_input = saves.tensor("attn_in", gathered, "attention input, gathered over tp")
+        if isinstance(attention, MLAShape):
+            _mla(saves, attention, sizes, run, attn_input)
+        elif isinstance(attention, GatedDeltaNetShape):
+            record_gated_delta_net(saves, attention, sizes, run, attn_input)
+        elif isinstance(attention, Mamba2Shape):
+            record_mamba2(saves, attention, sizes, run, attn_input)
+        else:
+            _gqa(saves, attention, sizes, run, attn_input, zero_centered)
+        residual = saves.tensor("x_mid", local_bytes, "residual after the token mixer")
+    if not layer.channel:  # the residual is the next layer's input, counted there
+        return
     mlp_input = _norm(
         saves, "mlp_norm", "mlp_norm", residual, sizes.local_tokens, hidden, activation_bytes, (), zero_centered
     )
@@ -643,18 +470,8 @@ def _layer(saves: ForwardSaves, model: ModelShape, layer: LayerShape, sizes: Ran
     if layer.moe:
         assert model.experts is not None, "a MoE layer needs ModelShape.experts"
         _moe(saves, model.experts, model, sizes, run, mlp_input)
-        return
-    ffn = model.dense_ffn // run.tp
-    dense_input = mlp_input
-    if run.tp > 1:
-        dense_input = saves.tensor("mlp_in", tokens * hidden * activation_bytes, "MLP input, gathered over tp")
-    path = ("mlp",)
-    saves.save("dense_mlp", dense_input, path=path)
-    for what in ("gate", "silu", "up", "product"):  # [tokens, ffn] each
-        saves.save(
-            "dense_mlp", saves.tensor(f"mlp.{what}", tokens * ffn * activation_bytes, f"dense MLP {what}"), path=path
-        )
-    saves.scope("mlp", "mlp", (), (dense_input,), (), module="dense_mlp")
+    else:
+        _dense_mlp(saves, model, sizes, run, mlp_input)
 
 
 def _model_level(

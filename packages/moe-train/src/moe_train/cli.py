@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from moe_train import __version__
-from moe_train.config import ConfigError, config_error, load_config, preset_names
+from moe_train.config import ConfigError, config_error, load_config, preset_names, recurrent_layers_field
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3  # the loss or gradient norm stopped being finite
@@ -345,11 +345,11 @@ def _plan(
             model_shape(cfg.model)
         except ValueError as err:  # ModelConfigError
             raise config_error(err) from None
-        if p.cp > 1 and cfg.model.experimental_attention_variant:  # their chained chunk states are not modelled
+        recurrent = recurrent_layers_field(cfg.model)
+        if p.cp > 1 and recurrent:  # their chained chunk states are not modelled
             raise ConfigError(
-                f"parallel.cp={p.cp}: the memory estimate does not model linear-attention layers (model."
-                f"experimental_attention_variant={cfg.model.experimental_attention_variant}) under context parallelism "
-                "yet; plan --memory at cp=1, or measure a step with moe_memory.SavedTensorBytes"
+                f"parallel.cp={p.cp}: the memory estimate does not model recurrent layers (model.{recurrent}) under "
+                "context parallelism yet; plan --memory at cp=1, or measure a step with moe_memory.SavedTensorBytes"
             )
     param_dtype = torch.bfloat16 if getattr(cfg.train, "params_dtype", "fp32") == "bf16" else torch.float32
     report = plan_report(

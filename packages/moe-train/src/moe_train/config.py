@@ -462,6 +462,16 @@ def _validate_data(cfg: ExperimentConfig) -> None:
 LOSS_ON = {"text": ("", "all"), "chat": ("", "assistant", "all"), "prompt_completion": ("", "completion", "all")}
 
 
+def recurrent_layers_field(model: ModelConfig) -> str | None:
+    """``"field=value"`` of the model config field that gives it recurrent layers (Gated DeltaNet's
+    experimental_attention_variant, a hybrid pattern's Mamba-2 layers), None without any."""
+    if model.experimental_attention_variant:
+        return f"experimental_attention_variant={model.experimental_attention_variant}"
+    if "mamba" in model.attention_kinds():
+        return f"hybrid_override_pattern={model.hybrid_override_pattern}"
+    return None
+
+
 def _validate_data_format(cfg: ExperimentConfig) -> None:
     """data.format and the keys of conversation data (moe_train.conversation_data reads them)."""
     data = cfg.data
@@ -476,12 +486,12 @@ def _validate_data_format(cfg: ExperimentConfig) -> None:
             f"model.mtp_num_layers={cfg.model.mtp_num_layers}: multi-token prediction is not supported on packed "
             f"conversations (data.format={data.format}) yet; set --model.mtp_num_layers null to fine-tune without it"
         )
-    if data.format != "text" and data.packing and cfg.parallel.cp > 1 and cfg.model.experimental_attention_variant:
-        # a linear-attention layer chains its state across the cp ranks' chunks, not yet across documents' ends
+    recurrent = recurrent_layers_field(cfg.model)
+    if data.format != "text" and data.packing and cfg.parallel.cp > 1 and recurrent:
+        # a recurrent layer chains its state across the cp ranks' chunks, not yet across documents' ends
         raise ConfigError(
-            f"parallel.cp={cfg.parallel.cp}: the model's linear-attention layers (model."
-            f"experimental_attention_variant={cfg.model.experimental_attention_variant}) take packed conversations at "
-            "cp=1 only yet; set --data.packing false or --parallel.cp 1"
+            f"parallel.cp={cfg.parallel.cp}: the model's recurrent layers (model.{recurrent}) take packed "
+            "conversations at cp=1 only yet; set --data.packing false or --parallel.cp 1"
         )
     if data.loss_on not in LOSS_ON[data.format]:
         known = ("", "assistant", "completion", "all")
