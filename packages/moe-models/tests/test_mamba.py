@@ -106,9 +106,28 @@ def hf_mixer(case: Case, seed: int) -> NemotronHMamba2Mixer:
     return mixer
 
 
+def _by_group(whole: torch.Tensor, groups: int, parts: list[int]) -> torch.Tensor:
+    """transformers' rows (each part whole over all groups) as ours: group by group, its share of each part."""
+    shares = [part.unflatten(0, (groups, -1)) for part in whole.split(parts)]
+    return torch.cat(shares, dim=1).flatten(0, 1)
+
+
+def as_ours(tensors: dict[str, torch.Tensor], case: Case, prefix: str = "") -> dict[str, torch.Tensor]:
+    """transformers' mixer tensors (or their gradients, names under ``prefix``) in our layout: the same names and
+    shapes, in_proj's and the conv's rows by group."""
+    heads = case.groups * case.heads_per_group
+    inner, bc = heads * case.head_dim, case.groups * case.state_dim
+    out = dict(tensors)
+    for name in ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias"):
+        if prefix + name in out:
+            parts = [inner, inner, bc, bc, heads] if name.startswith("in_proj.") else [inner, bc, bc]
+            out[prefix + name] = _by_group(out[prefix + name], case.groups, parts)
+    return out
+
+
 def ours_from(mixer: NemotronHMamba2Mixer, case: Case) -> Mamba2Mixer:
     ours = Mamba2Mixer(our_config(case))
-    ours.load_state_dict(mixer.state_dict(), strict=True)  # the names and shapes are transformers'
+    ours.load_state_dict(as_ours(mixer.state_dict(), case), strict=True)
     return ours
 
 
@@ -127,7 +146,7 @@ def assert_matches_transformers(case: Case, seed: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(seed + 1)
     x_BSH = torch.randn(case.batch, case.seq, case.hidden, generator=gen)
     cotangent_BSH = torch.randn(case.batch, case.seq, case.hidden, generator=gen)
-    ref = outputs_and_grads(reference, x_BSH, cotangent_BSH)
+    ref = as_ours(outputs_and_grads(reference, x_BSH, cotangent_BSH), case, prefix="d_")
     got = outputs_and_grads(ours, x_BSH, cotangent_BSH)
     assert got.keys() == ref.keys()
     # the gradients share one scale: each is compared to the largest of them (see _error); the output to itself
@@ -232,26 +251,20 @@ def test_given_positions_must_tile_the_sequences_and_not_come_with_documents() -
 # --- a split of the heads ---
 
 
-def _half_of(name: str, whole: torch.Tensor, rank: int, case: Case) -> torch.Tensor:
-    """Rank ``rank``'s half of a parameter when each part of in_proj (z, x, B, C, dt) and of the conv channels (x, B,
-    C) splits with the heads and groups; out_proj by its input columns; the out_proj bias on rank 0 only."""
-    heads = case.groups * case.heads_per_group
-    inner, bc = heads * case.head_dim, case.groups * case.state_dim
-    if name.startswith("in_proj."):
-        parts = whole.split([inner, inner, bc, bc, heads])
-    elif name.startswith("conv1d."):
-        parts = whole.split([inner, bc, bc])
-    elif name == "out_proj.weight":
+def _half_of(name: str, whole: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s half of a parameter split contiguously (in_proj's and the conv's rows, grouped by B/C group,
+    the per-head and per-channel parameters), out_proj by its input columns, the out_proj bias on rank 0 only."""
+    if name == "out_proj.weight":
         return whole.chunk(2, dim=1)[rank]
-    elif name == "out_proj.bias":
+    if name == "out_proj.bias":
         return whole if rank == 0 else torch.zeros_like(whole)
-    else:
-        parts = (whole,)
-    return torch.cat([part.chunk(2)[rank] for part in parts])
+    return whole.chunk(2)[rank]
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_split_of_each_part_is_a_split_of_the_heads(packed: bool) -> None:
+def test_a_contiguous_split_is_a_split_of_the_heads_and_groups(packed: bool) -> None:
+    """Two half mixers, each holding the contiguous half of every parameter (what tensor parallelism's column split
+    gives), sum to the whole mixer's output."""
     case = dataclasses.replace(PACKED_CASE, proj_bias=True)
     layer = ours_from(hf_mixer(case, seed=7), case)
     half = dataclasses.replace(case, groups=case.groups // 2)
@@ -262,7 +275,7 @@ def test_a_split_of_each_part_is_a_split_of_the_heads(packed: bool) -> None:
         for rank in range(2):
             shard = Mamba2Mixer(our_config(half))
             for name, p in shard.named_parameters():
-                p.copy_(_half_of(name, layer.get_parameter(name), rank, case))
+                p.copy_(_half_of(name, layer.get_parameter(name), rank))
             total = total + shard(x_BSH, document_ids_BS=docs_BS)
         assert relative(total, layer(x_BSH, document_ids_BS=docs_BS)) < 1e-6
 

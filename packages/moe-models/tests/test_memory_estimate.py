@@ -1,7 +1,8 @@
 """moe_memory's per-rank estimate against a real forward + backward of every family's tiny model (one process, CPU):
 the activations it says are saved for backward against the bytes ``SavedAtBackwardBytes`` counts still saved when the
 backward starts (module by module, byte for byte where no token is dropped, within 10% where tokens are dropped or
-under recompute and offload; a hybrid pattern's byte for byte under recompute and offload too), and the
+under recompute and offload; a hybrid pattern's byte for byte under recompute and offload too, DeepSeek Sparse
+Attention's on the device), and the
 parameter, gradient and AdamW state bytes against what the step allocates (exactly). Layouts over several ranks (ep,
 tp) are checked in integration/test_memory_estimate.py."""
 
@@ -98,6 +99,8 @@ CASES = {
     # two chunks of 64 positions, the last padded (one chunk, or whole chunks of several rows, save tensors that are
     # freed before the backward: test_saved_bytes measures those layers alone)
     "qwen3-next (Gated DeltaNet, output gate, zero-centred norms)": ("tiny-qwen3-next", 2, 96, {}),
+    # 80 positions: more than the top-k of 16 and two query blocks (of 64 and 16 queries)
+    "deepseek-v3.2 (DeepSeek Sparse Attention)": ("tiny-deepseek-v32", 2, 80, {}),
     # no preset: a ModelConfig of these fields. Chunks of 8 positions, the last padded
     "hybrid pattern (Nemotron-H: Mamba-2, NoPE attention, squared-ReLU MLP, MoE and shared expert)": (
         None,
@@ -107,6 +110,7 @@ CASES = {
     ),
 }
 HYBRID = "hybrid pattern (Nemotron-H: Mamba-2, NoPE attention, squared-ReLU MLP, MoE and shared expert)"
+DSA = "deepseek-v3.2 (DeepSeek Sparse Attention)"
 BLOCKS = [
     "partial rotary (GLM-4.5)",
     "q/k norms across heads, clip_qkv (OLMoE)",
@@ -114,6 +118,7 @@ BLOCKS = [
     "NoPE, chunks, q/k L2 norms, temperature, probabilities on the input (Llama 4)",
     "qwen3-next (Gated DeltaNet, output gate, zero-centred norms)",
     HYBRID,
+    DSA,
 ]
 
 
@@ -209,7 +214,8 @@ def test_parameter_gradient_and_optimizer_bytes_are_what_the_step_allocates(name
     step = _step(name)
     params = list(step.model.parameters())
     assert step.estimate.parameters == _storage_bytes(params)
-    assert step.estimate.gradients == _storage_bytes(p.grad for p in params)
+    # no gradient reaches a DSA indexer that only selects: no gradient, and AdamW keeps no state for it
+    assert step.estimate.gradients == _storage_bytes(p.grad for p in params if p.grad is not None)
     # torch's AdamW: exp_avg, exp_avg_sq and a 0-d fp32 step per parameter tensor
     states = [t for state in step.optimizer.state.values() for t in state.values()]
     assert step.estimate.optimizer_states == _storage_bytes(states)
@@ -247,6 +253,8 @@ def test_bf16_parameters_and_activations_match_too() -> None:
         (HYBRID, {"layernorm", "mlp", "moe_act"}, {"qkv_linear", "attn_proj"}),
         (HYBRID, {"core_attn", "moe"}, {"attn_norm", "mlp_norm", "qkv_linear"}),
         (HYBRID, {"shared_experts", "mlp"}, {"moe_act", "core_attn", "expert_fc1"}),
+        (DSA, {"core_attn", "layernorm"}, {"qkv_linear", "attn_proj"}),  # the recomputed core keeps the selection
+        (DSA, {"mla_up_proj", "moe"}, {"core_attn"}),  # q, k and v recomputed: the core keeps q's block copies
     ],
 )
 def test_recompute_and_offload_match_moe_memory_policies(name: str, recompute: set, offload: set) -> None:
@@ -270,5 +278,8 @@ def test_recompute_and_offload_match_moe_memory_policies(name: str, recompute: s
     assert abs(estimate.offloaded_bytes - policy.stats.offloaded_bytes) <= TOLERANCE * max(estimate.offloaded_bytes, 1)
     if name == HYBRID:  # its blocks are declared byte for byte under recompute and offload too
         assert (estimate.activation_bytes, estimate.offloaded_bytes) == (measured, policy.stats.offloaded_bytes)
+    if name == DSA:  # byte for byte on the device; the policy also copies out what the softmax's amax saves and
+        # frees at once (its peak is detached), which no backward holds
+        assert estimate.activation_bytes == measured
     baseline = _step(name).estimate.activation_bytes
     assert estimate.activation_bytes < baseline

@@ -10,7 +10,8 @@ import torch
 
 from moe_experts import GroupedExperts
 from moe_models import build_model, count_parameters
-from moe_models.presets import PRESETS, PUBLISHED_PRESETS, PUBLISHED_SIZES, TINY_PRESETS, preset
+from moe_models.presets import PRESETS, PUBLISHED_PRESETS, TINY_PRESETS, preset
+from moe_models.published_sizes import PUBLISHED_SIZES
 
 # count_parameters of each published preset, to the parameter: pins the presets' shapes (the published figures
 # below only check them to 2-5 digits)
@@ -47,11 +48,14 @@ EXACT_TOTAL_ACTIVE_MTP = {
     "qwen3.5-397b-a17b": (396_346_350_336, 17_349_040_896, 0),
     # equal to transformers' DeepseekV32ForCausalLM of the same config.json (which builds no MTP layer)
     "deepseek-v3.2": (671_877_929_216, 38_403_807_488, 11_624_027_392),
+    # equal to transformers' GlmMoeDsaForCausalLM of the same config.json (which builds no MTP layer)
+    "glm-5": (743_911_199_232, 41_784_709_632, 9_952_920_320),
     # equal to transformers' NemotronHForCausalLM of the same config.json (dense: all of it active)
     "nemotron-h-8b": (8_100_852_736, 8_100_852_736, 0),
     "nemotron-h-47b": (46_791_554_816, 46_791_554_816, 0),
     "nemotron-h-56b": (56_324_350_464, 56_324_350_464, 0),
     "nemotron-3-nano-30b-a3b": (31_577_937_344, 3_580_073_408, 0),
+    "kimi-linear-48b-a3b": (49_122_675_072, 3_484_453_248, 0),
 }
 
 # each tiny proxy and the published model whose features it keeps
@@ -73,7 +77,9 @@ TINY_OF = {
     "tiny-llama4": "llama-4-scout-17b-16e",
     "tiny-qwen3-next": "qwen3-next-80b-a3b",
     "tiny-deepseek-v32": "deepseek-v3.2",
+    "tiny-glm-moe-dsa": "glm-5",
     "tiny-nemotron-h": "nemotron-3-nano-30b-a3b",
+    "tiny-kimi-linear": "kimi-linear-48b-a3b",
 }
 # tiny proxies of families without a published preset yet
 TINY_ALONE: tuple[str, ...] = ()
@@ -102,6 +108,7 @@ FEATURE_FIELDS = (
     "moe_apply_probs_on_input",
     "qk_l2_norm",
     "attn_temperature_tuning",
+    "dsa_indexer_rope_interleaved",
 )
 
 

@@ -51,3 +51,19 @@ def test_nemotron_h_preset_has_transformers_layer_order(name: str) -> None:
     assert theirs == values["hybrid_override_pattern"] == preset(name).hybrid_override_pattern
     assert len(theirs) == values["num_hidden_layers"] == preset(name).num_layers
     assert transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__ == "NemotronHForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "name", [name for name in FROM_CONFIG_JSON if PUBLISHED_HF_CONFIGS[name]["model_type"] == "kimi_linear"]
+)
+def test_kimi_linear_preset_has_transformers_layer_order(name: str) -> None:
+    """The published Kimi Linear file gives its layer kinds as 1-based kda_layers / full_attn_layers lists, which
+    transformers turns into its layer_types (and first_k_dense_replace into mlp_layer_types): the preset's layers are
+    transformers' KimiLinearForCausalLM's, one for one."""
+    values = dict(PUBLISHED_HF_CONFIGS[name])
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    ours = preset(name)
+    assert ours.attention_kinds() == ["attention" if t == "full_attention" else t for t in config.layer_types]
+    assert ours.moe_layer_pattern() == [int(t == "sparse") for t in config.mlp_layer_types]
+    assert ours.attention_kinds().count("linear_attention") == len(values["linear_attn_config"]["kda_layers"]) == 20
+    assert transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__ == "KimiLinearForCausalLM"

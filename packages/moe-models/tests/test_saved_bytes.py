@@ -2,7 +2,8 @@
 loss of every family's tiny model really save for backward, still saved when the backward starts
 (moe_memory.measure.SavedAtBackwardBytes), byte for byte and module by module: one process, CPU, dropless routing,
 fp32 and bf16 parameters and activations; hybrid patterns of Mamba-2, attention, dense-MLP and MoE blocks
-(Nemotron-H) too. A Gated DeltaNet layer and a Mamba-2 mixer alone, over their shapes."""
+(Nemotron-H) and DeepSeek Sparse Attention over sequences shorter and longer than its top-k too. A Gated DeltaNet
+layer and a Mamba-2 mixer alone, over their shapes."""
 
 from __future__ import annotations
 
@@ -88,11 +89,12 @@ BLOCKS = [
 # Gated DeltaNet layers over 32 positions: in two chunks, the last padded (one chunk, or whole chunks of more than one
 # row, free some of the scan's saves before the backward: test_gated_delta_net_layer below measures those)
 LINEAR_CHUNKS = {"tiny-qwen3-next": {"linear_attention_chunk_size": 24}}
-# tiny presets whose attention the estimate does not model yet: model_shape refuses them (checked below)
-NOT_ESTIMATED = ("tiny-deepseek-v32",)
+# tiny presets whose token mixers the estimate does not model yet: model_shape refuses them (checked below)
+NOT_ESTIMATED = ("tiny-kimi-linear",)
 CASES = (
     [(name, torch.float32, LINEAR_CHUNKS.get(name, {})) for name in TINY_PRESETS if name not in NOT_ESTIMATED]
     + [(name, torch.bfloat16, {}) for name in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")]
+    + [(name, torch.bfloat16, {}) for name in ("tiny-deepseek-v32", "tiny-glm-moe-dsa")]
     + [("tiny-qwen3-next", torch.bfloat16, LINEAR_CHUNKS["tiny-qwen3-next"]), ("tiny-nemotron-h", torch.bfloat16, {})]
     + [(name, dtype, overrides) for name, overrides in BLOCKS for dtype in (torch.float32, torch.bfloat16)]
 )
@@ -314,7 +316,51 @@ def test_mamba2_under_cp_is_refused() -> None:
 def test_a_model_the_estimate_does_not_describe_is_refused_naming_the_field(name: str) -> None:
     with pytest.raises(ModelConfigError) as err:
         model_shape(preset(name))
-    assert err.value.field == "dsa_indexer_topk" and "not estimated" in str(err.value)
+    assert err.value.field == "experimental_attention_variant" and "not estimated" in str(err.value)
+
+
+def test_kimi_delta_attention_layers_are_not_estimated_as_gated_deltanet() -> None:
+    """KDA's layers are "linear_attention" layers as Gated DeltaNet's, but save other tensors: refused in one line
+    naming the field rather than declared as a Gated DeltaNet."""
+    gdn = preset("tiny-qwen3-next")
+    kda = dataclasses.replace(
+        gdn,
+        experimental_attention_variant="kimi_delta_attention",
+        linear_num_value_heads=gdn.linear_num_key_heads,
+        linear_value_head_dim=gdn.linear_key_head_dim,
+    )
+    assert [m.token for m in kda.layer_mixers()] == [m.token for m in gdn.layer_mixers()]  # the same layer kinds
+    model_shape(dataclasses.replace(kda, experimental_attention_variant="gated_delta_net"))  # estimated as GDN
+    with pytest.raises(ModelConfigError, match="^experimental_attention_variant='kimi_delta_attention': not estimated"):
+        model_shape(kda)
+
+
+def test_a_training_dsa_indexer_is_refused_naming_the_field() -> None:
+    """With its loss on, the indexer re-scores keys with gradient: what that saves is not declared."""
+    config = preset("tiny-deepseek-v32", dsa_indexer_loss_coeff=0.01)
+    with pytest.raises(ModelConfigError, match="^dsa_indexer_loss_coeff=0.01: not estimated"):
+        model_shape(config)
+    model_shape(preset("tiny-deepseek-v32", dsa_indexer_loss_coeff=0.0))  # a zero coefficient trains nothing
+
+
+# (batch, sequence length): fewer positions than the top-k of 16 (every earlier key selected, slots left empty),
+# exactly 16, more, and more than one query block of 64 (the last of 1 or 16 queries: a view of q or a copy)
+DSA_RUNS = [(2, 8), (1, 16), (2, 40), (2, 65), (1, 80), (2, 129)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("batch", "seq_len"), DSA_RUNS, ids=str)
+def test_sparse_attention_layers_declare_what_they_save(dtype: torch.dtype, batch: int, seq_len: int) -> None:
+    """DeepSeek Sparse Attention (tiny-deepseek-v32, an MTP depth with its own indexer): what the sparse core keeps
+    grows with min(topk, S) per query, and is what the model saves, module by module; the indexer saves nothing."""
+    config = preset("tiny-deepseek-v32")
+    model = build_model(config, seed=0).to(dtype)
+    estimate = _declared(model, config, batch, seq_len, dtype)
+    measured = _measured_by_module(model, config, batch, seq_len)
+    assert _declared_by_module(estimate) == measured
+    assert "indexer" not in measured and measured["core_attn"] > 0
+    kinds = {t.where for t in estimate.activations}
+    assert {"dense layer x1 (MLA sparse top-16)", "moe layer x2 (MLA sparse top-16)"} <= kinds
 
 
 # Nemotron-H's building blocks: one block per layer (Mamba-2, NoPE attention, squared-ReLU dense MLP and MoE with a

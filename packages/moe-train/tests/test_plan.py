@@ -145,11 +145,15 @@ OTHER_PRESET_LAYOUTS = {
     "qwen3.5-397b-a17b": (256, ParallelConfig(ep=128, tp=2, etp=1)),
     # the lightning indexers stay whole on every tp rank (DeepSeek-V3's heads split as V3's)
     "deepseek-v3.2": (256, ParallelConfig(ep=32, tp=8, etp=1)),
+    # GLM-5 likewise: 64 MLA heads over tp=8, the indexers whole on every tp rank
+    "glm-5": (256, ParallelConfig(ep=32, tp=8, etp=1)),
     # Nemotron-H: attention heads and dense MLP widths split over tp, the Mamba-2 mixers whole on every tp rank
     "nemotron-h-8b": (8, ParallelConfig(tp=8)),
     "nemotron-h-47b": (16, ParallelConfig(tp=8)),
     "nemotron-h-56b": (16, ParallelConfig(tp=8)),
     "nemotron-3-nano-30b-a3b": (16, ParallelConfig(ep=8, tp=2, etp=1)),  # 2 query groups: tp <= 2
+    # Kimi Linear: 32 MLA heads over tp=4, the KDA layers whole on every tp rank
+    "kimi-linear-48b-a3b": (64, ParallelConfig(ep=16, tp=4, etp=1)),
 }
 
 

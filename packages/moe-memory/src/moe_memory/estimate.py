@@ -4,11 +4,11 @@ Inputs are plain frozen values (no torch, nothing of the other packages):
 
 - :class:`ModelShape`: hidden size, vocabulary, one :class:`LayerShape` per decoder layer (its token mixer: attention
   :class:`GQAShape` with heads / key-value heads / head dim, sliding window, sinks, QK-norm, output gate, or
-  :class:`MLAShape`, or a linear-attention :class:`GatedDeltaNetShape` with its heads, convolution and chunk, or a
-  Mamba-2 mixer :class:`Mamba2Shape`; its channel mixer, MoE or dense MLP; a hybrid pattern's layer, Nemotron-H's,
-  has only one of the two), the routed experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not,
-  biases, router scoring and losses), the shared-expert and dense FFN widths and whether their activation is gated,
-  zero-centred norms, the MTP depth;
+  :class:`MLAShape`, with DeepSeek Sparse Attention's top-k or dense, or a linear-attention
+  :class:`GatedDeltaNetShape` with its heads, convolution and chunk, or a Mamba-2 mixer :class:`Mamba2Shape`; its
+  channel mixer, MoE or dense MLP; a hybrid pattern's layer, Nemotron-H's, has only one of the two), the routed
+  experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not, biases, router scoring and losses), the
+  shared-expert and dense FFN widths and whether their activation is gated, zero-centred norms, the MTP depth;
 - :class:`RunShape`: micro-batch and sequence length, the byte sizes of activations, parameters, gradients, optimizer
   states and master weights, the layout (tp, ep, etp, edp, dp, cp), the capacity factor (None = dropless), the token
   dispatcher, and this rank's parameter element counts (:class:`LocalParameters`, given: the caller knows them exactly,
@@ -114,6 +114,7 @@ MODULES = (
     "latent_norm",
     "mla_up_proj",
     "rope",
+    "indexer",  # DeepSeek Sparse Attention's lightning indexer (it selects without gradient: nothing saved today)
     "core_attn",
     "linear_attn",  # a linear-attention layer's own operations (Gated DeltaNet: gates, convolution, delta rule)
     "linear_attn_norm",  # its gated output norm
@@ -337,7 +338,7 @@ def _layer_kind_name(layer: LayerShape, count: int, run: RunShape, mtp: bool) ->
     if att is None:
         return f"{prefix}{'moe' if layer.moe else 'mlp'}-only layer x{count}"
     if isinstance(att, MLAShape):
-        what, kind = "MLA", "attention"
+        what, kind = "MLA" + ("" if att.topk is None else f" sparse top-{att.topk}"), "attention"
     elif isinstance(att, GQAShape):
         window = att.window is not None and att.window < run.seq_len
         what, kind = "GQA" + (" sinks" if att.sinks else "") + (f" window {att.window}" if window else ""), "attention"
@@ -419,7 +420,8 @@ def estimate_memory(
     host += [SavedTensor(m, forward.names[k], n, 1, "model", by) for m, k, n, by in on_host]
     working = max(working, recomputed)
     p = run.params
-    states, master = optimizer_state_bytes(p.numel, p.tensors, run)
+    trained = p.numel - p.untrained_numel  # what gets a gradient, optimizer states and a master copy
+    states, master = optimizer_state_bytes(trained, p.tensors - p.untrained_tensors, run)
     logits = (
         (1 + model.mtp_depth) * sizes.tokens * (model.vocab // run.tp) * sizes.activation_bytes
     )  # vocabulary-parallel under tp
@@ -436,7 +438,7 @@ def estimate_memory(
         notes.append("expert rows: expected under uniform routing")
     return MemoryEstimate(
         parameters=p.numel * run.param_bytes,
-        gradients=p.numel * run.grad_bytes,
+        gradients=trained * run.grad_bytes,
         optimizer_states=states,
         master_weights=master,
         buffers=p.buffer_bytes,

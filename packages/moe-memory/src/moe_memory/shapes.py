@@ -45,7 +45,9 @@ class GQAShape:
 
 @dataclass(frozen=True)
 class MLAShape:
-    """Multi-latent attention (DeepSeek-V3): ``q_lora_rank`` None is a full-rank q projection."""
+    """Multi-latent attention (DeepSeek-V3): ``q_lora_rank`` None is a full-rank q projection. ``topk``: DeepSeek
+    Sparse Attention (DeepSeek-V3.2), each query attends to the ``topk`` earlier keys its lightning indexer scores
+    highest (None: dense attention over every earlier key)."""
 
     heads: int
     q_lora_rank: int | None
@@ -53,6 +55,7 @@ class MLAShape:
     qk_nope_dim: int
     qk_rope_dim: int
     v_dim: int
+    topk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -163,12 +166,16 @@ class PipelineShare:
 @dataclass(frozen=True)
 class LocalParameters:
     """This rank's parameters as training holds them (local shards): elements, how many parameter tensors (each gets
-    AdamW's 4-byte ``step``), buffer bytes, and of the elements, how many are routed experts (for reporting)."""
+    AdamW's 4-byte ``step``), buffer bytes, and of the elements, how many are routed experts (for reporting); of the
+    elements and tensors, those no gradient reaches (DeepSeek Sparse Attention's indexers while no loss trains them):
+    held, but without a gradient, optimizer states or a master copy (AdamW steps what has a gradient)."""
 
     numel: int
     tensors: int
     buffer_bytes: int = 0
     expert_numel: int = 0
+    untrained_numel: int = 0
+    untrained_tensors: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,11 @@ from moe_models.mla import MLAUpProjection, MultiLatentAttention
 from moe_models.model import DecoderLayer, ModelOutput, MoETransformer, MTPLayer, build_model
 from moe_models.parallel_plan import parallel_plan
 from moe_models.pipeline import ModelStage, StageRouting, pipeline_plan
-from moe_models.presets import (
-    PRESETS,
-    PUBLISHED_PRESETS,
-    PUBLISHED_SIZES,
-    TINY_PRESETS,
-    PublishedSize,
-    preset,
-)
+from moe_models.presets import PRESETS, PUBLISHED_PRESETS, TINY_PRESETS, preset
+from moe_models.published_sizes import PUBLISHED_SIZES, PublishedSize
 from moe_models.rope import apply_rotary, rotary_cos_sin
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 __all__ = [
     "CONVENTIONS",

@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 
 from moe_dispatch import RouterConfig, RouterConfigError
 from moe_experts import ACTIVATIONS, BACKENDS
+from moe_models.config_checks import (
+    check_dsa,
+    check_hybrid,
+    check_linear_attention,
+    check_mamba,
+)
 from moe_models.config_error import ModelConfigError
 from moe_models.layer_patterns import LayerMixers, hybrid_layers, layer_pattern
 
@@ -44,6 +50,8 @@ FAMILIES = (
     "deepseek_v32",
     "qwen3_5_moe",
     "nemotron_h",
+    "kimi_linear",
+    "glm_moe_dsa",
 )
 
 # ModelConfig field (Megatron flag) -> RouterConfig field
@@ -124,11 +132,21 @@ class ModelConfig:
     mla_latent_norm_epsilon: float = 1e-6
     # --- DeepSeek Sparse Attention (DeepSeek-V3.2; Megatron-Core's --dsa-indexer-* names) ---
     # MLA with a lightning indexer of dsa_indexer_n_heads heads of dsa_indexer_head_dim (its first
-    # qk_pos_emb_head_dim rotating, in halves) that picks for each query the dsa_indexer_topk earlier keys it scores
-    # highest; attention then runs over those alone (moe_models.sparse_attention). All three null: dense MLA
+    # qk_pos_emb_head_dim rotating, as dsa_indexer_rope_interleaved says) that picks for each query the
+    # dsa_indexer_topk earlier keys it scores highest; attention then runs over those alone
+    # (moe_models.sparse_attention). All three null: dense MLA
     dsa_indexer_topk: int | None = None
     dsa_indexer_n_heads: int | None = None
     dsa_indexer_head_dim: int | None = None
+    # the indexer's rotary pairs: False rotates halves (DeepSeek-V3.2), True interleaved pairs (GLM-5, whose
+    # config.json says indexer_rope_interleave)
+    dsa_indexer_rope_interleaved: bool = False
+    # training the indexers (moe_models.mla): coeff x their KL loss joins the training loss (None / 0: not trained);
+    # the KL over the selected keys only (sparse stage) or every earlier key; ours, not Megatron's: the report's dense
+    # warm-up (dense attention, all but the indexers frozen by moe-train)
+    dsa_indexer_loss_coeff: float | None = None
+    dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_dense_warmup: bool = False
     # --- rotary embeddings ---
     rope_type: str = "rope"  # rope | yarn | llama3 (Llama 3.1 / 4: low frequencies divided by the factor)
     rotary_base: float = 1_000_000.0
@@ -169,7 +187,10 @@ class ModelConfig:
     # NoPE attention, as Nemotron-H's). None: every layer is an attention (or linear-attention) block then an MLP block
     hybrid_override_pattern: str | None = None
     # --- linear attention (Qwen3-Next's Gated DeltaNet layers; Megatron-Core's names) ---
-    experimental_attention_variant: str | None = None  # None | gated_delta_net: the linear layers' kind
+    # None | gated_delta_net | kimi_delta_attention: the linear layers' kind. Kimi Delta Attention (Kimi Linear,
+    # moe_models.kimi_delta) has one head count and one head dimension for q, k and v: linear_num_key_heads =
+    # linear_num_value_heads heads of linear_key_head_dim = linear_value_head_dim
+    experimental_attention_variant: str | None = None
     # which layers are linear: int N = every N-th layer is full attention and the others linear (Qwen3-Next's
     # full_attention_interval: 4), or one 0/1 per layer (1 = linear); None with no experimental_attention_variant
     linear_attention_freq: int | list[int] | None = None
@@ -293,7 +314,7 @@ class ModelConfig:
             raise ModelConfigError(
                 "moe_expert_backend", self.moe_expert_backend, f"choose one of {('auto', *BACKENDS)}"
             )
-        self._validate_hybrid()
+        check_hybrid(self)
         self.moe_layer_pattern()  # validates moe_layer_freq
         self.full_attention_pattern()  # validates window_attn_skip_freq
         shared = self.moe_shared_expert_intermediate_size
@@ -317,9 +338,9 @@ class ModelConfig:
             )
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             raise ModelConfigError("mtp_num_layers", self.mtp_num_layers, "must be at least 1, or null for no MTP")
-        self._validate_linear_attention()
-        self._validate_dsa()
-        self._validate_mamba()
+        check_linear_attention(self)
+        check_dsa(self)
+        check_mamba(self)
         for name, choices in (
             ("linear_attention_backend", LINEAR_ATTENTION_BACKENDS),
             ("mamba_backend", MAMBA_BACKENDS),
@@ -387,111 +408,14 @@ class ModelConfig:
             raise ModelConfigError("attention_chunk_size", self.attention_chunk_size, "or window_size, not both")
         if self.attn_temperature_floor_scale < 1:
             raise ModelConfigError("attn_temperature_floor_scale", self.attn_temperature_floor_scale, "must be >= 1")
-        uses = ("no_rope_freq", "attention_chunk_size", "qk_l2_norm", "attn_temperature_tuning")
+        # MLA takes no_rope_freq alone: its NoPE layers leave the rope part of q/k and the shared key unrotated (Kimi
+        # Linear's); the DSA indexer would still rotate
+        if self.no_rope_freq is not None and self.dsa_indexer_topk is not None:
+            raise ModelConfigError("no_rope_freq", self.no_rope_freq, "the DSA indexer always rotates: unset it")
+        uses = ("attention_chunk_size", "qk_l2_norm", "attn_temperature_tuning")
         for name in uses if self.multi_latent_attention else ():
             if getattr(self, name) not in (None, False):
                 raise ModelConfigError(name, getattr(self, name), "grouped-query attention only: unset it for MLA")
-
-    def _validate_linear_attention(self) -> None:
-        variant = self.experimental_attention_variant
-        if variant not in (None, "gated_delta_net"):
-            raise ModelConfigError(
-                "experimental_attention_variant", variant, "choose 'gated_delta_net', or null for attention only"
-            )
-        if variant is None and self.linear_attention_freq is not None:
-            raise ModelConfigError(
-                "linear_attention_freq",
-                self.linear_attention_freq,
-                "needs experimental_attention_variant='gated_delta_net': set both or neither",
-            )
-        if variant is not None and self.linear_attention_freq is None:
-            raise ModelConfigError(
-                "linear_attention_freq", None, "say which layers are linear: an int N (every N-th is full) or a list"
-            )
-        self.linear_attention_pattern()  # validates linear_attention_freq
-        for name in (
-            "linear_conv_kernel_dim",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_attention_chunk_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ModelConfigError(name, getattr(self, name), "must be at least 1")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ModelConfigError(
-                "linear_num_value_heads",
-                self.linear_num_value_heads,
-                f"must be a multiple of linear_num_key_heads ({self.linear_num_key_heads})",
-            )
-        if self.multi_latent_attention:
-            for name in ("experimental_attention_variant", "attention_output_gate", "layernorm_zero_centered_gamma"):
-                if getattr(self, name) not in (None, False):
-                    raise ModelConfigError(name, getattr(self, name), "grouped-query attention only: unset it for MLA")
-
-    def _validate_dsa(self) -> None:
-        fields = ("dsa_indexer_topk", "dsa_indexer_n_heads", "dsa_indexer_head_dim")
-        given = [name for name in fields if getattr(self, name) is not None]
-        if given and len(given) < len(fields):
-            missing = sorted(set(fields) - set(given))[0]
-            raise ModelConfigError(missing, None, f"DeepSeek Sparse Attention needs all of {fields}: set it too")
-        if not given:
-            return
-        for name in fields:
-            if getattr(self, name) < 1:
-                raise ModelConfigError(name, getattr(self, name), "must be at least 1, or null for dense MLA")
-        if not self.multi_latent_attention or self.q_lora_rank is None:
-            raise ModelConfigError(
-                "dsa_indexer_topk", self.dsa_indexer_topk, "the indexer reads MLA's q latent: needs q_lora_rank set"
-            )
-        if self.dsa_indexer_head_dim < self.qk_pos_emb_head_dim:
-            raise ModelConfigError(
-                "dsa_indexer_head_dim",
-                self.dsa_indexer_head_dim,
-                f"its first qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} dimensions rotate: at least that",
-            )
-
-    def _validate_hybrid(self) -> None:
-        if self.hybrid_override_pattern is None:
-            return
-        hybrid_layers(self.hybrid_override_pattern, self.num_layers)
-        for name, unset in (("moe_layer_freq", 1), ("linear_attention_freq", None)):
-            if getattr(self, name) != unset:
-                raise ModelConfigError(
-                    name, getattr(self, name), f"hybrid_override_pattern says which layer is which: set it to {unset}"
-                )
-        if self.multi_latent_attention:
-            raise ModelConfigError("multi_latent_attention", True, "hybrid patterns have GQA attention: set it false")
-
-    def _validate_mamba(self) -> None:
-        for name in (
-            "mamba_state_dim",
-            "mamba_head_dim",
-            "mamba_num_groups",
-            "mamba_num_heads",
-            "mamba_conv_kernel_dim",
-            "mamba_chunk_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ModelConfigError(name, getattr(self, name), "must be at least 1")
-        if self.mamba_num_heads % self.mamba_num_groups:
-            raise ModelConfigError(
-                "mamba_num_heads",
-                self.mamba_num_heads,
-                f"must be a multiple of mamba_num_groups ({self.mamba_num_groups})",
-            )
-        if not 0 <= self.mamba_dt_clamp_min < math.inf:
-            raise ModelConfigError(
-                "mamba_dt_clamp_min", self.mamba_dt_clamp_min, "must be finite and at least 0 (0: no lower bound)"
-            )
-        high = self.mamba_dt_clamp_max
-        if high is not None and not self.mamba_dt_clamp_min < high:
-            raise ModelConfigError(
-                "mamba_dt_clamp_max",
-                high,
-                f"must exceed mamba_dt_clamp_min ({self.mamba_dt_clamp_min}), or be null for no upper bound",
-            )
 
     @property
     def rotary_dim(self) -> int:

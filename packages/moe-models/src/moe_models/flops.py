@@ -6,6 +6,9 @@ k top-k, F moe_ffn_hidden_size, a the activation's width factor (2 gated, 1 not)
 F_d ffn_hidden_size (dense layers); the per-head q/k width is d_qk = d (GQA) or d_n + d_r (MLA), v's is d (GQA)
 or d_v (MLA).
 
+DeepSeek Sparse Attention (DSA, ``dsa_indexer_topk``): T the top-k keys each query attends to, H_i
+dsa_indexer_n_heads index heads of d_i dsa_indexer_head_dim.
+
 Mamba-2 layers (hybrid patterns, ``hybrid_override_pattern``): N_m mamba_num_heads of P mamba_head_dim channels,
 I = N_m P, G_m mamba_num_groups of B and C of D_s mamba_state_dim each, W_m mamba_conv_kernel_dim.
 
@@ -31,11 +34,23 @@ multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per tok
 - core attention: ``6 N K (d_qk + d_v)`` (QK^T then AV over K keys), K the keys per query averaged over the
   sequence: causal ``S/2`` (Megatron's causal half), sliding window w < S: ``w - w^2 / (2 S)`` (the band of
   width w under the causal triangle, divided by S; ``S/2`` at w = S, so the two agree there), chunks of c < S
-  positions (Llama 4) ``(m c^2 + r^2) / (2 S)`` with S = m c + r (a causal triangle per chunk);
+  positions (Llama 4) ``(m c^2 + r^2) / (2 S)`` with S = m c + r (a causal triangle per chunk), DSA
+  ``min(T, causal keys)``: ``T - T^2 / (2 S)`` for T < S (query s attends to min(T, s) keys: the sliding window's
+  count with w = T), ``S/2`` for T >= S;
+- DSA's lightning indexer: its selection runs without gradient (the top-k is not differentiable), so forward only,
+  2 FLOPs per multiply-add: its projections ``2 x (r_q H_i d_i + H d_i + H H_i)`` (wq_b, wk, weights_proj) and its
+  scoring of every causal key ``2 H_i (d_i + 1) S/2`` (per key q.k in each index head, ``H_i d_i``, then the heads'
+  weighted sum, ``H_i``). Where it trains (``dsa_indexer_loss_coeff`` set) its loss runs it again with gradient, 6
+  per multiply-add: projections ``6 x (r_q H_i d_i + H d_i + H H_i)`` and scoring ``6 H_i (d_i + 1) K_l``, plus the
+  loss's target, the attention's probabilities without gradient, ``2 N d_qk K_l``; K_l = S/2 (every causal key) or,
+  with ``dsa_indexer_use_sparse_loss``, the selected keys' count above. The dense warm-up
+  (``dsa_indexer_dense_warmup``) selects nothing and attends to every causal key (S/2);
 - a Gated DeltaNet layer (instead of the attention terms): its projections and short convolution, 6 x
   ``H (2 K + 2 V + 2 N_v) + (2 K + V) W + V H`` (K = N_k d_k and V = N_v d_v its key and value widths, W the
   convolution's kernel), and the gated delta rule ``6 x 3 N_v d_k d_v`` (per value head the state is read by k,
-  written and read by q: the recurrent form's count, whatever the chunk size);
+  written and read by q: the recurrent form's count, whatever the chunk size); a Kimi Delta Attention layer (Kimi
+  Linear, N = N_k = N_v heads of d = d_k = d_v channels, X = N d) likewise: 6 x ``3 H X + 3 X W + 2 (H d + d X) +
+  H N + X H`` (q/k/v, conv, the forget and output gates' low-rank pairs, beta, o_proj) and the rule ``6 x 3 N d^2``;
 - a Mamba-2 layer (instead of the attention terms): its projections and short convolution, 6 x
   ``H (2 I + 2 G_m D_s + N_m) + (I + 2 G_m D_s) W_m + I H``, and the SSD scan ``6 x 2 N_m P D_s`` (per head the
   state ``[P, D_s]`` is written by x B^T and read by C: the recurrent form's count, whatever the chunk size, as
@@ -46,14 +61,17 @@ multiply-add per token (forward 2, input gradient 2, weight gradient 2). Per tok
   mixer;
 - logits ``6 H V`` (tied embeddings too: the GEMM still runs);
 - MTP, per depth: eh_proj ``6 * 2 H^2``, one MoE decoder layer with full causal attention, its logits ``6 H V``;
-- not counted: routers (as Megatron), norms, biases, sinks, rotary, softmax, activations, embedding lookups.
+- not counted: routers (as Megatron), norms, biases, sinks, rotary, softmax, activations, embedding lookups, DSA's
+  top-k selection.
 
 torchtitan convention: ``6 x (active parameters - the input embedding)`` (every weight a GEMM weight, routers
 and norms included) plus core attention ``6 N K (d_qk + d_v)`` per layer with K = S (no causal halving; for
 GQA this is torchtitan's ``12 L N d S``), K = ``min(w, S)`` in a sliding-window layer, ``min(c, S)`` in a chunked
-one; a Gated DeltaNet layer adds its gated delta rule ``6 x 3 N_v d_k d_v`` instead, a Mamba-2 layer its SSD scan
-``6 x 2 N_m P D_s``, a layer with no token mixer nothing. MTP depths add ``6 x`` their active parameters, their
-attention term with K = S, and ``6 H V`` for the shared head's logits.
+one, ``min(T, S)`` in a DSA layer (S in its dense warm-up), whose indexer adds its scoring and loss as above with
+S for S/2 (its projections are among the parameters); a Gated DeltaNet layer adds its gated delta rule
+``6 x 3 N_v d_k d_v`` instead, a Mamba-2 layer its SSD scan ``6 x 2 N_m P D_s``, a layer with no token mixer
+nothing. MTP depths add ``6 x`` their active parameters, their attention term with K = S, and ``6 H V`` for the
+shared head's logits.
 """
 
 from __future__ import annotations
@@ -89,7 +107,7 @@ def _attention_macs(c: ModelConfig) -> int:
         qk, v = _qk_v_head_dims(c)
         q = h * n * qk if c.q_lora_rank is None else h * c.q_lora_rank + c.q_lora_rank * n * qk
         kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank * n * (c.qk_head_dim + v)
-        return q + kv + n * v * h + _indexer_macs(c)
+        return q + kv + n * v * h  # DSA's indexer runs forward only: _indexer_flops
     q, kv = n * c.kv_channels, c.num_query_groups * c.kv_channels
     return h * (q * (1 + c.attention_output_gate) + 2 * kv) + q * h  # the output gate doubles q_proj
 
@@ -107,7 +125,8 @@ def _attention_params(c: ModelConfig) -> int:
     params = _attention_macs(c)
     if c.multi_latent_attention:
         indexer_norm = 2 * c.dsa_indexer_head_dim if c.dsa_indexer_topk is not None else 0  # LayerNorm with bias
-        return params + c.kv_lora_rank + (c.q_lora_rank or 0) + indexer_norm  # the latents' norms
+        indexer = _indexer_macs(c) + indexer_norm
+        return params + c.kv_lora_rank + (c.q_lora_rank or 0) + indexer  # the latents' norms, DSA's indexer
     q, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
     params += (q * (1 + c.attention_output_gate) + 2 * kv) * c.add_qkv_bias + c.hidden_size * c.add_bias_linear
     qk_norms = q + kv if c.qk_layernorm_across_heads else 2 * c.kv_channels  # one weight per q/k channel normed
@@ -119,22 +138,39 @@ def _linear_value_width(c: ModelConfig) -> int:
     return c.linear_num_value_heads * c.linear_value_head_dim
 
 
+def _kimi_delta_macs(c: ModelConfig) -> int:
+    """Multiply-adds per token of a Kimi Delta Attention layer's projections and short convolution (= their weight
+    count), N heads of d channels, width X = N d: q/k/v_proj ``3 H X``, conv ``3 X W``, the forget gate's and the
+    output gate's low-rank pairs (f_a/f_b, g_a/g_b) ``2 (H d + d X)``, b_proj ``H N``, o_proj ``X H``."""
+    h, heads, dim = c.hidden_size, c.linear_num_key_heads, c.linear_key_head_dim
+    width = heads * dim
+    return 3 * h * width + 3 * width * c.linear_conv_kernel_dim + 2 * (h * dim + dim * width) + h * heads + width * h
+
+
 def _linear_attention_macs(c: ModelConfig) -> int:
     """Multiply-adds per token of a Gated DeltaNet layer's projections and short convolution (= their weight count):
-    in_proj ``H (2 K + 2 V + 2 N_v)``, conv ``(2 K + V) W``, out_proj ``V H``."""
+    in_proj ``H (2 K + 2 V + 2 N_v)``, conv ``(2 K + V) W``, out_proj ``V H``; a KDA layer's:
+    :func:`_kimi_delta_macs`."""
+    if c.experimental_attention_variant == "kimi_delta_attention":
+        return _kimi_delta_macs(c)
     h, key, value = c.hidden_size, c.linear_num_key_heads * c.linear_key_head_dim, _linear_value_width(c)
     in_proj = h * (2 * key + 2 * value + 2 * c.linear_num_value_heads)
     return in_proj + (2 * key + value) * c.linear_conv_kernel_dim + value * h
 
 
 def _linear_attention_params(c: ModelConfig) -> int:
-    """A Gated DeltaNet layer's parameters: its weights, A_log and dt_bias per value head, the gated norm's weight."""
+    """A Gated DeltaNet layer's parameters: its weights, A_log and dt_bias per value head, the gated norm's weight; a
+    KDA layer's: its weights, A_log per head, dt_bias per channel of every head, the gated norm's weight."""
+    if c.experimental_attention_variant == "kimi_delta_attention":
+        heads, dim = c.linear_num_key_heads, c.linear_key_head_dim
+        return _kimi_delta_macs(c) + heads + heads * dim + dim
     return _linear_attention_macs(c) + 2 * c.linear_num_value_heads + c.linear_value_head_dim
 
 
 def _gated_delta_rule_flops(c: ModelConfig) -> float:
     """Training FLOPs per token of the gated delta rule (both conventions): per value head the state ``[d_k, d_v]`` is
-    read by k, written and read by q (``3 d_k d_v`` multiply-adds, the recurrent form's count), 6 FLOPs each."""
+    read by k, written and read by q (``3 d_k d_v`` multiply-adds, the recurrent form's count), 6 FLOPs each. KDA's
+    rule counts the same (its per-channel decay is elementwise, left out as the scalar decay is)."""
     return 6.0 * 3 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
 
 
@@ -242,7 +278,29 @@ def _core_attention_flops(
     c: ModelConfig, seq_len: int, window: int | None, causal_half: bool, chunk: int | None = None
 ) -> float:
     qk, v = _qk_v_head_dims(c)
+    if c.dsa_indexer_topk is not None:
+        return _sparse_attention_flops(c, seq_len, causal_half)
     return 6 * c.num_attention_heads * _keys_per_query(seq_len, window, causal_half, chunk) * (qk + v)
+
+
+def _sparse_attention_flops(c: ModelConfig, seq_len: int, causal_half: bool) -> float:
+    """A DSA layer's core attention over each query's top-k keys (counted as a sliding window of topk keys) and its
+    indexer (module docstring): the selection forward only, 2 FLOPs per multiply-add; where it trains, its loss 6
+    (the indexer with gradient) and its target 2. The projections are counted here in Megatron's convention only
+    (torchtitan's counts them among the parameters)."""
+    qk, v = _qk_v_head_dims(c)
+    causal = _keys_per_query(seq_len, None, causal_half)  # every earlier key
+    selected = _keys_per_query(seq_len, c.dsa_indexer_topk, causal_half)  # min(topk, earlier keys)
+    score_macs = c.dsa_indexer_n_heads * (c.dsa_indexer_head_dim + 1)  # per key: q.k per index head, the weighted sum
+    projections = _indexer_macs(c) if causal_half else 0  # the causal half is Megatron's convention
+    warmup = c.dsa_indexer_dense_warmup  # dense attention; the indexer selects nothing
+    flops = 6 * c.num_attention_heads * (causal if warmup else selected) * (qk + v)
+    if not warmup:
+        flops += 2 * (projections + score_macs * causal)
+    if c.dsa_indexer_loss_coeff:
+        keys = selected if c.dsa_indexer_use_sparse_loss else causal
+        flops += 6 * (projections + score_macs * keys) + 2 * c.num_attention_heads * qk * keys
+    return flops
 
 
 def _sequence_mixing_flops(

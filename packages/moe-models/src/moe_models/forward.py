@@ -55,13 +55,16 @@ def run_layers(
     routings: list,
     positions_S: torch.Tensor | None = None,
     document_ids_BS: torch.Tensor | None = None,
+    indexer_losses: list | None = None,
 ) -> torch.Tensor:
     """``x_BSH`` through decoder ``layers`` in order; each layer's routing (None for a dense one) goes to
-    ``routings``. ``document_ids_BS``: of the whole sequences (None: one document per row)."""
+    ``routings``, and the DSA indexer loss of a layer training its indexer to ``indexer_losses`` (None: dropped).
+    ``document_ids_BS``: of the whole sequences (None: one document per row)."""
     for layer in layers:
         documents = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
-        x_BSH, routing = layer(x_BSH, cos_SF, sin_SF, positions_S, **documents)
+        x_BSH, routing, *indexer_loss = layer(x_BSH, cos_SF, sin_SF, positions_S, **documents)
         routings.append(routing)
+        _keep_indexer_loss(indexer_losses, indexer_loss)
     return x_BSH
 
 
@@ -74,11 +77,13 @@ def run_head(
     routings: list,
     positions_S: torch.Tensor | None = None,
     document_ids_BS: torch.Tensor | None = None,
+    indexer_losses: list | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The logits and the MTP depths' logits from the last layer's output; ``parts`` holds ``norm``, ``lm_head``,
     ``mtp`` and (for MTP) ``embed_tokens``: the whole model, or the last pipeline stage. ``input_ids_BS`` is the
     whole sequences, ``positions_S`` the positions computed; ``document_ids_BS`` (whole sequences) keeps the MTP
-    depths' attention within each document too (which of their positions have a label is the loss's business)."""
+    depths' attention within each document too (which of their positions have a label is the loss's business). The
+    MTP layers' DSA indexer losses go to ``indexer_losses`` as :func:`run_layers`' do."""
     logits_BSV = parts.lm_head(parts.norm(x_BSH))
     mtp_logits = []
     hidden_BSH, ids_BS = x_BSH, input_ids_BS
@@ -88,10 +93,23 @@ def run_head(
         ids_BS = torch.roll(ids_BS, -1, dims=1)
         next_embed_BSH = parts.embed_tokens(at_positions(ids_BS, positions_S))
         documents = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
-        hidden_BSH, routing = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S, **documents)
+        hidden_BSH, routing, *indexer_loss = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S, **documents)
         routings.append(routing)
+        _keep_indexer_loss(indexer_losses, indexer_loss)
         mtp_logits.append(parts.lm_head(mtp.final_norm(hidden_BSH)))
     return logits_BSV, tuple(mtp_logits)
+
+
+def _keep_indexer_loss(indexer_losses: list | None, side: list) -> None:
+    """A layer's indexer loss (its output's third item, None when it computed none) into ``indexer_losses``."""
+    if indexer_losses is not None and side and side[0] is not None:
+        indexer_losses.append(side[0])
+
+
+def indexer_loss_sum(indexer_losses: list[torch.Tensor]) -> torch.Tensor | None:
+    """The layers' DSA indexer losses summed (scalar, fp32 or fp64 as they are; with their gradient); None when no
+    layer computed one."""
+    return torch.stack(indexer_losses).sum() if indexer_losses else None
 
 
 def aux_loss_sum(routings: list[RoutingResult], like: torch.Tensor) -> torch.Tensor:

@@ -23,14 +23,16 @@ from torch import nn
 
 from moe_dispatch import TopKRouter
 from moe_experts import GroupedExperts, SharedExperts, expert_seed
+from moe_models.kimi_delta import PerChannelForgetGate
+from moe_models.mamba import Mamba2Mixer
 
 ROWS_PER_DRAW = 1024  # rows of dim 0 drawn from one generator: a slice draws only the blocks it touches
 # Linear layers whose output adds to the residual stream: initialised with std / sqrt(2 * layers), as Megatron
 _OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
 # Gated DeltaNet and Mamba-2: A = exp(A_log) drawn uniformly in this range per value head (Mamba-2's, Megatron-Core's)
 A_INIT_RANGE = (1.0, 16.0)
-# Mamba-2: the time step softplus(dt_bias) starts log-uniform in this range, at least MAMBA_DT_INIT_FLOOR (Mamba-2's,
-# Megatron-Core's and transformers' Nemotron-H defaults)
+# Mamba-2 and Kimi Delta Attention: softplus(dt_bias) starts log-uniform in this range, at least MAMBA_DT_INIT_FLOOR
+# (Mamba-2's, Megatron-Core's, transformers' Nemotron-H and Kimi Linear defaults)
 MAMBA_DT_INIT_RANGE = (1e-3, 1e-1)
 MAMBA_DT_INIT_FLOOR = 1e-4
 
@@ -74,7 +76,8 @@ def _rules(model: nn.Module, std: float, num_layers: int) -> tuple[dict[str, Rul
                 rule = Rule(std=(3.0 * module.kernel_size[0]) ** -0.5)
             elif name == "A_log":  # Gated DeltaNet and Mamba-2: log of the per-head decay rate
                 rule = Rule(log_uniform=A_INIT_RANGE)
-            elif name == "dt_bias" and hasattr(module, "D"):  # Mamba-2: softplus(dt_bias) is the initial time step
+            elif name == "dt_bias" and isinstance(module, Mamba2Mixer | PerChannelForgetGate):
+                # Mamba-2 and Kimi Delta Attention: softplus(dt_bias) starts log-uniform (as transformers and FLA)
                 rule = Rule(softplus_log_uniform=MAMBA_DT_INIT_RANGE)
             elif name in ("dt_bias", "D"):  # Gated DeltaNet: softplus(a + dt_bias); Mamba-2: the skip. Ones
                 rule = Rule(fill=1.0)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_models.config import ModelConfig
 from moe_models.gated_delta import (
     _heads_first,
     _in_chunks,
@@ -47,8 +48,10 @@ from moe_models.gated_delta import (
     causal_conv1d,
 )
 from moe_models.layers import rms_normalised
+from moe_models.recurrent_documents import per_document
+from moe_models.sequence_segments import SegmentedPositions, SequenceSegments
 
-__all__ = ["KimiDeltaAttention", "chunk_kimi_delta_rule", "recurrent_kimi_delta_rule"]
+__all__ = ["KimiDeltaAttention", "KimiDeltaMixer", "chunk_kimi_delta_rule", "recurrent_kimi_delta_rule"]
 
 _SUB_CHUNK = 8  # the largest sub-chunk: a divisor of the chunk size at most this long (module docstring)
 
@@ -264,3 +267,91 @@ class KimiDeltaAttention(nn.Module):
         )
         gate_BSNV = self.g_b_proj(self.g_a_proj(x_BSH)).unflatten(-1, (self.num_heads, self.head_dim))
         return self.o_proj(self.o_norm(o_BSNV, gate_BSNV).flatten(-2))
+
+
+class KimiDeltaMixer(KimiDeltaAttention):
+    """Kimi Linear's KDA token mixer (``experimental_attention_variant="kimi_delta_attention"``,
+    :class:`~moe_models.kimi_delta.KimiDeltaAttention` of the ``linear_*`` sizes) called as attention is: the rotary
+    tables are not used, and each document of packed rows is computed alone, from zero states. Given positions (a
+    context-parallel rank's chunks, a generation cache's new tokens) are segments computed from the states the segments
+    before them leave, through ``segments``, as :class:`~moe_models.linear_attention.GatedDeltaNet`'s are: the KDA rule
+    is linear in its initial state too, so one call from the state ``[0 | I]`` gives a segment's final state and
+    transition (its module docstring). Packed documents with given positions are refused for now."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        c = config
+        super().__init__(
+            hidden_size=c.hidden_size,
+            num_heads=c.linear_num_key_heads,
+            head_dim=c.linear_key_head_dim,
+            conv_kernel_size=c.linear_conv_kernel_dim,
+            chunk_size=c.linear_attention_chunk_size,
+            norm_eps=c.norm_epsilon,
+        )
+        self.segments = SequenceSegments()
+
+    def forward(
+        self,
+        x_BSH: torch.Tensor,
+        cos_SF: torch.Tensor | None = None,
+        sin_SF: torch.Tensor | None = None,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if positions_S is None:
+            return per_document(super().forward, (x_BSH,), document_ids_BS)
+        if document_ids_BS is not None:
+            raise ValueError(
+                "experimental_attention_variant='kimi_delta_attention': its layers take packed documents or given "
+                "positions (context parallelism), not both yet: turn off document packing or use cp=1"
+            )
+        qkv_BSC = torch.cat([self.q_proj(x_BSH), self.k_proj(x_BSH), self.v_proj(x_BSH)], dim=-1)
+        o_BSNV = self._mix_segments(qkv_BSC, self.forget_gate(x_BSH), self.b_proj(x_BSH).sigmoid(), positions_S)
+        gate_BSNV = self.g_b_proj(self.g_a_proj(x_BSH)).unflatten(-1, (self.num_heads, self.head_dim))
+        return self.o_proj(self.o_norm(o_BSNV, gate_BSNV).flatten(-2))
+
+    def _mix_segments(
+        self, qkv_BSC: torch.Tensor, g_BSNK: torch.Tensor, beta_BSN: torch.Tensor, positions_S: torch.Tensor
+    ) -> torch.Tensor:
+        """The convolution and the KDA rule of the runs of consecutive ``positions_S``, each from the states its
+        predecessor leaves: the output ``[B, S, N, V]``."""
+        segments = SegmentedPositions(self.segments, positions_S)
+        conv_weight_CW, dim = self.conv1d.weight.squeeze(1), self.head_dim
+        pieces = segments.pieces(qkv_BSC)
+        conv_states = segments.conv_states(pieces, conv_weight_CW.shape[-1])
+        outputs, summaries = [], []
+        for piece_BLC, conv_state, g_BLNK, beta_BLN in zip(
+            pieces, conv_states, segments.pieces(g_BSNK), segments.pieces(beta_BSN), strict=True
+        ):
+            piece_BLC, _ = causal_conv1d(piece_BLC, conv_weight_CW, activation="silu", initial_state_BCW1=conv_state)
+            q_BLNK, k_BLNK, v_BLNV = piece_BLC.unflatten(-1, (3, self.num_heads, dim)).unbind(-3)
+            batch, length, heads, _ = v_BLNV.shape
+            # K zero value columns read the transition from an identity initial state
+            v_BLNX = torch.cat([v_BLNV, v_BLNV.new_zeros(batch, length, heads, dim)], dim=-1)
+            eye_BNKK = torch.eye(dim, device=v_BLNV.device).expand(batch, heads, dim, dim)
+            state_BNKX = torch.cat([torch.zeros_like(eye_BNKK), eye_BNKK], dim=-1)
+            o_BLNX, final_BNKX = chunk_kimi_delta_rule(
+                q_BLNK,
+                k_BLNK,
+                v_BLNX,
+                g_BLNK,
+                beta_BLN,
+                chunk_size=self.chunk_size,
+                initial_state_BNKV=state_BNKX,
+                output_final_state=True,
+                use_qk_l2norm=True,
+            )
+            outputs.append(o_BLNX)
+            summaries.append(final_BNKX)
+
+        def step(summary_BNKX: torch.Tensor, state_BNKV: torch.Tensor, length: int) -> torch.Tensor:
+            d_BNKV, m_BNKK = summary_BNKX.split([dim, dim], dim=-1)
+            return m_BNKK @ state_BNKV + d_BNKV
+
+        zero_BNKV = summaries[0].new_zeros((*summaries[0].shape[:-1], dim))
+        mixed = []
+        for o_BLNX, state_in_BNKV in zip(outputs, segments.chain(summaries, step, zero_BNKV), strict=True):
+            o_BLNV, qm_BLNK = o_BLNX.split([dim, dim], dim=-1)
+            correction_BLNV = torch.einsum("blnk,bnkv->blnv", qm_BLNK.to(state_in_BNKV.dtype), state_in_BNKV)
+            mixed.append((o_BLNV.to(state_in_BNKV.dtype) + correction_BLNV).to(o_BLNV.dtype))
+        return torch.cat(mixed, dim=1)

@@ -14,12 +14,14 @@ and normalised, ``weight * rmsnorm(y * silu(z))`` over the channels of each grou
 (:func:`~moe_models.ssd.gated_rms_norm`, epsilon ``norm_epsilon``), and goes through ``out_proj``. The scan and the
 norm compute in fp32 (fp64 for fp64 inputs), as transformers' torch path does, and ``out_proj`` takes the input's dtype.
 
-Parameters as transformers' ``NemotronHMamba2Mixer`` names and lays them out, so a checkpoint imports by name:
-``in_proj`` rows ``[z, x, B, C, dt]`` (each part whole, heads and groups in order), conv channels ``[x, B, C]``,
-``dt_bias``, ``A_log`` and ``D`` one per head, ``norm.weight`` one per channel of x, ``out_proj``. A contiguous
-split of ``in_proj``'s rows is therefore not a split of the heads: tensor parallelism would split each of the five
-parts (and each of the conv's three) with the heads and groups, as Megatron-Core's mixer does. The layer reads how many
-heads it holds from :meth:`Mamba2Mixer.head_parameters`, so a rank holding such a split computes its heads.
+Parameters under transformers' ``NemotronHMamba2Mixer`` names: ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log`` and
+``D`` one per head, ``norm.weight`` one per channel of x (heads in order), ``out_proj``. Their rows are grouped by B/C
+group, so that a contiguous split over tensor-parallel ranks gives each rank whole groups with their heads:
+``in_proj``'s rows are, group by group, ``[z, x, B, C, dt]`` of the group (its heads' z and x channels, its B and C,
+its heads' time steps), the conv's channels ``[x, B, C]`` of each group; transformers stores each of the five parts
+whole over all heads and groups (``[z, x, B, C, dt]``, conv ``[x, B, C]``), and ``moe_models.hf`` reorders the rows
+on import and export. The layer reads how many heads it holds from :meth:`Mamba2Mixer.head_parameters`, so a rank
+holding a split computes its heads and groups.
 
 Packed documents (``document_ids_BS``): neither the convolution window nor the state crosses a document boundary, each
 document computed alone from zero states, batched by length as Gated DeltaNet does
@@ -120,9 +122,10 @@ class Mamba2Mixer(nn.Module):
                 "document packing or use cp=1"
             )
         p = self.head_parameters()
-        heads = p.A_log_N.shape[0]
-        inner, bc = heads * self.head_dim, heads // self.heads_per_group * self.state_dim
-        z_BSI, xbc_BSC, dt_BSN = self.in_proj(x_BSH).split([inner, inner + 2 * bc, heads], dim=-1)
+        groups, width = p.A_log_N.shape[0] // self.heads_per_group, self.heads_per_group * self.head_dim
+        proj_BSGX = self.in_proj(x_BSH).unflatten(-1, (groups, -1))  # per group [z, x, B, C, dt]
+        parts = [width, width + 2 * self.state_dim, self.heads_per_group]
+        z_BSI, xbc_BSC, dt_BSN = (part.flatten(-2) for part in proj_BSGX.split(parts, dim=-1))
         compute = torch.promote_types(x_BSH.dtype, torch.float32)
         dt_BSN = F.softplus(dt_BSN.to(compute) + p.dt_bias_N.to(compute)).clamp(*self.dt_clamp)
         if positions_S is None:
@@ -153,17 +156,19 @@ class Mamba2Mixer(nn.Module):
             xbc_BSC, p.conv_weight_CW, p.conv_bias_C, activation="silu", initial_state_BCW1=conv_state_BCW1
         )
         heads = dt_BSN.shape[-1]
-        inner, bc = heads * self.head_dim, heads // self.heads_per_group * self.state_dim
-        x_BSI, B_BSJ, C_BSJ = xbc_BSC.split([inner, bc, bc], dim=-1)
-        C_BSGD = C_BSJ.unflatten(-1, (-1, self.state_dim))
-        x_BSNP = x_BSI.unflatten(-1, (heads, self.head_dim))
+        groups, width = heads // self.heads_per_group, self.heads_per_group * self.head_dim
+        # the conv's channels, per group [x, B, C]
+        x_BSGW, B_BSGD, C_BSGD = xbc_BSC.unflatten(-1, (groups, -1)).split(
+            [width, self.state_dim, self.state_dim], dim=-1
+        )
+        x_BSNP = x_BSGW.reshape(*x_BSGW.shape[:2], heads, self.head_dim)
         if scan.name == "torch":  # the output in fp32, as transformers'; a vendor's takes x, B, C in one dtype
             x_BSNP = x_BSNP.to(dt_BSN.dtype)
         y_BSNP, final_BNPD = scan(
             x_BSNP,
             dt_BSN,
             -p.A_log_N.to(dt_BSN.dtype).exp(),
-            B_BSJ.unflatten(-1, (-1, self.state_dim)),
+            B_BSGD,
             C_BSGD,
             chunk_size=self.chunk_size,
             D_N=p.D_N,

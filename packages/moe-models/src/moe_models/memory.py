@@ -32,11 +32,14 @@ from moe_memory.estimate import (
     RunShape,
 )
 from moe_models.config import ModelConfig, ModelConfigError
+from moe_models.mla import MultiLatentAttention
 from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
 # the token mixers (ModelConfig.layer_mixers) whose saves moe_models.saved_bytes declares; model_shape refuses others
 ESTIMATED_MIXERS = ("attention", "linear_attention", "mamba")
+# the linear-attention layers (experimental_attention_variant) declared: Gated DeltaNet's; KDA's saves are not
+ESTIMATED_LINEAR_VARIANTS = (None, "gated_delta_net")
 
 __all__ = ["estimate_module", "local_parameters", "model_shape", "run_shape"]
 
@@ -51,6 +54,7 @@ def _attention(config: ModelConfig, full: bool, rope: bool) -> GQAShape | MLASha
             qk_nope_dim=c.qk_head_dim,
             qk_rope_dim=c.qk_pos_emb_head_dim,
             v_dim=c.v_head_dim,
+            topk=c.dsa_indexer_topk,
         )
     return GQAShape(
         heads=c.num_attention_heads,
@@ -110,8 +114,17 @@ def model_shape(config: ModelConfig) -> ModelShape:
     """The layer shapes of ``config`` (one per decoder layer, from :meth:`~moe_models.config.ModelConfig.layer_mixers`:
     a Gated DeltaNet for each linear-attention layer, a Mamba-2 mixer for each of a hybrid pattern's ``M`` layers, and a
     hybrid pattern's layers of one block without the other; the MTP depths are ``mtp_depth``, with full attention),
-    with what its modules save for backward (:mod:`moe_models.saved_bytes`)."""
+    with what its modules save for backward (:mod:`moe_models.saved_bytes`). DeepSeek Sparse Attention is MLA with
+    ``topk``, its indexer not training; other linear-attention variants than Gated DeltaNet (KDA) are refused."""
     c = config
+    variant = c.experimental_attention_variant
+    if variant not in ESTIMATED_LINEAR_VARIANTS:  # its layers are "linear_attention" too: never estimate them as GDN
+        raise ModelConfigError(
+            "experimental_attention_variant",
+            variant,
+            "not estimated: the saved-activation estimate models Gated DeltaNet linear-attention layers only "
+            "(measure with moe_memory.SavedTensorBytes)",
+        )
     mixers = c.layer_mixers()
     unknown = sorted({m.token for m in mixers if m.token is not None} - set(ESTIMATED_MIXERS))
     if unknown:
@@ -121,12 +134,12 @@ def model_shape(config: ModelConfig) -> ModelShape:
             f"not estimated: the saved-activation estimate does not model {', '.join(unknown)} layers yet "
             "(measure with moe_memory.SavedTensorBytes)",
         )
-    if c.dsa_indexer_topk is not None:  # the sparse core attention saves its gathered keys and values
+    if c.dsa_indexer_loss_coeff:  # the indexer's loss re-scores keys with gradient: its saves are not declared
         raise ModelConfigError(
-            "dsa_indexer_topk",
-            c.dsa_indexer_topk,
-            "not estimated: the saved-activation estimate does not model DeepSeek sparse attention yet (measure with "
-            "moe_memory.SavedTensorBytes)",
+            "dsa_indexer_loss_coeff",
+            c.dsa_indexer_loss_coeff,
+            "not estimated: the saved-activation estimate models DSA with its indexer selecting only, not training "
+            "(unset it, or measure with moe_memory.SavedTensorBytes)",
         )
     layers = tuple(
         LayerShape(
@@ -213,8 +226,15 @@ def _local_tensor(tensor):
 
 def local_parameters(model: nn.Module) -> LocalParameters:
     """The trainable parameters ``model`` holds on this rank (DTensors: their local shards; tied parameters once),
-    its buffer bytes, and the routed experts' share of the elements."""
-    numel = tensors = experts = 0
+    its buffer bytes, the routed experts' share of the elements, and the parameters no gradient reaches: those of
+    DeepSeek Sparse Attention's indexers while no indexer loss trains them (they only select, without gradient)."""
+    selecting_only = {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, MultiLatentAttention) and module.indexer is not None and not module.trains_indexer
+        for param in module.indexer.parameters()
+    }
+    numel = tensors = experts = untrained = untrained_tensors = 0
     for name, param in model.named_parameters():  # tied parameters come once
         if not param.requires_grad:
             continue
@@ -222,8 +242,17 @@ def local_parameters(model: nn.Module) -> LocalParameters:
         numel, tensors = numel + n, tensors + 1
         if ".mlp.experts." in f".{name}":
             experts += n
+        if id(param) in selecting_only:
+            untrained, untrained_tensors = untrained + n, untrained_tensors + 1
     buffers = sum(_local_tensor(b).numel() * b.element_size() for b in model.buffers())
-    return LocalParameters(numel=numel, tensors=tensors, buffer_bytes=buffers, expert_numel=experts)
+    return LocalParameters(
+        numel=numel,
+        tensors=tensors,
+        buffer_bytes=buffers,
+        expert_numel=experts,
+        untrained_numel=untrained,
+        untrained_tensors=untrained_tensors,
+    )
 
 
 # qualified-name suffix -> the estimate's module; the first match wins, checked in this order
@@ -235,6 +264,7 @@ _MODULE_OF = (
     (r"attention\.(q_norm|k_norm)", "qk_norm"),
     (r"attention\.(q_a_norm|kv_a_norm)", "latent_norm"),
     (r"attention\.up_proj", "mla_up_proj"),
+    (r"attention\.indexer(\..+)?", "indexer"),  # DSA's lightning indexer and its ranking
     (r"attention\.core_attention", "core_attn"),
     (r"attention\.o_proj", "attn_proj"),
     (r"attention\.in_proj", "qkv_linear"),  # a Gated DeltaNet's or Mamba-2 mixer's projections and gated norm

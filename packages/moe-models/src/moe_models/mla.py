@@ -4,11 +4,20 @@ each q/k head gets rotary embeddings, with one rotary key shared by all heads.
 With DeepSeek Sparse Attention (DeepSeek-V3.2: ``dsa_indexer_topk`` set) a lightning indexer (``indexer``, as
 transformers names it) reads the hidden state and the normalised q latent and picks each query's top-k earlier keys;
 ``core_attention`` is then :class:`~moe_models.sparse_attention.SparseCoreAttention` over those keys alone, called
-with the indices where dense core attention takes its sinks. The indexer runs without gradient (as transformers'):
-the selection is not differentiable, so its weights learn from the indexer loss alone, which is not wired here yet.
-It would plug in beside the selection: ``indexer.selected_scores(x.detach(), q_latent.detach(), ...)`` on the
-indices and :func:`~moe_models.sparse_attention.sparse_indexer_loss` against this layer's q and k (or the dense
-warm-up's ``scores`` / ``dense_indexer_loss``), the loss handed out as the routers' aux losses are."""
+with the indices where dense core attention takes its sinks. The selection runs without gradient (as transformers'):
+it is not differentiable, so the indexer learns from its own loss alone.
+
+Training the indexer (``dsa_indexer_loss_coeff`` set; DeepSeek-V3.2 report sec. 2.1, Megatron-Core's DSAttention):
+in training mode with gradients on, the layer also computes the indexer's KL loss against this layer's attention,
+the indexer reading ``x.detach()`` and ``q_latent.detach()`` and the target built from q and k without gradient, so
+that the loss reaches the indexer's parameters and nothing else; the forward then returns ``(out, indexer_loss)``
+(the loss None in eval mode or under no_grad) and the decoder layer hands it on (``ModelOutput.indexer_loss``, summed
+over layers; the trainer adds ``dsa_indexer_loss_coeff`` times it). Which KL:
+  * ``dsa_indexer_use_sparse_loss``: over the selected keys (:func:`~moe_models.sparse_attention.sparse_indexer_loss`,
+    the report's sparse stage);
+  * otherwise over every earlier key (:func:`~moe_models.sparse_attention.dense_indexer_loss`), attention still
+    sparse (Megatron-Core's default) or, with ``dsa_indexer_dense_warmup``, dense (the report's warm-up: the core is
+    dense :class:`~moe_models.attention.CoreAttention` and the indexer selects nothing)."""
 
 from __future__ import annotations
 
@@ -19,7 +28,12 @@ from moe_models.attention import CoreAttention
 from moe_models.config import ModelConfig
 from moe_models.layers import RMSNorm
 from moe_models.rope import apply_rotary
-from moe_models.sparse_attention import LightningIndexer, SparseCoreAttention
+from moe_models.sparse_attention import (
+    LightningIndexer,
+    SparseCoreAttention,
+    dense_indexer_loss,
+    sparse_indexer_loss,
+)
 
 
 class MLAUpProjection(nn.Module):
@@ -81,6 +95,9 @@ class MultiLatentAttention(nn.Module):
         self.up_proj = MLAUpProjection(self.nope_dim, self.rope_dim, self.v_dim, c.rotary_interleaved)
         self.indexer: LightningIndexer | None = None
         self.core_attention: CoreAttention | SparseCoreAttention = CoreAttention(c.softmax_scale)
+        # set by the config alone, so the forward's return shape is too: (out, indexer_loss) when the indexer trains
+        self.trains_indexer = bool(c.dsa_indexer_loss_coeff)
+        self.sparse_indexer_loss, self.dense_warmup = c.dsa_indexer_use_sparse_loss, c.dsa_indexer_dense_warmup
         if c.dsa_indexer_topk is not None:
             self.indexer = LightningIndexer(
                 hidden_size=h,
@@ -89,8 +106,10 @@ class MultiLatentAttention(nn.Module):
                 head_dim=c.dsa_indexer_head_dim,
                 rope_dim=self.rope_dim,
                 topk=c.dsa_indexer_topk,
+                rope_interleaved=c.dsa_indexer_rope_interleaved,  # GLM-5's indexer rotates interleaved pairs
             )
-            self.core_attention = SparseCoreAttention(c.softmax_scale)
+            if not self.dense_warmup:
+                self.core_attention = SparseCoreAttention(c.softmax_scale)
 
     def forward(
         self,
@@ -99,8 +118,9 @@ class MultiLatentAttention(nn.Module):
         sin_SF: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As :meth:`moe_models.attention.Attention.forward`."""
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """As :meth:`moe_models.attention.Attention.forward`; ``(out, indexer_loss)`` when the indexer trains (module
+        docstring)."""
         b, s, _ = x_BSH.shape
         q_in_BSQ = self.q_a_norm(self.q_a_proj(x_BSH)) if self.q_latent else x_BSH
         latent_BSC, k_rope_BSR = self.kv_a_proj(x_BSH).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -109,9 +129,42 @@ class MultiLatentAttention(nn.Module):
             q_up, self.kv_b_proj, q_in_BSQ, self.kv_a_norm(latent_BSC), k_rope_BSR, cos_SF, sin_SF
         )
         documents = () if document_ids_BS is None else (document_ids_BS,)  # a 7th argument only with documents
-        if self.indexer is None:
+        indices_BST = None
+        if self.indexer is None or self.dense_warmup:
             out_BNSV = self.core_attention(q, k, v_BNSV, None, positions_S, positions_S, *documents)
         else:  # the selection keeps each query to its own document, so the sparse core needs no document ids
             indices_BST = self.indexer(x_BSH, q_in_BSQ, cos_SF, sin_SF, positions_S, None, positions_S, *documents)
             out_BNSV = self.core_attention(q, k, v_BNSV, indices_BST, positions_S, positions_S)
-        return self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, -1))
+        out_BSH = self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, -1))
+        if not self.trains_indexer:
+            return out_BSH
+        if not (self.training and torch.is_grad_enabled()):  # evaluation, generation: nothing to train
+            return out_BSH, None
+        loss = self._indexer_loss(x_BSH, q_in_BSQ, cos_SF, sin_SF, q, k, indices_BST, positions_S, document_ids_BS)
+        return out_BSH, loss
+
+    def _indexer_loss(
+        self,
+        x_BSH: torch.Tensor,
+        q_in_BSQ: torch.Tensor,
+        cos_SF: torch.Tensor,
+        sin_SF: torch.Tensor,
+        q_BNSD: torch.Tensor,
+        k_BNSD: torch.Tensor,
+        indices_BST: torch.Tensor | None,
+        positions_S: torch.Tensor | None,
+        document_ids_BS: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The indexer's KL loss (fp32 scalar) against this layer's attention: the indexer's inputs and the attention's
+        q and k detached, so its gradient reaches the indexer's parameters alone."""
+        x_BSH, q_in_BSQ, q_BNSD, k_BNSD = x_BSH.detach(), q_in_BSQ.detach(), q_BNSD.detach(), k_BNSD.detach()
+        scale = self.core_attention.scale
+        if self.sparse_indexer_loss:
+            selected_BST = self.indexer.selected_scores(x_BSH, q_in_BSQ, cos_SF, sin_SF, indices_BST)
+            return sparse_indexer_loss(selected_BST, q_BNSD, k_BNSD, indices_BST, scale, positions_S, positions_S)
+        scores_BSK = self.indexer.scores(
+            x_BSH, q_in_BSQ, cos_SF, sin_SF, positions_S, None, positions_S, document_ids_BS
+        )
+        return dense_indexer_loss(
+            scores_BSK, q_BNSD, k_BNSD, scale, positions_S, positions_S, documents_BS=document_ids_BS
+        )

@@ -12,6 +12,7 @@ Parameter names (the checkpoint layout; ``moe_models.hf`` maps them to HuggingFa
     layers.{i}.attention.{q,k,v,o}_proj.{weight,bias}, q_norm, k_norm, sinks              (GQA)
     layers.{i}.attention.q_proj | q_a_proj, q_a_norm, q_b_proj; kv_a_proj, kv_a_norm, kv_b_proj, o_proj  (MLA)
     layers.{i}.attention.in_proj, conv1d, A_log, dt_bias, norm, out_proj              (Gated DeltaNet layers)
+    layers.{i}.attention.{q,k,v}_proj, conv1d, forget_gate.*, b_proj, g_a/g_b_proj, o_norm, o_proj  (KDA layers)
     layers.{i}.attention.in_proj, conv1d, A_log, dt_bias, D, norm, out_proj           (Mamba-2 layers)
     layers.{i}.mlp.{gate,up,down}_proj.weight (no gate_proj: non-gated activations)       (dense layers)
     layers.{i}.mlp.router.{weight,bias,expert_bias}, mlp.experts.*, mlp.shared_experts.*  (MoE layers)
@@ -30,8 +31,17 @@ from torch import nn
 from moe_dispatch import RoutingResult, TopKRouter
 from moe_models.attention import Attention
 from moe_models.config import ModelConfig
-from moe_models.forward import at_positions, aux_loss_sum, rotary_tables, run_head, run_layers, tokens_per_expert
+from moe_models.forward import (
+    at_positions,
+    aux_loss_sum,
+    indexer_loss_sum,
+    rotary_tables,
+    run_head,
+    run_layers,
+    tokens_per_expert,
+)
 from moe_models.init import InitialWeights
+from moe_models.kimi_delta import KimiDeltaMixer
 from moe_models.layer_patterns import LayerMixers
 from moe_models.layers import DenseMLP, MoEBlock, RMSNorm
 from moe_models.linear_attention import GatedDeltaNet
@@ -55,12 +65,16 @@ class ModelOutput:
     # int64 kept (token, expert) pairs, one row per router in ``model.routers()`` order: logging, expert bias
     tokens_per_expert_LE: torch.Tensor
     mtp_logits: tuple[torch.Tensor, ...] = ()  # [B, S, V] per MTP depth; depth k at i predicts token i + k + 1
+    # fp32 (fp64 for fp64) scalar WITH gradient (to the DSA indexers' parameters only): the indexer KL losses summed
+    # over the layers (MTP depths' included), without dsa_indexer_loss_coeff; None unless the indexers train (training
+    # mode, grad on)
+    indexer_loss: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + token mixer(norm(x)), then x + channel mixer(norm(x)). The token mixer (``attention``) is
-    softmax attention, a Gated DeltaNet or a Mamba-2 mixer, the channel mixer (``mlp``) MoE or dense; a hybrid
-    pattern's layer has one of the two (the other and its norm are None)."""
+    softmax attention, a Gated DeltaNet, a Kimi Delta Attention or a Mamba-2 mixer, the channel mixer (``mlp``) MoE
+    or dense; a hybrid pattern's layer has one of the two (the other and its norm are None)."""
 
     def __init__(
         self, config: ModelConfig, mixers: LayerMixers, full_attention: bool = True, rope: bool = True
@@ -70,8 +84,12 @@ class DecoderLayer(nn.Module):
         zero_centered = c.layernorm_zero_centered_gamma
         norm = functools.partial(RMSNorm, c.hidden_size, c.norm_epsilon, zero_centered)
         self.input_norm = norm() if mixers.token is not None else None
-        self.attention: Attention | MultiLatentAttention | GatedDeltaNet | Mamba2Mixer | None = None
-        if mixers.token == "linear_attention":  # the token mixer of experimental_attention_variant's layers
+        self.attention: Attention | MultiLatentAttention | GatedDeltaNet | KimiDeltaMixer | Mamba2Mixer | None = None
+        # an MLA layer without rotary embeddings (Kimi Linear's) is handed the tables of no rotation (cos 1, sin 0)
+        self.mla_nope = mixers.token == "attention" and c.multi_latent_attention and not rope
+        if mixers.token == "linear_attention" and c.experimental_attention_variant == "kimi_delta_attention":
+            self.attention = KimiDeltaMixer(c)
+        elif mixers.token == "linear_attention":  # the token mixer of experimental_attention_variant's layers
             self.attention = GatedDeltaNet(c)
         elif mixers.token == "mamba":
             self.attention = Mamba2Mixer(c)
@@ -97,7 +115,8 @@ class DecoderLayer(nn.Module):
     @property
     def mixers(self) -> LayerMixers:
         """The kinds of this layer's token and channel mixers (None where it has none)."""
-        token = {GatedDeltaNet: "linear_attention", Mamba2Mixer: "mamba"}.get(type(self.attention), "attention")
+        token = "mamba" if isinstance(self.attention, Mamba2Mixer) else "attention"
+        token = "linear_attention" if self.is_linear_attention else token
         channel = "moe" if self.is_moe else "mlp"
         return LayerMixers(token if self.attention is not None else None, channel if self.mlp is not None else None)
 
@@ -107,14 +126,15 @@ class DecoderLayer(nn.Module):
 
     @property
     def is_linear_attention(self) -> bool:
-        """Whether the token mixer is a linear-attention layer (:class:`~moe_models.linear_attention.GatedDeltaNet`)."""
-        return isinstance(self.attention, GatedDeltaNet)
+        """Whether the token mixer is a linear-attention layer (:class:`~moe_models.linear_attention.GatedDeltaNet` or
+        :class:`~moe_models.kimi_delta.KimiDeltaMixer`)."""
+        return isinstance(self.attention, GatedDeltaNet | KimiDeltaMixer)
 
     @property
     def is_recurrent(self) -> bool:
-        """Whether the token mixer carries a state along the sequence (a Gated DeltaNet or a Mamba-2 mixer): no core
+        """Whether the token mixer carries a state along the sequence (a Gated DeltaNet, KDA or Mamba-2 mixer): no core
         attention; under context parallelism its ``segments`` module chains the states."""
-        return isinstance(self.attention, GatedDeltaNet | Mamba2Mixer)
+        return isinstance(self.attention, GatedDeltaNet | KimiDeltaMixer | Mamba2Mixer)
 
     def forward(
         self,
@@ -123,21 +143,29 @@ class DecoderLayer(nn.Module):
         sin_SF: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, RoutingResult | None]:
-        """``positions_S``: the positions of the sequences this layer computes (None: all); ``document_ids_BS``: the
-        whole sequences' document ids (packed rows; None: one document per row). Attention takes them whole; a MoE
-        mlp takes those of the tokens it computes (padding then weighs in no routing statistic)."""
+    ) -> tuple[torch.Tensor, RoutingResult | None] | tuple[torch.Tensor, RoutingResult | None, torch.Tensor | None]:
+        """``(x, routing)``, with a third item when the attention trains a DSA indexer (``dsa_indexer_loss_coeff``
+        set): its indexer loss (None in eval mode or under no_grad). ``positions_S``: the positions of the sequences
+        this layer computes (None: all); ``document_ids_BS``: the whole sequences' document ids (packed rows; None:
+        one document per row). Attention takes them whole; a MoE mlp takes those of the tokens it computes (padding
+        then weighs in no routing statistic)."""
+        indexer_loss: list[torch.Tensor | None] = []
         if self.attention is not None:
             # without documents both calls are exactly those of unpacked rows
             attend = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
-            x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos_SF, sin_SF, positions_S, **attend)
+            if self.mla_nope:  # exact: x cos + rotate(x) sin is x
+                cos_SF, sin_SF = torch.ones_like(cos_SF), torch.zeros_like(sin_SF)
+            attended = self.attention(self.input_norm(x_BSH), cos_SF, sin_SF, positions_S, **attend)
+            if isinstance(attended, tuple):  # MLA training its DSA indexer: (out, indexer loss), passed on last
+                attended, *indexer_loss = attended
+            x_BSH = x_BSH + attended
         if self.mlp is None:
-            return x_BSH, None
+            return x_BSH, None, *indexer_loss
         route = {}
         if document_ids_BS is not None and self.is_moe:
             route = {"document_ids_BS": at_positions(document_ids_BS, positions_S)}
         mlp_out, routing = self.mlp(self.post_attention_norm(x_BSH), **route)
-        return x_BSH + mlp_out, routing
+        return x_BSH + mlp_out, routing, *indexer_loss
 
 
 class MTPLayer(nn.Module):
@@ -162,7 +190,8 @@ class MTPLayer(nn.Module):
         sin_SF: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, RoutingResult | None]:
+    ) -> tuple[torch.Tensor, RoutingResult | None] | tuple[torch.Tensor, RoutingResult | None, torch.Tensor | None]:
+        """As :meth:`DecoderLayer.forward`."""
         x_BSH = self.eh_proj(torch.cat([self.enorm(next_embed_BSH), self.hnorm(hidden_BSH)], dim=-1))
         if document_ids_BS is None:
             return self.layer(x_BSH, cos_SF, sin_SF, positions_S)
@@ -241,13 +270,18 @@ class MoETransformer(nn.Module):
         x_BSH = self.embed_tokens(at_positions(input_ids_BS, positions_S))
         cos_SF, sin_SF = rotary_tables(self.config, input_ids_BS, positions_S, document_ids_BS, x_BSH.device)
         routings: list[RoutingResult | None] = []
-        x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS)
+        indexer_losses: list[torch.Tensor] = []
+        x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses)
         logits_BSV, mtp_logits = run_head(
-            self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS
+            self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses
         )
         kept = [r for r in routings if r is not None]
         return ModelOutput(
-            logits_BSV, aux_loss_sum(kept, x_BSH), tokens_per_expert(kept, self.config, x_BSH), mtp_logits
+            logits_BSV,
+            aux_loss_sum(kept, x_BSH),
+            tokens_per_expert(kept, self.config, x_BSH),
+            mtp_logits,
+            indexer_loss_sum(indexer_losses),
         )
 
 

@@ -20,7 +20,10 @@ def _layer_kinds(prefix: str, layer: DecoderLayer) -> dict[str, list[str]]:
         kinds["attn_norm"] = [f"{prefix}.input_norm"]
     if layer.mlp is not None:
         kinds["mlp_norm"] = [f"{prefix}.post_attention_norm"]
-    if (
+    if layer.is_recurrent and not hasattr(attn, "in_proj"):  # KDA: no core attention; q/k/v and output projections
+        kinds["qkv_linear"] = [f"{prefix}.attention.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        kinds["attn_proj"] = [f"{prefix}.attention.o_proj"]
+    elif (
         layer.is_recurrent
     ):  # a Gated DeltaNet or Mamba-2 mixer: no core-attention module; its input and output projections
         kinds["qkv_linear"] = [f"{prefix}.attention.in_proj"]

@@ -40,10 +40,17 @@ the local heads only (its gradient summed over tp). ``linear_num_key_heads`` mus
 parallelism each computes its rank's load-balanced chunks from the chunk-final states of the chunks before them
 (:mod:`moe_models.linear_attention`): its ``segments`` module is listed, to return every cp rank's per-chunk states.
 
-Mamba-2 mixers (Nemotron-H's ``M`` layers) are not split over tp yet: each rank computes the whole mixer on the
-all-gathered sequence and keeps its chunk of the output (:class:`WholeSequenceReplicated`), so its weights' gradients
-are whole on every rank (tp times the mixer's compute; splitting the heads needs ``in_proj``'s five parts each split
-with the heads and groups). A hybrid pattern's layer has one block: its norm and its mixer's entries alone.
+Mamba-2 mixers (Nemotron-H's ``M`` layers) split their B/C groups over tp, each with its heads, as Megatron-Core's
+mixer does: the input all-gathered along the sequence, ``in_proj`` column-parallel (its rows are grouped per B/C group,
+:mod:`moe_models.mamba`, so a contiguous split gives each rank whole groups: z, x, B, C and dt of its heads), the conv
+channels (grouped alike), ``A_log``, ``dt_bias``, ``D`` and the gated norm's weight split with the heads
+(``tp_shard_parameters``; the gated norm normalises within a group, so nothing crosses ranks), ``out_proj``
+row-parallel. ``mamba_num_groups`` must divide by tp. A hybrid pattern's layer has one block: its norm and its
+mixer's entries alone. Kimi Delta Attention layers (Kimi Linear) are computed whole on every tp rank
+(:class:`WholeSequenceReplicated`: each rank computes the whole layer on the all-gathered sequence and keeps its chunk
+of the output, so its weights' gradients are whole on every rank, at tp times the layer's compute; their conv channels
+are [q | k | v], each over all heads, and the layer reads its head count from the config); under context parallelism
+they chain their segments' states as Gated DeltaNet layers do (their ``segments`` module is listed).
 
 Packed documents (``document_ids_BS``): attention takes the whole sequences' ids unchanged (its input is all-gathered
 along the sequence, so it sees every position of the rank's); a MoE block routes its local chunk, so the ids of the
@@ -67,10 +74,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from moe_models.kimi_delta import KimiDeltaAttention
 from moe_models.layers import RMSNorm
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.lora import LoRALinear
-from moe_models.mamba import Mamba2Mixer
+from moe_models.mamba import Mamba2Mixer, MambaHeadParameters
 from moe_models.pipeline import pipeline_plan
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan
 
@@ -140,8 +148,38 @@ class LinearAttentionInput(PrepareModuleInput):
         return super()._apply(module, device_mesh)
 
 
+class MambaInput(LinearAttentionInput):
+    """A Mamba-2 mixer's input all-gathered along the sequence, and the module set to compute with this rank's pieces
+    of its per-head parameters (DTensors split with the heads by ``tp_shard_parameters``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.__class__ = _Mamba2MixerShard
+        return PrepareModuleInput._apply(self, module, device_mesh)
+
+
+class _Mamba2MixerShard(Mamba2Mixer):
+    """:class:`~moe_models.mamba.Mamba2Mixer` over this rank's groups and heads."""
+
+    def head_parameters(self) -> MambaHeadParameters:
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in super().head_parameters())
+        return MambaHeadParameters(*local)
+
+
+def _mamba_plan(prefix: str, layer: DecoderLayer, plan: dict) -> None:
+    """Decoder layer ``prefix``'s Mamba-2 entries: B/C groups with their heads split over tp (module docstring)."""
+    mixer = f"{prefix}.attention"
+    styles = plan["tensor_parallel"]
+    styles[mixer] = MambaInput()
+    styles[f"{mixer}.in_proj"] = ColwiseParallel()
+    styles[f"{mixer}.out_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    per_head = ["conv1d.weight", "A_log", "dt_bias", "D", "norm.weight"]
+    if layer.attention.conv1d.bias is not None:
+        per_head.append("conv1d.bias")
+    plan["tp_shard_parameters"].update({f"{mixer}.{name}": 0 for name in per_head})
+
+
 class WholeSequenceReplicated(PrepareModuleInputOutput):
-    """A token mixer computed whole on every tp rank (Nemotron-H's Mamba-2 mixers, for now): its input all-gathered
+    """A token mixer computed whole on every tp rank (one whose heads do not split over tp): its input all-gathered
     along the sequence, its output cut back to the rank's chunk. Every rank computes the same outputs and, from the
     all-gathered output gradient, the same whole weight gradients: nothing to sum over tp, at tp times the mixer's
     compute."""
@@ -193,9 +231,11 @@ def _layer_plan(prefix: str, layer: DecoderLayer, config: ModelConfig, plan: dic
     styles = plan["tensor_parallel"]
     if layer.attention is not None:
         styles[f"{prefix}.input_norm"] = SequenceParallel()
-    if layer.is_linear_attention:
+    if isinstance(layer.attention, GatedDeltaNet):
         _linear_attention_plan(prefix, plan)
     elif isinstance(layer.attention, Mamba2Mixer):
+        _mamba_plan(prefix, layer, plan)
+    elif isinstance(layer.attention, KimiDeltaAttention):
         styles[f"{prefix}.attention"] = WholeSequenceReplicated()
     elif layer.attention is not None:
         styles[f"{prefix}.attention"] = PrepareModuleInput(  # (x, cos, sin, positions)
@@ -283,7 +323,8 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         if isinstance(model.get_submodule(path), LoRALinear) and isinstance(style, ColwiseParallel | RowwiseParallel):
             column = isinstance(style, ColwiseParallel)
             adapters.update({f"{path}.lora_A": None if column else 1, f"{path}.lora_B": 0 if column else None})
-    linear_layers = [prefix for prefix, layer in layers if layer.is_linear_attention]
+    linear_layers = [prefix for prefix, layer in layers if isinstance(layer.attention, GatedDeltaNet)]
+    mamba_layers = [prefix for prefix, layer in layers if isinstance(layer.attention, Mamba2Mixer)]
     tp_divides = {}
     if any(layer.mixers.token == "attention" for _, layer in layers + depths):
         tp_divides["num_attention_heads"] = c.num_attention_heads
@@ -291,6 +332,8 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
             tp_divides["num_query_groups"] = c.num_query_groups
     if any(layer.mixers.channel == "mlp" for layer in model.layers):  # only dense layers split their FFN width
         tp_divides["ffn_hidden_size"] = c.ffn_hidden_size
+    if mamba_layers:  # their B/C groups (each with its heads) split over tp
+        tp_divides["mamba_num_groups"] = c.mamba_num_groups
     if linear_layers:  # their key heads (each with its value heads) split over tp
         tp_divides["linear_num_key_heads"] = c.linear_num_key_heads
     return ParallelPlan(
@@ -317,7 +360,7 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
             for prefix, layer in layers + depths
             if getattr(layer.attention, "indexer", None) is not None
         ),
-        # a Gated DeltaNet or Mamba-2 layer chains the states of the segments before its own
+        # a Gated DeltaNet, KDA or Mamba-2 layer chains the states of the segments before its own
         context_parallel_segments=tuple(
             f"{prefix}.attention.segments" for prefix, layer in layers + depths if layer.is_recurrent
         ),

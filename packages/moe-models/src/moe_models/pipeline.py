@@ -18,7 +18,14 @@ import torch
 from torch import nn
 
 from moe_models.flops import stage_costs
-from moe_models.forward import aux_loss_sum, rotary_tables, run_head, run_layers, tokens_per_expert
+from moe_models.forward import (
+    aux_loss_sum,
+    indexer_loss_sum,
+    rotary_tables,
+    run_head,
+    run_layers,
+    tokens_per_expert,
+)
 from moe_models.module_kinds import module_kinds
 from moe_parallel.plan import PipelinePlan
 
@@ -63,7 +70,8 @@ class ModelStage(nn.Module):
     equal: a pipeline schedule cuts keyword tensors into micro-batches along the first dimension); ``document_ids_BS``
     (packed rows: the whole sequences' document ids, as ``MoETransformer.forward`` takes them); the MoE layers' results
     go to ``routing``. Returns the hidden states, or on the last stage the logits (a tuple with the MTP depths' logits
-    after them when the model has MTP).
+    after them when the model has MTP, and last the DSA indexer loss, :attr:`ModelOutput.indexer_loss`, when the
+    indexers train: ``dsa_indexer_loss_coeff`` set; zero in eval mode or under no_grad).
     """
 
     def __init__(self, model: MoETransformer, index: int, layers: tuple[int, ...], first: bool, last: bool) -> None:
@@ -111,13 +119,23 @@ class ModelStage(nn.Module):
         x_BSH = self.embed_tokens(x) if self.first else x
         cos_SF, sin_SF = rotary_tables(self.config, input_ids_BS, positions_S, document_ids_BS, x_BSH.device)
         routings: list[RoutingResult | None] = []
-        x_BSH = run_layers(self.layers.values(), x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS)
+        indexer_losses: list[torch.Tensor] = []
+        x_BSH = run_layers(
+            self.layers.values(), x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses
+        )
         out: torch.Tensor | tuple[torch.Tensor, ...] = x_BSH
         if self.last:
             logits_BSV, mtp_logits = run_head(
-                self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS
+                self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses
             )
             out = (logits_BSV, *mtp_logits) if mtp_logits else logits_BSV
+            if self.config.dsa_indexer_loss_coeff:  # one stage (pipeline_plan refuses more): the indexer loss last
+                indexer_loss = indexer_loss_sum(indexer_losses)
+                out = (
+                    logits_BSV,
+                    *mtp_logits,
+                    x_BSH.new_zeros((), dtype=torch.float32) if indexer_loss is None else indexer_loss,
+                )
         if routing is not None:
             routing.add(self.index, [r for r in routings if r is not None], self.config, x_BSH)
         return out
@@ -147,6 +165,10 @@ def pipeline_plan(model: MoETransformer, seq_len: int | None = None) -> Pipeline
     grows with it."""
     costs = stage_costs(model.config, DEFAULT_SEQ_LEN if seq_len is None else seq_len)
     unsupported = {}
+    if model.config.dsa_indexer_loss_coeff:
+        unsupported["dsa_indexer_loss_coeff"] = (
+            "the DSA indexer loss is not carried between pipeline stages yet: train the indexers without pipeline"
+        )
     if model.config.share_embeddings_and_output_weights:
         unsupported["share_embeddings_and_output_weights"] = (
             "tied embeddings do not support pipeline parallelism yet (the head would need the first stage's embedding)"

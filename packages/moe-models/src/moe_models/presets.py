@@ -12,14 +12,15 @@ expert, sigmoid group routing, YaRN, interleaved rotary, MTP; sinks, biases, sli
 hidden 64-128, 2-3 layers and a byte vocabulary (256): roughly 0.5-1M parameters, for tests and CPU smoke runs
 on 128-token sequences (their YaRN contexts and windows are scaled so that 128 tokens exercise them).
 
-:data:`PUBLISHED_SIZES` holds the total/active parameter counts the model authors published, with the precision
-they were published at and whether their active count includes the input embedding (it differs by author).
+:data:`moe_models.published_sizes.PUBLISHED_SIZES` holds the total/active parameter counts the model authors
+published, with the precision they were published at and whether their active count includes the input embedding (it
+differs by author).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from moe_models.config import ModelConfig
@@ -236,6 +237,8 @@ _HF_PUBLISHED: dict[str, dict[str, Any]] = {
     "qwen3.5-397b-a17b": {},
     # DeepSeek-V3.2: DeepSeek-V3's aux-loss-free balancing (it was continued from V3.1-Terminus)
     "deepseek-v3.2": _BIAS_BALANCED,
+    # GLM-5: DeepSeek-V3's sigmoid router with the expert bias (e_score_correction_bias), balanced as GLM-4.5's
+    "glm-5": _BIAS_BALANCED,
     # Nemotron-H: no MoE layer, nothing to balance
     "nemotron-h-8b": {},
     "nemotron-h-47b": {},
@@ -243,6 +246,8 @@ _HF_PUBLISHED: dict[str, dict[str, Any]] = {
     # Nemotron 3: DeepSeek-V3's sigmoid router with the expert bias, balanced aux-loss-free (as Megatron-Bridge's
     # NemotronHModelProvider: the bias plus a seq_aux_loss of 1e-4)
     "nemotron-3-nano-30b-a3b": _BIAS_BALANCED,
+    # Kimi Linear: DeepSeek-V3's sigmoid router with the expert bias (e_score_correction_bias), balanced as V3's
+    "kimi-linear-48b-a3b": _BIAS_BALANCED,
 }
 
 
@@ -429,6 +434,24 @@ def _tiny_nemotron_h() -> ModelConfig:
     )
 
 
+def _tiny_kimi_linear() -> ModelConfig:
+    """Kimi Linear's features at the tiny sizes: three Kimi Delta Attention layers then one MLA layer without rotary
+    embeddings (its 3:1 pattern), KDA of 4 heads of 32 channels, a full-rank q; the first layer dense, then top-4 of 8
+    experts through the sigmoid router with the expert bias, renormalised and scaled by 2.446, and a shared expert."""
+    return _tiny_hf(
+        "kimi-linear-48b-a3b",
+        mla=True,
+        q_lora_rank=None,
+        num_layers=4,
+        moe_layer_freq=[0, 1, 1, 1],
+        linear_attention_freq=4,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    )
+
+
 def _tiny_llama4() -> ModelConfig:
     """Llama 4 Scout's features at the tiny sizes: four layers (the fourth NoPE, with temperature tuning every 16
     positions), chunks of 48 positions, top-1 of 8 experts applied to the input, a shared expert, Llama 3.1's rope
@@ -474,10 +497,20 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny-llama4": lambda: _tiny_llama4(),
     "tiny-qwen3-next": _tiny_qwen3_next,
     "tiny-nemotron-h": _tiny_nemotron_h,
+    "tiny-kimi-linear": _tiny_kimi_linear,
     # DeepSeek-V3.2's indexer at the tiny sizes: 8 heads of 32 picking 16 keys, so 128-token sequences are sparse (8
     # heads: a key scores exactly 0, a tie, only when all 8 relus are 0)
     "tiny-deepseek-v32": lambda: _tiny_hf(
         "deepseek-v3.2",
+        mla=True,
+        dense_first=True,
+        dsa_indexer_topk=16,
+        dsa_indexer_n_heads=8,
+        dsa_indexer_head_dim=32,
+    ),
+    # GLM-5's indexer (interleaved rotary pairs) at the tiny-deepseek-v32 sizes
+    "tiny-glm-moe-dsa": lambda: _tiny_hf(
+        "glm-5",
         mla=True,
         dense_first=True,
         dsa_indexer_topk=16,
@@ -496,73 +529,3 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     except KeyError:
         raise ValueError(f"model preset {name!r}: choose one of {tuple(PRESETS)}") from None
     return replace(factory(), **overrides) if overrides else factory()
-
-
-@dataclass(frozen=True)
-class PublishedSize:
-    """Parameter counts as the model authors published them (model cards / reports)."""
-
-    total: float
-    active: float
-    # one unit of the last digit published: a count within it of the figure agrees with it, whether the
-    # authors rounded or truncated
-    total_unit: float
-    active_unit: float
-    # whether the published active count includes the input embedding (a lookup, not a GEMM): GPT-OSS's
-    # model card tabulates it without; DeepSeek-V3 and Kimi-K2 say only "37B" / "32B", which the count
-    # without it rounds to (with it, 37.6B and 32.9B); Qwen3's 3.3B and Mixtral's 12.9B include it
-    active_includes_input_embedding: bool
-    source: str
-
-
-PUBLISHED_SIZES: dict[str, PublishedSize] = {
-    # the V3 report: 671B total (main model; the MTP module is 14B more in the HF checkpoint), 37B activated
-    "deepseek-v3-671b": PublishedSize(671e9, 37e9, 1e9, 1e9, False, "DeepSeek-V3 technical report, model card"),
-    # "1T total, 32B activated": published to one digit, held here to 5% (the exact count is 1.026T)
-    "kimi-k2": PublishedSize(1.0e12, 32e9, 0.05e12, 1e9, False, "Kimi-K2 model card"),
-    "qwen3-30b-a3b": PublishedSize(30.5e9, 3.3e9, 0.1e9, 0.1e9, True, "Qwen3-30B-A3B model card"),
-    "qwen3-235b-a22b": PublishedSize(235e9, 22e9, 1e9, 1e9, True, "Qwen3-235B-A22B model card"),
-    "gpt-oss-20b": PublishedSize(20.91e9, 3.61e9, 0.01e9, 0.01e9, False, "gpt-oss model card, table 1"),
-    "gpt-oss-120b": PublishedSize(116.83e9, 5.13e9, 0.01e9, 0.01e9, False, "gpt-oss model card, table 1"),
-    "mixtral-8x7b": PublishedSize(46.7e9, 12.9e9, 0.1e9, 0.1e9, True, "Mixtral of Experts paper"),
-    # "355B total, 32B active": the card's total is neither the 352.8B counted without the MTP layer nor 356.8B with
-    # it, so it is held to 3B; the active count without the input embedding is 32.9B
-    "glm-4.5-355b-a32b": PublishedSize(355e9, 32e9, 3e9, 1e9, False, "GLM-4.5 model card"),
-    "glm-4.6": PublishedSize(355e9, 32e9, 3e9, 1e9, False, "GLM-4.6 model card (GLM-4.5's architecture)"),
-    "glm-4.7": PublishedSize(355e9, 32e9, 3e9, 1e9, False, "GLM-4.7 model card (GLM-4.5's architecture)"),
-    "glm-4.5-air": PublishedSize(106e9, 12e9, 1e9, 1e9, False, "GLM-4.5 model card (Air)"),
-    "glm-4.7-flash": PublishedSize(30e9, 3e9, 1e9, 1e9, False, "GLM-4.7-Flash model card (30B-A3B)"),
-    "dots.llm1": PublishedSize(142e9, 14e9, 1e9, 1e9, True, "dots.llm1 technical report"),
-    # "230B total, 10B active": 228.7B counted (the card rounds up), held to 2B
-    "minimax-m2": PublishedSize(230e9, 10e9, 2e9, 1e9, False, "MiniMax-M2 model card"),
-    "qwen1.5-moe-a2.7b": PublishedSize(14.3e9, 2.7e9, 0.1e9, 0.1e9, True, "Qwen1.5-MoE-A2.7B model card"),
-    "qwen2-57b-a14b": PublishedSize(57e9, 14e9, 1e9, 1e9, True, "Qwen2 technical report (57B-A14B)"),
-    "olmoe-1b-7b": PublishedSize(6.9e9, 1.3e9, 0.1e9, 0.1e9, True, "OLMoE paper (6.9B total, 1.3B active)"),
-    "deepseek-v2": PublishedSize(236e9, 21e9, 1e9, 1e9, False, "DeepSeek-V2 technical report"),
-    "deepseek-v2-lite": PublishedSize(15.7e9, 2.4e9, 0.1e9, 0.1e9, False, "DeepSeek-V2-Lite model card"),
-    # "21B total, 3B active": 21.8B counted (the card rounds down)
-    "ernie-4.5-21b-a3b": PublishedSize(21e9, 3e9, 1e9, 1e9, False, "ERNIE 4.5 model card (21B-A3B)"),
-    "ernie-4.5-300b-a47b": PublishedSize(300e9, 47e9, 1e9, 1e9, False, "ERNIE 4.5 model card (300B-A47B)"),
-    "hunyuan-a13b": PublishedSize(80e9, 13e9, 1e9, 1e9, True, "Hunyuan-A13B model card"),
-    # "109B total": the text model counted here is 107.8B, the card's figure includes the vision encoder; held to 2B
-    "llama-4-scout-17b-16e": PublishedSize(109e9, 17e9, 2e9, 1e9, True, "Llama 4 model card (Scout)"),
-    "llama-4-maverick-17b-128e": PublishedSize(400e9, 17e9, 1e9, 1e9, True, "Llama 4 model card (Maverick)"),
-    # "80B in total and 3B activated": 79.7B and 3.6B counted (without the input embedding; the card rounds down)
-    "qwen3-next-80b-a3b": PublishedSize(80e9, 3e9, 1e9, 1e9, False, "Qwen3-Next-80B-A3B model card"),
-    # "35B / 122B / 397B in total, 3B / 10B / 17B activated": the text model counts 34.66B / 122.11B / 396.35B (the
-    # cards' totals include the vision encoder) and 3.45B / 9.77B / 17.35B active with the input embedding, which round
-    # to the cards' figures (2.95B / 9.01B / 16.33B without it)
-    "qwen3.5-35b-a3b": PublishedSize(35e9, 3e9, 1e9, 1e9, True, "Qwen3.5-35B-A3B model card"),
-    "qwen3.5-122b-a10b": PublishedSize(122e9, 10e9, 1e9, 1e9, True, "Qwen3.5-122B-A10B model card"),
-    "qwen3.5-397b-a17b": PublishedSize(397e9, 17e9, 1e9, 1e9, True, "Qwen3.5-397B-A17B model card"),
-    # 671B (xorbitsai/inference's stored model page of DeepSeek-V3.2-Exp); 37B active is DeepSeek-V3's figure, whose
-    # weights V3.2 continues: the indexers add 0.85B (671.9B and 37.5B counted, without the input embedding)
-    "deepseek-v3.2": PublishedSize(671e9, 37e9, 1e9, 1e9, False, "DeepSeek-V3.2-Exp model page; V3's active size"),
-    # "8B / 47B / 56B" (Nemotron-H paper and model cards): 8.10B / 46.79B / 56.32B counted; dense, all of it active
-    "nemotron-h-8b": PublishedSize(8e9, 8e9, 1e9, 1e9, True, "Nemotron-H paper (arXiv 2504.03624), 8B model card"),
-    "nemotron-h-47b": PublishedSize(47e9, 47e9, 1e9, 1e9, True, "Nemotron-H paper (arXiv 2504.03624), 47B model card"),
-    "nemotron-h-56b": PublishedSize(56e9, 56e9, 1e9, 1e9, True, "Nemotron-H paper (arXiv 2504.03624), 56B model card"),
-    # "31.6B total, 3.2B active (3.6B including embeddings)": 31.58B counted, 3.23B active without the input embedding
-    # (3.58B with it)
-    "nemotron-3-nano-30b-a3b": PublishedSize(31.6e9, 3.2e9, 0.1e9, 0.1e9, False, "Nemotron 3 Nano report (2512.20848)"),
-}

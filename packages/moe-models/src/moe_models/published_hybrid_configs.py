@@ -125,6 +125,58 @@ PUBLISHED_HYBRID_CONFIGS: dict[str, dict] = {
         "attention_bias": False,
         "tie_word_embeddings": False,
     },
+    # zai-org/GLM-5 config.json (transformers' GlmMoeDsaConfig, whose docstring checkpoint is zai-org/GLM-5; GLM-5.1
+    # shares the architecture); 744B total, 40B active (GLM-5 model card and report, arXiv 2602.15763). Source: two
+    # stored copies agree on every key below: the GLM-5.0 W4A8 guide of an Ascend inference repo (find_string id
+    # 62731602447) quoting the hub file with model_type / architectures respelled deepseek_v32 for its loader and a
+    # quantization_config added (both left out), and prime-rl's GLM-5 weight-transfer fixture (find_string id
+    # 53159494093, "Exact GLM-5 dimensions": the same keys, model_type glm_moe_dsa, with fewer layers, experts and
+    # positions). Neither gives indexer_types, index_topk_pattern or index_topk_freq: every layer runs its own indexer
+    # (GLM-5.1's config as transformers prints it, find_string id 62642268391, lists 78 "full"). The indexer rotates
+    # interleaved pairs (indexer_rope_interleave; transformers' GlmMoeDsaIndexer always does). Left out as inert:
+    # eos_token_id, pad_token_id, dtype, transformers_version, initializer_range, use_cache, ep_size, pretraining_tp.
+    "glm-5": {
+        "model_type": "glm_moe_dsa",
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "vocab_size": 154880,
+        "hidden_size": 6144,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 78,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "head_dim": 64,
+        "q_lora_rank": 2048,
+        "kv_lora_rank": 512,
+        "qk_head_dim": 256,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "rope_interleave": True,
+        "index_topk": 2048,
+        "index_n_heads": 32,
+        "index_head_dim": 128,
+        "indexer_rope_interleave": True,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+        "max_position_embeddings": 202752,
+        "rms_norm_eps": 1e-05,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+    },
     # Qwen3.5 MoE: the published config.json is Qwen3_5MoeForConditionalGeneration's (model_type "qwen3_5_moe"); these
     # are its text_config (model_type "qwen3_5_moe_text", the language model transformers' Qwen3_5MoeForCausalLM
     # builds), which config_from_hf also reads nested. The vision tower and the MTP block (mtp_num_hidden_layers: 1) are
@@ -340,5 +392,55 @@ PUBLISHED_HYBRID_CONFIGS: dict[str, dict] = {
         "sliding_window": None,
         "max_position_embeddings": 262144,
         "tie_word_embeddings": False,
+    },
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (transformers' KimiLinearConfig, whose docstring checkpoint
+    # it is); 48B total, 3B activated (the Kimi-Linear README's model table). The hub file is not stored here; three
+    # stored copies of it agree on every key below: a derivative's hub config.json (Firworks/Kimi-Linear-48B-A3B-
+    # Instruct-nvfp4, the pages corpus: the original's keys plus a quantization_config, left out), a static
+    # description pinned to a quantized derivative's config.json (find_string id 69403024771, its REFERENCE dict),
+    # and a Rust loader's fixture of "the released 48B config" (find_string id 59090948446). head_dim 72 (2304 / 32)
+    # is a leftover transformers overwrites with qk_rope_head_dim; rope_theta is unused (no layer rotates). Left out
+    # as inert: bos/eos/pad_token_id, dtype, auto_map, initializer_range (0.02), use_cache.
+    "kimi-linear-48b-a3b": {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": 163840,
+        "hidden_size": 2304,
+        "head_dim": 72,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "model_max_length": 1048576,
+        "tie_word_embeddings": False,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "head_dim": 128,
+            "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+            "num_heads": 32,
+            "short_conv_kernel_size": 4,
+        },
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "moe_intermediate_size": 1024,
+        "num_experts": 256,
+        "num_experts_per_token": 8,
+        "num_shared_experts": 1,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.446,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "num_nextn_predict_layers": 0,
     },
 }

@@ -200,7 +200,11 @@ def record_mamba2(saves: ForwardSaves, shape: Mamba2Shape, sizes: RankSizes, run
     save(mix, "conv_out", batch * conv_channels * seq * act, "conv output (the SiLU's input)")
     save(mix, "rate", heads * FP32_BYTES, "exp(A_log)")
     save(mix, "dt", tokens * heads * FP32_BYTES, "clamped time step")
-    if act == FP32_BYTES:  # x is a view of the SiLU's output: the whole of it ([x | B | C] channels) is kept
+    # x's heads gathered from several groups' [x, B, C] channels are a copy of their own (one group, or one head a
+    # group: a view)
+    if act == FP32_BYTES and groups > 1 and per_group > 1:
+        save(mix, "x", tokens * inner * FP32_BYTES, "x gathered from its groups")
+    elif act == FP32_BYTES:  # x is a view of the SiLU's output: the whole of it ([x | B | C] channels) is kept
         save(mix, "silu", batch * conv_channels * seq * FP32_BYTES, "conv output after SiLU (x, B, C)")
     else:
         save(mix, "x32", tokens * inner * FP32_BYTES, "x, fp32")
@@ -249,9 +253,9 @@ def record_mamba2(saves: ForwardSaves, shape: Mamba2Shape, sizes: RankSizes, run
     # the gated norm, fp32 math on the scan's fp32 output
     rows = tokens * inner * FP32_BYTES
     norm = "mamba_norm"
-    if act == FP32_BYTES:  # z is a view of in_proj's output, the SiLU keeps all of it
+    if act == FP32_BYTES and groups == 1:  # z is a view of in_proj's output, the SiLU keeps all of it
         save(norm, "z", tokens * proj_width * FP32_BYTES, "in_proj output (z)")
-    else:
+    else:  # an fp32 copy, or z gathered from the groups' rows
         save(norm, "z", rows, "z, fp32")
     save(norm, "y", rows, "scan output")
     save(norm, "silu_z", rows, "silu(z), fp32")

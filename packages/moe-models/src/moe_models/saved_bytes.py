@@ -26,6 +26,9 @@ the backward starts):
   position order), q, the output and the logsumexp the rank's own. The output projection saves a copy of the output
   with heads merged, except after SDPA on a q still laid out token-major like its projection (a NoPE layer): SDPA's
   output follows q's layout, and merging its heads is then a view.
+- DeepSeek Sparse Attention (MLA with ``topk``): the indexer selects under no_grad (saves nothing); the sparse core
+  (fp32) keeps q, k, v (2-byte activations: fp32 copies), of each query's min(topk, keys) slots the int64 indices,
+  keys, values, mask, ``exp`` and probabilities, and the softmax's sums; the output projection its merged output.
 - With probabilities on the input (Llama 4) the MoE block saves the permuted rows and their probabilities (in the
   activation dtype) for its product; the experts then take the weighted rows, never gather them, and their
   activation keeps no probabilities.
@@ -82,6 +85,7 @@ from moe_models.recurrent_saved_bytes import (
     record_gated_delta_net,
     record_mamba2,
 )
+from moe_models.sparse_attention import QUERY_BLOCK
 
 __all__ = [
     "MOE_TRANSFORMER_SAVED_BYTES",
@@ -289,11 +293,44 @@ def _mla(saves: ForwardSaves, attention: MLAShape, sizes: RankSizes, run: RunSha
     q = saves.tensor("q", tokens * heads * qk_dim * activation_bytes, "q (nope | rope)")
     k = saves.tensor("k", tokens * heads * qk_dim * activation_bytes, "k (nope | shared rope)")
     saves.scope("mla_up_proj", "mla_up_proj", (), (q_input, kv_latent, kv_latent_and_rope), (q, k, k_nope_and_v))
-    # SDPA's CPU flash kernel needs equal head sizes; else the blockwise kernel, v a strided view of k_nope | v
-    blockwise = run.device == "cpu" and qk_dim != v_dim
-    _core_attention(
-        saves, sizes, q, k, k_nope_and_v, heads=heads, kv_heads=heads, qk_dim=qk_dim, v_dim=v_dim, blockwise=blockwise
-    )
+    if attention.topk is not None:  # DeepSeek Sparse Attention
+        _sparse_core_attention(saves, sizes, q, k, k_nope_and_v, heads, qk_dim, v_dim, attention.topk)
+    else:  # SDPA's CPU flash kernel needs equal head sizes; else the blockwise kernel, v a strided view of k_nope | v
+        blockwise = run.device == "cpu" and qk_dim != v_dim
+        kv = {"kv_heads": heads, "qk_dim": qk_dim, "v_dim": v_dim}
+        _core_attention(saves, sizes, q, k, k_nope_and_v, heads=heads, blockwise=blockwise, **kv)
+
+
+def _sparse_core_attention(
+    saves: ForwardSaves, sizes: RankSizes, q: str, k: str, v: str, heads: int, qk_dim: int, v_dim: int, topk: int
+) -> None:
+    """DSA's sparse core attention on MLA's q, k, v (module docstring); under cp the keys and values of every rank."""
+    activation_bytes, tokens, batch, positions = sizes.activation_bytes, sizes.tokens, sizes.batch, sizes.positions
+    compute = max(activation_bytes, FP32_BYTES)  # fp32, fp64 for fp64
+    selected, whole = min(topk, sizes.cp * positions), sizes.cp * tokens * heads  # slots per query; all keys
+    # q in query blocks: the logits' bmm views one already in the compute dtype where its rows merge, else copies it
+    blocks, handed = [min(QUERY_BLOCK, positions - start) for start in range(0, positions, QUERY_BLOCK)], (q, k, v)
+    copied = [n for n in blocks if activation_bytes != compute or (n not in (1, positions) and batch * heads > 1)]
+    if len(copied) < len(blocks):  # a block viewed: q itself
+        saves.save("core_attn", q)
+    if copied:
+        saves.save("core_attn", saves.tensor("dsa.q", sum(copied) * batch * heads * qk_dim * compute, "q blocks"))
+    if sizes.cp > 1:  # the all-gathered keys and values of every cp rank, in position order
+        k = saves.tensor("attn.k_all", whole * qk_dim * activation_bytes, "k of the whole sequence")
+        v = saves.tensor("attn.v_all", whole * v_dim * activation_bytes, "v of the whole sequence")
+    if activation_bytes != compute:  # gathered from compute-dtype copies
+        k = saves.tensor("dsa.k", whole * qk_dim * compute, "k, fp32")
+        v = saves.tensor("dsa.v", whole * v_dim * compute, "v, fp32")
+    slots, per_slot = tokens * selected, tokens * heads * selected * compute  # [tokens, (heads,) selected]
+    saves.save("core_attn", k, v)
+    kept = {"slot_indices": slots * INDEX_BYTES, "keys": per_slot * qk_dim, "values": per_slot * v_dim}
+    kept |= {"mask": slots, "exp": per_slot, "probs": per_slot}  # mask: empty or later slots; exp of the logits
+    kept |= {"sum": tokens * heads * compute, "sum_clamped": tokens * heads * compute}  # the softmax's sum, clamped
+    for name, nbytes in kept.items():
+        saves.save("core_attn", saves.tensor(f"dsa.{name}", nbytes, f"selected keys: {name}"))
+    indices = saves.tensor("dsa.indices", slots * INDEX_BYTES, "the indexer's selection")  # kept if recomputed
+    saves.scope("core_attn", "core_attn", (), (*handed, indices), ())
+    saves.save("attn_proj", saves.tensor("attn.merged", tokens * heads * v_dim * activation_bytes, "merged output"))
 
 
 def _non_gated_shared_expert_saved_bytes(
@@ -479,12 +516,8 @@ def _model_level(
 ) -> None:
     """Embedding, rotary tables (fp32), final norm, head, loss and the MTP depths' parts outside their layer (of a
     pipeline rank: the parts its stages hold)."""
-    activation_bytes, hidden, tokens, local_tokens = (
-        sizes.activation_bytes,
-        model.hidden,
-        sizes.tokens,
-        sizes.local_tokens,
-    )
+    activation_bytes, hidden = sizes.activation_bytes, model.hidden
+    tokens, local_tokens = sizes.tokens, sizes.local_tokens
     vocab = model.vocab // run.tp  # vocabulary-parallel logits: each tp rank its slice
     local_bytes = local_tokens * hidden * activation_bytes  # [local tokens, hidden]
     if share is None or share.first:

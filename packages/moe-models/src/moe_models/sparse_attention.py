@@ -116,12 +116,14 @@ class LightningIndexer(nn.Module):
         q_pos_S: torch.Tensor | None = None,
         k_BKD: torch.Tensor | None = None,
         k_pos_K: torch.Tensor | None = None,
+        documents_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The dense scores I ``[B, S, K]`` (-inf at later keys), differentiable: the dense warm-up's input
-        (quadratic in S, as that stage's dense attention). Arguments as :meth:`forward`."""
+        """The dense scores I ``[B, S, K]`` (-inf at later keys and at other documents' keys), differentiable: the
+        dense indexer loss's input (quadratic in S, as the warm-up's dense attention). Arguments as :meth:`forward`."""
         q_BHSD, w_BSH, k_BKD = self._queries_and_keys(x_BSH, q_latent_BSQ, cos_SF, sin_SF, k_BKD)
         q_pos_S, k_pos_K = _positions(q_BHSD.shape[2], k_BKD.shape[1], q_pos_S, k_pos_K, x_BSH.device)
-        return _dense_scores(q_BHSD, w_BSH, k_BKD, q_pos_S, k_pos_K)
+        hidden_BSK = None if documents_BS is None else ~_same_document(documents_BS, q_pos_S, k_pos_K)
+        return _dense_scores(q_BHSD, w_BSH, k_BKD, q_pos_S, k_pos_K, hidden_BSK)
 
     def selected_scores(
         self,
@@ -197,7 +199,7 @@ class IndexerTopK(CoreAttention):
         def select(rows: slice) -> torch.Tensor:
             hidden_BsK = None
             if documents_BS is not None:  # keys of another document are hidden like later ones
-                hidden_BsK = documents_BS[:, q_pos_S[rows]].unsqueeze(-1) != documents_BS[:, k_pos_K].unsqueeze(1)
+                hidden_BsK = ~_same_document(documents_BS, q_pos_S[rows], k_pos_K)
             scores_BsK = _dense_scores(q_BHSD[:, :, rows], w_BSH[:, rows], k_BKD, q_pos_S[rows], k_pos_K, hidden_BsK)
             values_BsT, indices_BsT = scores_BsK.topk(topk, dim=-1)
             return indices_BsT.masked_fill(values_BsT == float("-inf"), -1)
@@ -265,20 +267,28 @@ def dense_indexer_loss(
     q_pos_S: torch.Tensor | None = None,
     k_pos_K: torch.Tensor | None = None,
     block_size: int = QUERY_BLOCK,
+    documents_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dense warm-up's indexer loss: mean over queries of KL(p_s || softmax(I_s)) over every earlier key, p the
     dense causal attention of ``q_BNSD`` on ``k_BNKD`` summed over heads and L1-normalised (no gradient).
-    ``index_scores_BSK`` from :meth:`LightningIndexer.scores`."""
+    ``index_scores_BSK`` from :meth:`LightningIndexer.scores`; ``documents_BS`` (packed rows, indexed by position):
+    a query's keys are those of its own document only."""
     scale, q_pos_S, k_pos_K = _scale_and_positions(q_BNSD, k_BNKD, scale, q_pos_S, k_pos_K)
     dtype = _compute_dtype(index_scores_BSK)
 
+    def visible(rows: slice | None = None) -> torch.Tensor:
+        """``[B or 1, s, K]``: the keys each query of ``rows`` sees (earlier ones of its document)."""
+        q_pos_s = q_pos_S if rows is None else q_pos_S[rows]
+        causal_1sK = (k_pos_K <= q_pos_s.unsqueeze(-1)).unsqueeze(0)
+        return causal_1sK if documents_BS is None else causal_1sK & _same_document(documents_BS, q_pos_s, k_pos_K)
+
     def heads_summed(rows: slice) -> torch.Tensor:
         logits_BNsK = torch.einsum("bnsd,bnkd->bnsk", q_BNSD[:, :, rows].to(dtype), k_BNKD.to(dtype)) * scale
-        return _masked_softmax(logits_BNsK, k_pos_K <= q_pos_S[rows].unsqueeze(-1)).sum(1)
+        return _masked_softmax(logits_BNsK, visible(rows).unsqueeze(1)).sum(1)
 
     with torch.no_grad():
         target_BSK = _l1_normalise(_by_query_blocks(heads_summed, q_BNSD.shape[2], block_size, dim=1))
-    return _kl(target_BSK, index_scores_BSK.to(dtype), k_pos_K <= q_pos_S.unsqueeze(-1))
+    return _kl(target_BSK, index_scores_BSK.to(dtype), visible())
 
 
 def sparse_indexer_loss(
@@ -349,6 +359,11 @@ def _selected_probs(
     logits_BNsT = torch.einsum("bnsd,bnstd->bnst", q_BNsD, gather(k_BNKD)) * scale
     probs_BNsT = _masked_softmax(logits_BNsT, valid_BsT.unsqueeze(1))
     return probs_BNsT, None if v_BNKV is None else gather(v_BNKV)
+
+
+def _same_document(documents_BS: torch.Tensor, q_pos_S: torch.Tensor, k_pos_K: torch.Tensor) -> torch.Tensor:
+    """``[B, S, K]``: whether each key is of its query's document (``documents_BS`` indexed by position)."""
+    return documents_BS[:, q_pos_S].unsqueeze(-1) == documents_BS[:, k_pos_K].unsqueeze(1)
 
 
 def _selected_valid(indices_BST: torch.Tensor, q_pos_S: torch.Tensor, k_pos_K: torch.Tensor) -> torch.Tensor:

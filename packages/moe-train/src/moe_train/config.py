@@ -404,10 +404,27 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"train.{key}={getattr(cfg.train, key)!r}: choose {' or '.join(choices)}")
     _validate_data(cfg)
     _validate_peft(cfg.peft)
+    _validate_dsa_training(cfg)
     if cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"run.device={cfg.run.device!r}: choose auto, cpu or cuda")
     if cfg.run.dtype not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.dtype={cfg.run.dtype!r}: choose auto, fp32 or bf16")
+
+
+def _validate_dsa_training(cfg: ExperimentConfig) -> None:
+    """The DSA indexer loss is exact in one model replica only yet: its target sums every attention head (split over
+    tp) over every key (split over cp), and it does not cross pipeline stages; the dense warm-up freezes the base."""
+    coeff, parallel = cfg.model.dsa_indexer_loss_coeff, cfg.parallel
+    for name in ("tp", "cp", "pp"):
+        if coeff and getattr(parallel, name) > 1:
+            raise ConfigError(
+                f"parallel.{name}={getattr(parallel, name)}: the DSA indexer loss (model.dsa_indexer_loss_coeff="
+                f"{coeff}) is computed within one tp/cp/pp rank only yet; set --parallel.{name} 1 (dp/ep split fine)"
+            )
+    if cfg.model.dsa_indexer_dense_warmup and cfg.peft.method != "none":
+        raise ConfigError(
+            f"peft.method={cfg.peft.method!r}: the DSA dense warm-up trains the indexers alone; set peft.method none"
+        )
 
 
 def _validate_peft(peft: PeftConfig) -> None:

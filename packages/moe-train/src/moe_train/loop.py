@@ -28,24 +28,40 @@ class NextTokenLoss:
     depths' after them) and the micro-batch's labels; keeps the step's LM and MTP loss sums on the device.
     ``positions_S``: the positions this rank computes under context parallelism. ``labelled_per_share`` (set for each
     step by :meth:`reset`): the per-token loss's divisor (moe_models.causal_lm_loss's ``labelled_tokens``); None: the
-    mean over the micro-batch's positions, which is the same thing when every position has a label."""
+    mean over the micro-batch's positions, which is the same thing when every position has a label.
 
-    def __init__(self, mtp_loss_scaling_factor: float, positions_S: torch.Tensor | None = None) -> None:
-        self.factor, self.positions = mtp_loss_scaling_factor, positions_S
-        self.lm_sum = self.mtp_sum = torch.zeros(())
+    ``indexer_loss_coeff`` (model.dsa_indexer_loss_coeff; None / 0: none): the output's last item is then the DSA
+    indexers' KL loss summed over layers (``ModelOutput.indexer_loss``), added times the coefficient (its gradient
+    reaches the indexers alone) and kept, unscaled, for the metrics."""
+
+    def __init__(
+        self,
+        mtp_loss_scaling_factor: float,
+        positions_S: torch.Tensor | None = None,
+        indexer_loss_coeff: float | None = None,
+    ) -> None:
+        self.factor, self.positions, self.indexer_coeff = mtp_loss_scaling_factor, positions_S, indexer_loss_coeff
+        self.lm_sum = self.mtp_sum = self.indexer_sum = torch.zeros(())
         self.labelled_per_share: float | None = None
 
     def reset(self, device: torch.device, labelled_per_share: float | None = None) -> None:
         self.lm_sum, self.mtp_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.indexer_sum = torch.zeros((), device=device)
         self.labelled_per_share = labelled_per_share
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels_BS: torch.Tensor) -> torch.Tensor:
-        logits, *mtp = output if isinstance(output, tuple) else (output,)
+        outputs = output if isinstance(output, tuple) else (output,)
+        if self.indexer_coeff:
+            *outputs, indexer_loss = outputs
+        logits, *mtp = outputs
         loss = next_token_loss(logits, mtp, labels_BS, self.factor, self.positions, self.labelled_per_share)
         self.lm_sum = self.lm_sum + full_value(loss.lm)
         if loss.mtp:
             self.mtp_sum = self.mtp_sum + full_value(torch.stack(loss.mtp).mean())
-        return loss.total
+        if not self.indexer_coeff:
+            return loss.total
+        self.indexer_sum = self.indexer_sum + indexer_loss.detach()
+        return loss.total + self.indexer_coeff * indexer_loss
 
 
 @dataclass(frozen=True)
@@ -70,7 +86,9 @@ class TrainLoop:
         self.autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.routing = StageRouting()
-        self.loss = NextTokenLoss(cfg.model.mtp_loss_scaling_factor, self.positions)
+        self.loss = NextTokenLoss(cfg.model.mtp_loss_scaling_factor, self.positions, cfg.model.dsa_indexer_loss_coeff)
+        # the DSA dense warm-up trains the indexers alone (moe_train.trainer froze the rest): no expert bias update
+        self.updates_expert_bias = cfg.model.moe_router_enable_expert_bias and not cfg.model.dsa_indexer_dense_warmup
         # the ranks of one data-parallel replica (tp, pp, cp) read the same sequences: this rank's first row
         self.first_row = parallel.dp_index * setup.micro_batch * setup.grad_accum
         self.peak, self.peak_source = peak_tflops(ctx.device, setup.dtype, cfg.run.peak_tflops)
@@ -84,6 +102,7 @@ class TrainLoop:
             flops_per_token=training_flops_per_token(cfg.model, cfg.data.seq_len),
             world_size=ctx.world_size,
             peak_tflops=self.peak,
+            indexer_loss=bool(cfg.model.dsa_indexer_loss_coeff),
         )
 
     @property
@@ -153,7 +172,7 @@ class TrainLoop:
         parallel.finalize_grads()
         clip = self.cfg.train.clip_grad if self.cfg.train.clip_grad > 0 else math.inf
         grad_norm = parallel.clip_grad_norm_(clip, self.params)
-        losses = (self.loss.lm_sum / accum, aux_sum / accum, self.loss.mtp_sum / accum)
+        losses = (self.loss.lm_sum / accum, aux_sum / accum, self.loss.mtp_sum / accum, self.loss.indexer_sum / accum)
         # before the update: a step that is not finite must not apply
         not_finite_here = ~(torch.isfinite(losses[0]) & torch.isfinite(grad_norm.to(losses[0].device)))
         not_finite, stop_asked = stop.asked_on_any_rank(not_finite_here)
@@ -165,7 +184,7 @@ class TrainLoop:
         )
         if not self.guard.skipping:
             optimizer.step()
-            if self.cfg.model.moe_router_enable_expert_bias:
+            if self.updates_expert_bias:
                 # counts the forwards returned, so a recomputed layer is not counted twice; summed over every rank's
                 # tokens (the routers' stats_group) so all ranks apply the same update
                 for router, counts_E in zip(self.routers, load_LE, strict=True):

@@ -20,7 +20,7 @@ class _Pending:
     lr: float
     step_time_s: float
     skipped: bool
-    values: torch.Tensor  # [loss, aux_loss, mtp_loss, grad_norm]: this rank's part
+    values: torch.Tensor  # [loss, aux_loss, mtp_loss, indexer_loss, grad_norm]: this rank's part
     load_LE: torch.Tensor  # this rank's routers' kept (token, expert) pairs, rows of the whole model's routers
 
 
@@ -30,7 +30,7 @@ class PendingMetrics:
     ``stage_factor``: each rank holds its pipeline stages' part of a loss, so the mean over ranks times ``pp`` is the
     mean over data-parallel replicas of the sum over stages. ``router_rows``: where this rank's routers stand among
     the whole model's ``num_routers``. ``pairs_per_router``: (token, expert) pairs a router routes per step on one
-    rank without drops."""
+    rank without drops. ``indexer_loss``: the records carry ``indexer_loss`` (the DSA indexers train)."""
 
     def __init__(
         self,
@@ -42,10 +42,12 @@ class PendingMetrics:
         flops_per_token: float,
         world_size: int,
         peak_tflops: float,
+        indexer_loss: bool = False,
     ) -> None:
         self.stage_factor, self.router_rows, self.num_routers = stage_factor, router_rows, num_routers
         self.pairs_per_router, self.tokens_per_step = pairs_per_router, tokens_per_step
         self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, peak_tflops
+        self.indexer_loss = indexer_loss
         self.pending: list[_Pending] = []
         self.last_load_LE: torch.Tensor | None = None  # the last written step's loads, for the picture
 
@@ -55,11 +57,11 @@ class PendingMetrics:
         lr: float,
         step_time_s: float,
         skipped: bool,
-        losses: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        losses: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         grad_norm: torch.Tensor,
         load_LE: torch.Tensor,
     ) -> None:
-        """Step ``step``'s values (the LM, balancing and MTP losses as this rank's micro-batch means)."""
+        """Step ``step``'s values (the LM, balancing, MTP and DSA indexer losses as this rank's micro-batch means)."""
         values = torch.stack([*(v.float().reshape(()) for v in losses), grad_norm.float().reshape(())])
         self.pending.append(_Pending(step, lr, step_time_s, skipped, values, load_LE.detach().float()))
 
@@ -69,8 +71,8 @@ class PendingMetrics:
             return []
         values_NK = torch.stack([p.values for p in self.pending])
         # the gradient norm is already global: it is not averaged
-        losses_NK = all_reduce_mean(values_NK[:, :3]) * self.stage_factor
-        grad_norm_N = values_NK[:, 3]
+        losses_NK = all_reduce_mean(values_NK[:, :4]) * self.stage_factor
+        grad_norm_N = values_NK[:, 4]
         load_NLE = values_NK.new_zeros(len(self.pending), self.num_routers, self.pending[0].load_LE.shape[1])
         load_NLE[:, self.router_rows] = torch.stack([p.load_LE for p in self.pending])
         load_NLE = all_reduce_mean(load_NLE) * self.stage_factor
@@ -78,7 +80,7 @@ class PendingMetrics:
         kept_N = load_NLE.sum(dim=(1, 2)) / (self.pairs_per_router * self.stage_factor * self.num_routers)
         table = torch.cat([losses_NK, grad_norm_N[:, None], imbalance_N[:, None], kept_N[:, None]], dim=1).tolist()
         out = []
-        for pending, (loss, aux, mtp, grad_norm, imbalance, kept) in zip(self.pending, table, strict=True):
+        for pending, (loss, aux, mtp, indexer, grad_norm, imbalance, kept) in zip(self.pending, table, strict=True):
             tokens_per_s = self.tokens_per_step / pending.step_time_s
             tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
             record: dict[str, Any] = {
@@ -86,6 +88,8 @@ class PendingMetrics:
                 "loss": loss,
                 "aux_loss": aux,
                 "mtp_loss": mtp,  # mean over MTP depths, unscaled; 0 without MTP
+                # the DSA indexers' KL losses summed over layers, without dsa_indexer_loss_coeff
+                **({"indexer_loss": indexer} if self.indexer_loss else {}),
                 "lr": pending.lr,
                 "grad_norm": grad_norm,
                 "tokens_per_s": tokens_per_s,

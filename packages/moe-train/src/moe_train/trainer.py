@@ -86,6 +86,7 @@ class Progress:
             f"step {step:>{len(str(self.total))}}/{self.total}  loss {record['loss']:.4f}  "
             f"aux {record['aux_loss']:.4f}  "
             + (f"mtp {record['mtp_loss']:.4f}  " if record["mtp_loss"] else "")
+            + (f"indexer {record['indexer_loss']:.4f}  " if "indexer_loss" in record else "")
             + (f"val {record['val_loss']:.4f}  " if "val_loss" in record else "")
             + ("(skipped: not finite)  " if record.get("skipped") else "")
             + f"lr {record['lr']:.2e}  gnorm {record['grad_norm']:.3f}  "
@@ -141,7 +142,9 @@ def _run(setup: Setup) -> TrainSummary:
     started = time.perf_counter()
     out_dir = Path(cfg.run.output_dir)
     model = setup.model
-    optimizer = build_optimizer(model, cfg.train)
+    if cfg.model.dsa_indexer_dense_warmup:
+        freeze_all_but_indexers(model)
+    optimizer = build_optimizer(model, cfg.train)  # over the parameters that require a gradient
     writer = CheckpointWriter(
         checkpoint_dir(cfg),
         keep_last=cfg.run.keep_last,
@@ -221,6 +224,16 @@ def _run(setup: Setup) -> TrainSummary:
     return summary
 
 
+def freeze_all_but_indexers(model: torch.nn.Module) -> None:
+    """DeepSeek-V3.2's dense warm-up (model.dsa_indexer_dense_warmup): every parameter but the DSA indexers'
+    (``*.attention.indexer.*``) stops requiring a gradient, so the backward computes none for them, the optimizer
+    (built after this, over the parameters that require one) holds none of them and the gradient clipping ignores
+    them. The checkpoints then hold the indexers alone (moe_train.checkpoint leaves frozen tensors out, as for LoRA):
+    a resumed run rebuilds the rest as this one did (model.from_hf, or the seed)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(".indexer." in f".{name}")
+
+
 class _RunLogs:
     """The main rank's metrics file, TensorBoard and W&B loggers."""
 
@@ -249,6 +262,7 @@ def _start_message(setup: Setup, loop: TrainLoop) -> str:
         f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {loop.peak:.3f} TFLOPS "
         f"({loop.peak_source}), {cfg.train.params_dtype} params, AdamW states {cfg.train.optimizer_states_dtype}"
         + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
+        + (", DSA dense warm-up: the indexers alone train" if cfg.model.dsa_indexer_dense_warmup else "")
         + _memory_message(setup.memory)
         + _precision_message(cfg.precision, setup.precision_modules, setup.precision_native)
         + _data_message(setup)

@@ -443,6 +443,10 @@ _TRAINING_FIELDS = frozenset(
         "mamba_backend",
         "mtp_loss_scaling_factor",
         "linear_attention_chunk_size",  # the chunked gated delta rule's chunk: a compute choice
+        # training the DeepSeek Sparse Attention indexer (its loss, its stage): nothing a checkpoint records
+        "dsa_indexer_loss_coeff",
+        "dsa_indexer_use_sparse_loss",
+        "dsa_indexer_dense_warmup",
     }
 )
 

@@ -167,23 +167,32 @@ def _gated_delta_net_split_in_proj(
     return to_ours, to_hf
 
 
+def _rows_by_group(
+    groups: int, parts: list[int]
+) -> tuple[Callable[[list[Tensor]], Tensor], Callable[[Tensor], list[Tensor]]]:
+    """Our rows (dim 0), per group the group's share of each part in turn, <-> transformers' rows, each part whole
+    over all groups in order (``parts``: each part's rows over all groups)."""
+    per_group = [n // groups for n in parts]
+
+    def to_ours(ts: list[Tensor]) -> Tensor:
+        by_group = [p.unflatten(0, (groups, -1)) for p in ts[0].split(parts)]
+        return torch.cat(by_group, dim=1).flatten(0, 1)
+
+    def to_hf(t: Tensor) -> list[Tensor]:
+        return [torch.cat([p.flatten(0, 1) for p in t.unflatten(0, (groups, -1)).split(per_group, dim=1)])]
+
+    return to_ours, to_hf
+
+
 def _gated_delta_net_conv(
     c: ModelConfig,
 ) -> tuple[Callable[[list[Tensor]], Tensor], Callable[[Tensor], list[Tensor]]]:
     """Our conv channels, per key head ``[q, k, v]`` of the head and its value heads <-> transformers' ``conv1d``
     channels ``[q, k, v]``, each over all heads."""
     key_heads, dk = c.linear_num_key_heads, c.linear_key_head_dim
-    parts = [key_heads * dk, key_heads * dk, c.linear_num_value_heads * c.linear_value_head_dim]
-    per_head = [n // key_heads for n in parts]
-
-    def to_ours(ts: list[Tensor]) -> Tensor:
-        heads = [p.unflatten(0, (key_heads, -1)) for p in ts[0].split(parts)]
-        return torch.cat(heads, dim=1).flatten(0, 1)
-
-    def to_hf(t: Tensor) -> list[Tensor]:
-        return [torch.cat([p.flatten(0, 1) for p in t.unflatten(0, (key_heads, -1)).split(per_head, dim=1)])]
-
-    return to_ours, to_hf
+    return _rows_by_group(
+        key_heads, [key_heads * dk, key_heads * dk, c.linear_num_value_heads * c.linear_value_head_dim]
+    )
 
 
 def _gated_delta_net(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
@@ -210,6 +219,33 @@ def _gated_delta_net(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
     _copy(plan, f"{ours}.dt_bias", f"{hf}.dt_bias", (heads,))
     _copy(plan, f"{ours}.norm.weight", f"{hf}.norm.weight", (c.linear_value_head_dim,))
     _copy(plan, f"{ours}.out_proj.weight", f"{hf}.out_proj.weight", (h, value))
+
+
+def _concat_rows(ts: list[Tensor]) -> Tensor:
+    return torch.cat(ts)
+
+
+def _split_rows_in_three(t: Tensor) -> list[Tensor]:
+    return list(t.chunk(3))
+
+
+def _kimi_delta(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
+    """A Kimi Delta Attention layer as Kimi Linear's checkpoints store it: transformers' ``KimiLinearDeltaAttention``
+    tensors, but the convolution apart per q, k and v (``q_conv1d`` ... ; ours is their rows in turn) and the forget
+    gate's tensors beside the others (ours under ``forget_gate.``)."""
+    h, heads, dim = c.hidden_size, c.linear_num_key_heads, c.linear_key_head_dim
+    width = heads * dim
+    conv = tuple(Source(f"{hf}.{x}_conv1d.weight", (width, 1, c.linear_conv_kernel_dim)) for x in "qkv")
+    plan.entries.append(Entry(f"{ours}.conv1d.weight", conv, _concat_rows, _split_rows_in_three))
+    gate = {"f_a_proj.weight": (dim, h), "f_b_proj.weight": (width, dim), "dt_bias": (width,)}
+    gate["A_log"] = (1, 1, heads, 1)
+    for name, shape in gate.items():
+        _copy(plan, f"{ours}.forget_gate.{name}", f"{hf}.{name}", shape)
+    shapes = {f"{x}_proj.weight": (width, h) for x in "qkv"}
+    shapes |= {"b_proj.weight": (heads, h), "g_a_proj.weight": (dim, h), "g_b_proj.weight": (width, dim)}
+    shapes |= {"o_norm.weight": (dim,), "o_proj.weight": (h, width)}
+    for name, shape in shapes.items():
+        _copy(plan, f"{ours}.{name}", f"{hf}.{name}", shape)
 
 
 def _mla_attention(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
@@ -316,7 +352,9 @@ def _decoder_layer(
     h = c.hidden_size
     _copy(plan, f"{ours}.input_norm.weight", f"{hf}.input_layernorm.weight", (h,))
     _copy(plan, f"{ours}.post_attention_norm.weight", f"{hf}.post_attention_layernorm.weight", (h,))
-    if linear:
+    if linear and c.experimental_attention_variant == "kimi_delta_attention":
+        _kimi_delta(plan, c, f"{ours}.attention", f"{hf}.self_attn")
+    elif linear:
         _gated_delta_net(plan, c, f"{ours}.attention", f"{hf}.linear_attn")
     else:
         attention = _mla_attention if c.multi_latent_attention else _gqa_attention
@@ -324,7 +362,11 @@ def _decoder_layer(
     if moe:
         _moe_mlp(plan, c, f"{ours}.mlp", hf, experts, available)
     else:
-        _dense_mlp(plan, c, f"{ours}.mlp", f"{hf}.{FAMILIES[c.family].names.dense_mlp}")
+        names = FAMILIES[c.family].names
+        dense = names.dense_mlp
+        if available is not None and f"{hf}.{names.moe_block}.gate_proj.weight" in available:
+            dense = names.moe_block  # transformers' Kimi Linear saves a dense MLP under the MoE block's name: read it
+        _dense_mlp(plan, c, f"{ours}.mlp", f"{hf}.{dense}")
 
 
 def _mtp(plan: Plan, c: ModelConfig, k: int, experts: tuple[int, ...], available: set[str] | None) -> None:
@@ -341,24 +383,25 @@ def _mtp(plan: Plan, c: ModelConfig, k: int, experts: tuple[int, ...], available
 
 
 def _mamba_mixer(plan: Plan, c: ModelConfig, ours: str, hf: str) -> None:
-    """A Mamba-2 mixer: transformers' ``NemotronHMamba2Mixer`` tensors under the same names and layouts."""
-    h, heads, inner = c.hidden_size, c.mamba_num_heads, c.mamba_num_heads * c.mamba_head_dim
-    conv = inner + 2 * c.mamba_num_groups * c.mamba_state_dim
-    shapes = {
-        "in_proj.weight": (inner + conv + heads, h),
-        "conv1d.weight": (conv, 1, c.mamba_conv_kernel_dim),
-        "dt_bias": (heads,),
-        "A_log": (heads,),
-        "D": (heads,),
-        "norm.weight": (inner,),
-        "out_proj.weight": (h, inner),
+    """A Mamba-2 mixer: transformers' ``NemotronHMamba2Mixer`` tensors under the same names, ``in_proj``'s and the
+    conv's rows regrouped by B/C group (:mod:`moe_models.mamba`)."""
+    h, heads, groups = c.hidden_size, c.mamba_num_heads, c.mamba_num_groups
+    inner, bc = heads * c.mamba_head_dim, groups * c.mamba_state_dim
+    in_rows, conv_rows = _rows_by_group(groups, [inner, inner, bc, bc, heads]), _rows_by_group(groups, [inner, bc, bc])
+    grouped = {
+        "in_proj.weight": ((2 * inner + 2 * bc + heads, h), in_rows),
+        "conv1d.weight": ((inner + 2 * bc, 1, c.mamba_conv_kernel_dim), conv_rows),
     }
     if c.mamba_conv_bias:
-        shapes["conv1d.bias"] = (conv,)
+        grouped["conv1d.bias"] = ((inner + 2 * bc,), conv_rows)
     if c.mamba_proj_bias:
-        shapes |= {"in_proj.bias": (inner + conv + heads,), "out_proj.bias": (h,)}
-    for name, shape in shapes.items():
+        grouped["in_proj.bias"] = ((2 * inner + 2 * bc + heads,), in_rows)
+        _copy(plan, f"{ours}.out_proj.bias", f"{hf}.out_proj.bias", (h,))
+    for name, (shape, (to_ours, to_hf)) in grouped.items():
+        plan.entries.append(Entry(f"{ours}.{name}", (Source(f"{hf}.{name}", shape),), to_ours, to_hf))
+    for name, shape in (("dt_bias", (heads,)), ("A_log", (heads,)), ("D", (heads,)), ("norm.weight", (inner,))):
         _copy(plan, f"{ours}.{name}", f"{hf}.{name}", shape)
+    _copy(plan, f"{ours}.out_proj.weight", f"{hf}.out_proj.weight", (h, inner))
 
 
 def _non_gated_moe(

@@ -12,8 +12,10 @@ from moe_models.hf.families import (
     flint,
     glm4_moe,
     glm4_moe_lite,
+    glm_moe_dsa,
     hunyuan_v1_moe,
     hy_v3,
+    kimi_linear,
     llama4,
     mellum,
     minimax_m2,
@@ -45,4 +47,6 @@ FAMILY_MODULES = (
     deepseek_v32,
     qwen3_5_moe,
     nemotron_h,
+    glm_moe_dsa,
+    kimi_linear,
 )
