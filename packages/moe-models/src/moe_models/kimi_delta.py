@@ -49,7 +49,12 @@ from moe_models.gated_delta import (
 )
 from moe_models.layers import rms_normalised
 from moe_models.recurrent_documents import per_document
-from moe_models.sequence_segments import SegmentedPositions, SequenceSegments
+from moe_models.sequence_segments import (
+    SegmentedPositions,
+    SequenceSegments,
+    chain_delta_rule,
+    with_identity_state,
+)
 
 __all__ = ["KimiDeltaAttention", "KimiDeltaMixer", "chunk_kimi_delta_rule", "recurrent_kimi_delta_rule"]
 
@@ -325,11 +330,8 @@ class KimiDeltaMixer(KimiDeltaAttention):
         ):
             piece_BLC, _ = causal_conv1d(piece_BLC, conv_weight_CW, activation="silu", initial_state_BCW1=conv_state)
             q_BLNK, k_BLNK, v_BLNV = piece_BLC.unflatten(-1, (3, self.num_heads, dim)).unbind(-3)
-            batch, length, heads, _ = v_BLNV.shape
             # K zero value columns read the transition from an identity initial state
-            v_BLNX = torch.cat([v_BLNV, v_BLNV.new_zeros(batch, length, heads, dim)], dim=-1)
-            eye_BNKK = torch.eye(dim, device=v_BLNV.device).expand(batch, heads, dim, dim)
-            state_BNKX = torch.cat([torch.zeros_like(eye_BNKK), eye_BNKK], dim=-1)
+            v_BLNX, state_BNKX = with_identity_state(v_BLNV, dim)
             o_BLNX, final_BNKX = chunk_kimi_delta_rule(
                 q_BLNK,
                 k_BLNK,
@@ -344,14 +346,4 @@ class KimiDeltaMixer(KimiDeltaAttention):
             outputs.append(o_BLNX)
             summaries.append(final_BNKX)
 
-        def step(summary_BNKX: torch.Tensor, state_BNKV: torch.Tensor, length: int) -> torch.Tensor:
-            d_BNKV, m_BNKK = summary_BNKX.split([dim, dim], dim=-1)
-            return m_BNKK @ state_BNKV + d_BNKV
-
-        zero_BNKV = summaries[0].new_zeros((*summaries[0].shape[:-1], dim))
-        mixed = []
-        for o_BLNX, state_in_BNKV in zip(outputs, segments.chain(summaries, step, zero_BNKV), strict=True):
-            o_BLNV, qm_BLNK = o_BLNX.split([dim, dim], dim=-1)
-            correction_BLNV = torch.einsum("blnk,bnkv->blnv", qm_BLNK.to(state_in_BNKV.dtype), state_in_BNKV)
-            mixed.append((o_BLNV.to(state_in_BNKV.dtype) + correction_BLNV).to(o_BLNV.dtype))
-        return torch.cat(mixed, dim=1)
+        return chain_delta_rule(segments, outputs, summaries, dim)

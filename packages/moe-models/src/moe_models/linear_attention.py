@@ -52,7 +52,12 @@ from moe_models.config import ModelConfig
 from moe_models.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from moe_models.layers import rms_normalised
 from moe_models.recurrent_documents import per_document
-from moe_models.sequence_segments import SegmentedPositions, SequenceSegments
+from moe_models.sequence_segments import (
+    SegmentedPositions,
+    SequenceSegments,
+    chain_delta_rule,
+    with_identity_state,
+)
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm"]
 
@@ -172,11 +177,8 @@ class GatedDeltaNet(nn.Module):
         ):
             piece_BLC, _ = causal_conv1d(piece_BLC, conv_weight_CW, activation="silu", initial_state_BCW1=conv_state)
             q_BLHK, k_BLHK, v_BLNV = self._qkv_heads(piece_BLC)
-            batch, length, heads, _ = v_BLNV.shape
             # K zero value columns read the transition from an identity initial state (module docstring)
-            v_BLNX = torch.cat([v_BLNV, v_BLNV.new_zeros(batch, length, heads, dim_k)], dim=-1)
-            eye_BNKK = torch.eye(dim_k, device=v_BLNV.device).expand(batch, heads, dim_k, dim_k)
-            state_BNKX = torch.cat([eye_BNKK.new_zeros(batch, heads, dim_k, dim_v), eye_BNKK], dim=-1)
+            v_BLNX, state_BNKX = with_identity_state(v_BLNV, dim_k)
             o_BLNX, final_BNKX = chunk_gated_delta_rule(
                 q_BLHK,
                 k_BLHK,
@@ -191,14 +193,4 @@ class GatedDeltaNet(nn.Module):
             outputs.append(o_BLNX)
             summaries.append(final_BNKX)
 
-        def step(summary_BNKX: torch.Tensor, state_BNKV: torch.Tensor, length: int) -> torch.Tensor:
-            d_BNKV, m_BNKK = summary_BNKX.split([dim_v, dim_k], dim=-1)
-            return m_BNKK @ state_BNKV + d_BNKV
-
-        zero_BNKV = summaries[0].new_zeros((*summaries[0].shape[:-1], dim_v))
-        mixed = []
-        for o_BLNX, state_in_BNKV in zip(outputs, segments.chain(summaries, step, zero_BNKV), strict=True):
-            o_BLNV, qm_BLNK = o_BLNX.split([dim_v, dim_k], dim=-1)
-            correction_BLNV = torch.einsum("blnk,bnkv->blnv", qm_BLNK.to(state_in_BNKV.dtype), state_in_BNKV)
-            mixed.append((o_BLNV.to(state_in_BNKV.dtype) + correction_BLNV).to(o_BLNV.dtype))
-        return torch.cat(mixed, dim=1)
+        return chain_delta_rule(segments, outputs, summaries, dim_v)

@@ -120,3 +120,34 @@ class SegmentedPositions:
             state = step(rows_R_[segment], state, self.lengths[segment])
         self.exchange(state, f"{kind}_out")
         return [states_in[segment] for segment in self.local]
+
+
+def with_identity_state(v_BLNV: torch.Tensor, dim_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A delta rule's value rows widened by ``dim_k`` zero columns, and the initial state ``[0 | I]``
+    ``[B, N, K, V + K]`` that reads into them: one pass from it gives a segment's outputs from a zero state, ``q M_t``
+    (the extra columns) and the final state ``[D | M]``, D the final state from zero and M the state's transition (the
+    rules are linear in their initial state)."""
+    batch, length, heads, dim_v = v_BLNV.shape
+    v_BLNX = torch.cat([v_BLNV, v_BLNV.new_zeros(batch, length, heads, dim_k)], dim=-1)
+    eye_BNKK = torch.eye(dim_k, device=v_BLNV.device).expand(batch, heads, dim_k, dim_k)
+    return v_BLNX, torch.cat([eye_BNKK.new_zeros(batch, heads, dim_k, dim_v), eye_BNKK], dim=-1)
+
+
+def chain_delta_rule(
+    segments: SegmentedPositions, outputs_BLNX: list[torch.Tensor], finals_BNKX: list[torch.Tensor], dim_v: int
+) -> torch.Tensor:
+    """The local runs' outputs ``[B, S, N, V]`` of a delta rule computed per run from :func:`with_identity_state`:
+    each run's state in (the segments before it chained by ``S -> M S + D``) read by its ``q M_t`` and added."""
+    dim_k = finals_BNKX[0].shape[-1] - dim_v
+
+    def step(summary_BNKX: torch.Tensor, state_BNKV: torch.Tensor, length: int) -> torch.Tensor:
+        d_BNKV, m_BNKK = summary_BNKX.split([dim_v, dim_k], dim=-1)
+        return m_BNKK @ state_BNKV + d_BNKV
+
+    zero_BNKV = finals_BNKX[0].new_zeros((*finals_BNKX[0].shape[:-1], dim_v))
+    mixed = []
+    for o_BLNX, state_in_BNKV in zip(outputs_BLNX, segments.chain(finals_BNKX, step, zero_BNKV), strict=True):
+        o_BLNV, qm_BLNK = o_BLNX.split([dim_v, dim_k], dim=-1)
+        correction_BLNV = torch.einsum("blnk,bnkv->blnv", qm_BLNK.to(state_in_BNKV.dtype), state_in_BNKV)
+        mixed.append((o_BLNV.to(state_in_BNKV.dtype) + correction_BLNV).to(o_BLNV.dtype))
+    return torch.cat(mixed, dim=1)
