@@ -1,21 +1,24 @@
-"""Saved-activation bytes of one Gated DeltaNet layer (Qwen3-Next's linear attention) and one Mamba-2 mixer
-(Nemotron-H's) against the sequence length: measured, estimated, and bytes per token.
+"""Saved-activation bytes of one Gated DeltaNet layer (Qwen3-Next's linear attention), one Mamba-2 mixer
+(Nemotron-H's) and one KDA layer (Kimi Linear's) against the sequence length: measured, estimated, and bytes per token.
 
 One ``moe_models.linear_attention.GatedDeltaNet`` (hidden 256, 2 query/key heads each serving 2 of 4 value heads,
 head dims 64, a 4-tap convolution, chunks of 64 positions) and one ``moe_models.mamba.Mamba2Mixer`` (hidden 256, 8
 heads of 64 channels sharing 2 groups of B and C, state 64, a 4-tap convolution, chunks of 64 positions), fp32 on the
-CPU, one sequence of 2048, 4096 and 8192 random hidden states. Measured: what the forward saves for the backward, by
-:class:`moe_memory.measure.SavedTensorBytes` on the module (its input, saved by ``in_proj``, included); for the
-Mamba-2 mixer only what is still saved when the backward starts (its scan's last state update feeds nothing, and the
-state only it keeps is freed before then), with its gated norm, a function, attributed to the ``norm`` module that
-holds its weight. Estimated: ``moe_models.saved_bytes``' declaration of the same layer
+CPU, and one ``moe_models.kimi_delta.KimiDeltaMixer`` (hidden 256, 4 heads of 64, a 4-tap convolution, chunks of 64
+positions in sub-chunks of 8), one sequence of 2048, 4096 and 8192 random hidden states. Measured: what the forward
+saves for the backward, by :class:`moe_memory.measure.SavedTensorBytes` on the module (its input, saved by
+``in_proj``, included); for the Mamba-2 mixer and the KDA layer only what is still saved when the backward starts
+(their scans' last state update feeds nothing, and the state only it keeps is freed before then), with the Mamba-2
+mixer's gated norm, a function, attributed to the ``norm`` module that holds its weight. Estimated:
+``moe_models.saved_bytes``' declaration of the same layer
 (:func:`~moe_models.saved_bytes.gated_delta_net_saved_bytes`, :func:`~moe_models.saved_bytes.mamba2_saved_bytes`),
 per estimate module. The chunked scans save per position, per chunk of 64 positions (their [C, C] matrices) and per
 chunk again in their loops (one state per chunk, kept by autograd in the Python loop): for whole chunks every term is
 the sequence times a constant, so the bytes per token stay the same as the sequence grows; a quadratic term would
 double them with each doubling. Each row: measured and estimated bytes, their ratio, both per token, and both by
-module; the Gated DeltaNet's rows under ``rows``, the Mamba-2 mixer's under ``mamba2``; with them the measured bytes
-each token added from one length to the next costs (the same at every step: linear).
+module; the Gated DeltaNet's rows under ``rows``, the Mamba-2 mixer's under ``mamba2``, the KDA layer's
+(:func:`~moe_models.recurrent_saved_bytes.kimi_delta_saved_bytes`) under ``kda``; with them the measured bytes each
+token added from one length to the next costs (the same at every step: linear).
 
     uv run python benchmarks/linear_attention_memory.py [--quick] [--out ...]
 """
@@ -37,9 +40,11 @@ from moe_memory.measure import SavedAtBackwardBytes, SavedTensorBytes
 from moe_models import mamba as mamba_module
 from moe_models import ssd
 from moe_models.config import ModelConfig
+from moe_models.kimi_delta import KimiDeltaMixer
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, model_shape
 from moe_models.presets import preset
+from moe_models.recurrent_saved_bytes import kimi_delta_saved_bytes
 from moe_models.saved_bytes import gated_delta_net_saved_bytes, mamba2_saved_bytes
 
 LAYER = {
@@ -59,6 +64,15 @@ MAMBA_LAYER = {
     "mamba_state_dim": 64,
     "mamba_conv_kernel_dim": 4,
     "mamba_chunk_size": 64,
+}
+KDA_LAYER = {
+    "hidden_size": 256,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "linear_attention_chunk_size": 64,
 }
 # the Mamba-2 mixer's modules as the estimate names them ("" is the mixer itself)
 MAMBA_MODULES = {"": "mamba_mixer", "in_proj": "qkv_linear", "norm": "mamba_norm", "out_proj": "attn_proj"}
@@ -97,6 +111,18 @@ def measure_mamba2(layer: mamba_module.Mamba2Mixer, x_BSH: torch.Tensor) -> dict
     by_module: dict[str, int] = {}
     for storage in saved.alive():
         module = MAMBA_MODULES[storage.module]
+        by_module[module] = by_module.get(module, 0) + storage.nbytes
+    del out_BSH
+    return by_module
+
+
+def measure_kimi_delta(layer: KimiDeltaMixer, x_BSH: torch.Tensor) -> dict[str, int]:
+    """Bytes the KDA layer's forward leaves saved for the backward, by estimate module."""
+    with SavedAtBackwardBytes(model=layer) as saved:
+        out_BSH = layer(x_BSH)
+    by_module: dict[str, int] = {}
+    for storage in saved.alive():
+        module = estimate_module(f"attention.{storage.module}".rstrip("."), linear_attention=True)
         by_module[module] = by_module.get(module, 0) + storage.nbytes
     del out_BSH
     return by_module
@@ -182,14 +208,25 @@ def main() -> None:
         lambda x_BSH: measure_mamba2(mixer, x_BSH),
         lambda sizes, run: mamba2_saved_bytes(mamba_shape, mamba_config.hidden_size, sizes, run),
     )
+    kda_config = preset("tiny-kimi-linear", **KDA_LAYER)
+    kda_layer = KimiDeltaMixer(kda_config)
+    kda_shape = model_shape(kda_config).layers[0].attention
+    kda = sweep(
+        "KDA",
+        sequences,
+        kda_config.hidden_size,
+        lambda x_BSH: measure_kimi_delta(kda_layer, x_BSH),
+        lambda sizes, run: kimi_delta_saved_bytes(kda_shape, kda_config.hidden_size, sizes, run),
+    )
     report = {
         **header(args, device="cpu", dtype="float32"),
-        "what": "saved-activation bytes of one Gated DeltaNet layer (rows) and one Mamba-2 mixer (mamba2) against "
-        "the sequence: SavedTensorBytes on the module vs moe_models.saved_bytes' declaration, and bytes per token "
-        "(constant: linear in the sequence)",
+        "what": "saved-activation bytes of one Gated DeltaNet layer (rows), one Mamba-2 mixer (mamba2) and one KDA "
+        "layer (kda) against the sequence: SavedTensorBytes on the module vs moe_models.saved_bytes' declaration, "
+        "and bytes per token (constant: linear in the sequence)",
         "inputs": {"batch": 1, **LAYER},
         **gated_delta,
         "mamba2": {"inputs": {"batch": 1, **MAMBA_LAYER}, **mamba2},
+        "kda": {"inputs": {"batch": 1, **KDA_LAYER}, **kda},
     }
     write(args.out, report)
 

@@ -15,6 +15,7 @@ from moe_memory.estimate import (
     ExpertsShape,
     GatedDeltaNetShape,
     GQAShape,
+    KimiDeltaShape,
     LayerShape,
     LocalParameters,
     Mamba2Shape,
@@ -242,6 +243,25 @@ def test_mtp_after_a_gated_delta_net_needs_its_attention() -> None:
         estimate_memory(shape, run())
     with_attention = dataclasses.replace(shape, mtp_attention=GQAShape(2, 2, 4))
     assert "MTP moe layer x1 (GQA)" in {t.where for t in estimate_memory(with_attention, run()).activations}
+
+
+def test_kda_layers_are_named_and_need_equal_key_and_value_sizes() -> None:
+    """A KDA layer (Kimi Linear) is a linear-attention layer kind of its own, and has one value head of the key dim
+    per key head: other sizes are refused naming the fields."""
+    kda = KimiDeltaShape(key_heads=2, value_heads=2, key_dim=2, value_dim=2, conv_kernel=2, chunk=4)
+    model = ModelShape(8, 16, (LayerShape(kda, moe=False), LayerShape(GDN, moe=False)), dense_ffn=12, saved_bytes=SAVES)
+    estimate = estimate_memory(model, run())
+    kinds = {"dense layer x1 (KDA)", "dense layer x1 (Gated DeltaNet)", "model"}
+    assert {t.where for t in estimate.activations} == kinds
+    by_kind: dict[str, int] = {}
+    for t in estimate.activations:
+        by_kind[t.where] = by_kind.get(t.where, 0) + t.total
+    assert by_kind["dense layer x1 (KDA)"] != by_kind["dense layer x1 (Gated DeltaNet)"]
+    with pytest.raises(ValueError, match="^KimiDeltaShape value_heads=4, value_dim=2: KDA has one value head"):
+        KimiDeltaShape(key_heads=2, value_heads=4, key_dim=2, value_dim=2, conv_kernel=2, chunk=4)
+    last = ModelShape(8, 16, (LayerShape(kda, moe=True),), experts=EXPERTS, mtp_depth=1, saved_bytes=SAVES)
+    with pytest.raises(ValueError, match="^ModelShape.mtp_attention: the last layer is a KDA"):
+        estimate_memory(last, run())
 
 
 # 4 heads of 2 channels in 2 groups of B and C, a 2-wide state, a 2-tap convolution, chunks of 4 positions

@@ -9,6 +9,7 @@ PUBLIC_NAMES = [
     "ExpertsShape",
     "GQAShape",
     "GatedDeltaNetShape",
+    "KimiDeltaShape",
     "LayerShape",
     "LiveTensorBytes",
     "LocalParameters",

@@ -19,6 +19,7 @@ from moe_memory.estimate import MemoryEstimate, estimate_memory
 from moe_memory.measure import SavedAtBackwardBytes, SavedStorage
 from moe_models import MoETransformer, build_model, causal_lm_loss
 from moe_models.config import ModelConfig
+from moe_models.kimi_delta import KimiDeltaMixer
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.mamba import Mamba2Mixer
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
@@ -99,6 +100,9 @@ CASES = {
     # two chunks of 64 positions, the last padded (one chunk, or whole chunks of several rows, save tensors that are
     # freed before the backward: test_saved_bytes measures those layers alone)
     "qwen3-next (Gated DeltaNet, output gate, zero-centred norms)": ("tiny-qwen3-next", 2, 96, {}),
+    # KDA layers (per-channel decays by sub-chunks) before MLA: 80 positions, chunks of 48 (the last padded) in 6
+    # sub-chunks of 8
+    "kimi-linear (KDA, MLA)": ("tiny-kimi-linear", 2, 80, {"linear_attention_chunk_size": 48}),
     # 80 positions: more than the top-k of 16 and two query blocks (of 64 and 16 queries)
     "deepseek-v3.2 (DeepSeek Sparse Attention)": ("tiny-deepseek-v32", 2, 80, {}),
     # no preset: a ModelConfig of these fields. Chunks of 8 positions, the last padded
@@ -117,6 +121,7 @@ BLOCKS = [
     "gated shared expert (Qwen2-MoE)",
     "NoPE, chunks, q/k L2 norms, temperature, probabilities on the input (Llama 4)",
     "qwen3-next (Gated DeltaNet, output gate, zero-centred norms)",
+    "kimi-linear (KDA, MLA)",
     HYBRID,
     DSA,
 ]
@@ -173,7 +178,7 @@ def _step(name: str, dtype: torch.dtype = torch.float32, **estimate_options) -> 
 
 def _measured_by_module(step: Step) -> dict[str, int]:
     dense = {n for n, m in step.model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
-    linear = {n for n, m in step.model.named_modules() if isinstance(m, GatedDeltaNet)}
+    linear = {n for n, m in step.model.named_modules() if isinstance(m, GatedDeltaNet | KimiDeltaMixer)}
     mamba = {n for n, m in step.model.named_modules() if isinstance(m, Mamba2Mixer)}
     out: dict[str, int] = {}
     for saved in step.measured:

@@ -3,7 +3,7 @@ loss of every family's tiny model really save for backward, still saved when the
 (moe_memory.measure.SavedAtBackwardBytes), byte for byte and module by module: one process, CPU, dropless routing,
 fp32 and bf16 parameters and activations; hybrid patterns of Mamba-2, attention, dense-MLP and MoE blocks
 (Nemotron-H) and DeepSeek Sparse Attention over sequences shorter and longer than its top-k too. A Gated DeltaNet
-layer and a Mamba-2 mixer alone, over their shapes."""
+layer, a KDA layer (Kimi Linear) and a Mamba-2 mixer alone, over their shapes."""
 
 from __future__ import annotations
 
@@ -17,15 +17,25 @@ from _hybrid_configs import HYBRID_BLOCKS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_memory.estimate import LocalParameters, Mamba2Shape, MemoryEstimate, RankSizes, RunShape, estimate_memory
+from moe_memory.estimate import (
+    GatedDeltaNetShape,
+    KimiDeltaShape,
+    LocalParameters,
+    Mamba2Shape,
+    MemoryEstimate,
+    RankSizes,
+    RunShape,
+    estimate_memory,
+)
 from moe_memory.measure import SavedAtBackwardBytes
 from moe_models import MoETransformer, build_model, causal_lm_loss, ssd
 from moe_models import mamba as mamba_module
 from moe_models.config import ModelConfig, ModelConfigError
+from moe_models.kimi_delta import KimiDeltaMixer
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
 from moe_models.presets import TINY_PRESETS, preset
-from moe_models.recurrent_saved_bytes import gated_delta_net_saved_bytes, mamba2_saved_bytes
+from moe_models.recurrent_saved_bytes import gated_delta_net_saved_bytes, kimi_delta_saved_bytes, mamba2_saved_bytes
 from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 
 # the families' building blocks on a tiny preset: (preset, ModelConfig overrides), each in fp32 and bf16
@@ -88,14 +98,16 @@ BLOCKS = [
 ]
 # Gated DeltaNet layers over 32 positions: in two chunks, the last padded (one chunk, or whole chunks of more than one
 # row, free some of the scan's saves before the backward: test_gated_delta_net_layer below measures those)
-LINEAR_CHUNKS = {"tiny-qwen3-next": {"linear_attention_chunk_size": 24}}
-# tiny presets whose token mixers the estimate does not model yet: model_shape refuses them (checked below)
-NOT_ESTIMATED = ("tiny-kimi-linear",)
+LINEAR_CHUNKS = {
+    "tiny-qwen3-next": {"linear_attention_chunk_size": 24},
+    "tiny-kimi-linear": {"linear_attention_chunk_size": 24},  # KDA: 3 sub-chunks of 8 positions a chunk
+}
 CASES = (
-    [(name, torch.float32, LINEAR_CHUNKS.get(name, {})) for name in TINY_PRESETS if name not in NOT_ESTIMATED]
+    [(name, torch.float32, LINEAR_CHUNKS.get(name, {})) for name in TINY_PRESETS]
     + [(name, torch.bfloat16, {}) for name in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss")]
     + [(name, torch.bfloat16, {}) for name in ("tiny-deepseek-v32", "tiny-glm-moe-dsa")]
     + [("tiny-qwen3-next", torch.bfloat16, LINEAR_CHUNKS["tiny-qwen3-next"]), ("tiny-nemotron-h", torch.bfloat16, {})]
+    + [("tiny-kimi-linear", torch.bfloat16, {})]
     + [(name, dtype, overrides) for name, overrides in BLOCKS for dtype in (torch.float32, torch.bfloat16)]
 )
 
@@ -108,7 +120,7 @@ def _measured_by_module(model: MoETransformer, config: ModelConfig, batch: int, 
     with _gated_norm_as_module(*mixers.values()), SavedAtBackwardBytes(model=model) as measured:
         loss = causal_lm_loss(model(ids), ids.roll(-1, dims=1), config.mtp_loss_scaling_factor)
     dense = {n for n, m in model.named_modules() if n.endswith("mlp") and not hasattr(m, "router")}
-    linear = {n for n, m in model.named_modules() if isinstance(m, GatedDeltaNet)}
+    linear = {n for n, m in model.named_modules() if isinstance(m, GatedDeltaNet | KimiDeltaMixer)}
     by_module: dict[str, int] = {}
     for saved in measured.alive():  # the loss (and its graph) still held
         mamba = saved.module.removesuffix(".norm") in mixers
@@ -200,6 +212,69 @@ def test_cp_with_gated_delta_net_layers_is_refused() -> None:
     run = RunShape(**{**run.__dict__, "cp": 2})
     with pytest.raises(ValueError, match="^cp=2: Gated DeltaNet layers under context parallelism are not estimated"):
         estimate_memory(model_shape(config), run)
+
+
+def _kda_config(heads: int, head_dim: int, chunk: int) -> ModelConfig:
+    return preset(
+        "tiny-kimi-linear",
+        linear_num_key_heads=heads,
+        linear_num_value_heads=heads,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_attention_chunk_size=chunk,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    batch=st.integers(1, 2),
+    seq=st.integers(1, 40),
+    chunk=st.sampled_from([4, 7, 12, 16, 64]),  # sub-chunks: 1 of 4; 1 of 7 (prime); 2 of 6; 2 of 8; 8 of 8
+    heads=st.integers(1, 3),
+    head_dim=st.sampled_from([2, 4, 8]),
+)
+def test_kimi_delta_layer(dtype, batch, seq, chunk, heads, head_dim) -> None:
+    """One KDA layer's declared saves, module by module, are what its forward leaves saved for the backward: one
+    chunk or several, padded or whole, one sub-chunk a chunk or several, one row or two."""
+    config = _kda_config(heads, head_dim, chunk)
+    torch.manual_seed(0)
+    layer = KimiDeltaMixer(config).to(dtype)
+    x = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    with SavedAtBackwardBytes(model=layer) as measured:
+        out = layer(x)
+    measured_by_module: dict[str, int] = {}
+    for saved in measured.alive():
+        module = estimate_module(f"attention.{saved.module}".rstrip("."), linear_attention=True)
+        measured_by_module[module] = measured_by_module.get(module, 0) + saved.nbytes
+    del out
+    shape = model_shape(config).layers[0].attention
+    assert isinstance(shape, KimiDeltaShape)
+    tokens, size = batch * seq, dtype.itemsize
+    run = RunShape(micro_batch=batch, seq_len=seq, params=local_parameters(layer), activation_bytes=size)
+    sizes = RankSizes(batch, seq, tokens, tokens, size)
+    assert kimi_delta_saved_bytes(shape, config.hidden_size, sizes, run) == measured_by_module
+
+
+@pytest.mark.parametrize("chunk", [64, 12])
+def test_kimi_delta_bytes_grow_linearly_with_the_sequence(chunk: int) -> None:
+    """Per chunk of positions the same bytes more: linear in the sequence (whole chunks, one row)."""
+    shape = model_shape(_kda_config(4, 32, chunk)).layers[0].attention
+
+    def total(seq: int) -> int:
+        run = RunShape(micro_batch=1, seq_len=seq, params=LocalParameters(1, 1), activation_bytes=4)
+        return sum(kimi_delta_saved_bytes(shape, 128, RankSizes(1, seq, seq, seq, 4), run).values())
+
+    steps = [total(chunk * (n + 1)) - total(chunk * n) for n in range(2, 6)]
+    assert len(set(steps)) == 1 and steps[0] > 0
+
+
+def test_kimi_delta_under_cp_is_refused() -> None:
+    """Its context-parallel form (the layer's segments) is not declared: one line naming the field."""
+    shape = model_shape(_kda_config(2, 4, 8)).layers[0].attention
+    run = RunShape(micro_batch=1, seq_len=64, params=LocalParameters(1, 1), activation_bytes=4, cp=2)
+    with pytest.raises(ValueError, match="^cp=2: KDA layers under context parallelism are not estimated"):
+        kimi_delta_saved_bytes(shape, 128, RankSizes(1, 32, 32, 32, 4, 2), run)
 
 
 def test_token_mixers_not_estimated_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -312,16 +387,18 @@ def test_mamba2_under_cp_is_refused() -> None:
         mamba2_saved_bytes(shape, 12, RankSizes(1, 32, 32, 32, 4, 2), run)
 
 
-@pytest.mark.parametrize("name", NOT_ESTIMATED)
-def test_a_model_the_estimate_does_not_describe_is_refused_naming_the_field(name: str) -> None:
-    with pytest.raises(ModelConfigError) as err:
-        model_shape(preset(name))
-    assert err.value.field == "experimental_attention_variant" and "not estimated" in str(err.value)
+def test_an_unknown_linear_attention_variant_is_refused_naming_the_field() -> None:
+    """A linear-attention variant the declarations do not describe (one the config may accept in future) is refused
+    in one line naming the field rather than estimated as a Gated DeltaNet."""
+    config = preset("tiny-qwen3-next")
+    config.experimental_attention_variant = "future_delta_rule"  # past the config's own check, as a newer one
+    with pytest.raises(ModelConfigError, match="^experimental_attention_variant='future_delta_rule': not estimated"):
+        model_shape(config)
 
 
-def test_kimi_delta_attention_layers_are_not_estimated_as_gated_deltanet() -> None:
-    """KDA's layers are "linear_attention" layers as Gated DeltaNet's, but save other tensors: refused in one line
-    naming the field rather than declared as a Gated DeltaNet."""
+def test_kimi_delta_attention_layers_are_estimated_as_kda_not_gated_deltanet() -> None:
+    """KDA's layers are "linear_attention" layers as Gated DeltaNet's, but save other tensors: the same config
+    estimated as either variant gives a KimiDeltaShape or a Gated DeltaNet shape, and different bytes."""
     gdn = preset("tiny-qwen3-next")
     kda = dataclasses.replace(
         gdn,
@@ -330,9 +407,15 @@ def test_kimi_delta_attention_layers_are_not_estimated_as_gated_deltanet() -> No
         linear_value_head_dim=gdn.linear_key_head_dim,
     )
     assert [m.token for m in kda.layer_mixers()] == [m.token for m in gdn.layer_mixers()]  # the same layer kinds
-    model_shape(dataclasses.replace(kda, experimental_attention_variant="gated_delta_net"))  # estimated as GDN
-    with pytest.raises(ModelConfigError, match="^experimental_attention_variant='kimi_delta_attention': not estimated"):
-        model_shape(kda)
+    as_gdn = model_shape(dataclasses.replace(kda, experimental_attention_variant="gated_delta_net"))
+    as_kda = model_shape(kda)
+    linear = [i for i, m in enumerate(kda.layer_mixers()) if m.token == "linear_attention"]
+    assert linear and all(type(as_kda.layers[i].attention) is KimiDeltaShape for i in linear)
+    assert all(type(as_gdn.layers[i].attention) is GatedDeltaNetShape for i in linear)
+    run = RunShape(micro_batch=1, seq_len=64, params=LocalParameters(1, 1), activation_bytes=4)
+    kinds = {t.where for t in estimate_memory(as_kda, run).activations}
+    assert any(kind.endswith("(KDA)") for kind in kinds)
+    assert estimate_memory(as_kda, run).activation_bytes != estimate_memory(as_gdn, run).activation_bytes
 
 
 def test_a_training_dsa_indexer_is_refused_naming_the_field() -> None:

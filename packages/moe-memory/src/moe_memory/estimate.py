@@ -5,10 +5,11 @@ Inputs are plain frozen values (no torch, nothing of the other packages):
 - :class:`ModelShape`: hidden size, vocabulary, one :class:`LayerShape` per decoder layer (its token mixer: attention
   :class:`GQAShape` with heads / key-value heads / head dim, sliding window, sinks, QK-norm, output gate, or
   :class:`MLAShape`, with DeepSeek Sparse Attention's top-k or dense, or a linear-attention
-  :class:`GatedDeltaNetShape` with its heads, convolution and chunk, or a Mamba-2 mixer :class:`Mamba2Shape`; its
-  channel mixer, MoE or dense MLP; a hybrid pattern's layer, Nemotron-H's, has only one of the two), the routed
-  experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not, biases, router scoring and losses), the
-  shared-expert and dense FFN widths and whether their activation is gated, zero-centred norms, the MTP depth;
+  :class:`GatedDeltaNetShape` with its heads, convolution and chunk (Kimi Linear's KDA: :class:`KimiDeltaShape`), or a
+  Mamba-2 mixer :class:`Mamba2Shape`; its channel mixer, MoE or dense MLP; a hybrid pattern's layer, Nemotron-H's,
+  has only one of the two), the routed experts (:class:`ExpertsShape`: number, top-k, FFN width, gated or not,
+  biases, router scoring and losses), the shared-expert and dense FFN widths and whether their activation is gated,
+  zero-centred norms, the MTP depth;
 - :class:`RunShape`: micro-batch and sequence length, the byte sizes of activations, parameters, gradients, optimizer
   states and master weights, the layout (tp, ep, etp, edp, dp, cp), the capacity factor (None = dropless), the token
   dispatcher, and this rank's parameter element counts (:class:`LocalParameters`, given: the caller knows them exactly,
@@ -68,6 +69,7 @@ from moe_memory.shapes import (
     ExpertsShape,
     GatedDeltaNetShape,
     GQAShape,
+    KimiDeltaShape,
     LayerShape,
     LocalParameters,
     Mamba2Shape,
@@ -87,6 +89,7 @@ __all__ = [
     "ForwardSaves",
     "GQAShape",
     "GatedDeltaNetShape",
+    "KimiDeltaShape",
     "LayerShape",
     "LocalParameters",
     "MLAShape",
@@ -326,7 +329,11 @@ def _check_kinds(recompute: frozenset[str], offload: frozenset[str]) -> None:
 
 
 # the recurrent token mixers: (name, the kind of a hybrid pattern's layer of that mixer alone)
-_RECURRENT = {GatedDeltaNetShape: ("Gated DeltaNet", "linear-attention"), Mamba2Shape: ("Mamba-2", "mamba")}
+_RECURRENT = {
+    GatedDeltaNetShape: ("Gated DeltaNet", "linear-attention"),
+    KimiDeltaShape: ("KDA", "linear-attention"),
+    Mamba2Shape: ("Mamba-2", "mamba"),
+}
 
 
 def _layer_kind_name(layer: LayerShape, count: int, run: RunShape, mtp: bool) -> str:

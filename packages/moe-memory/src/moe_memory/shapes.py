@@ -74,6 +74,28 @@ class GatedDeltaNetShape:
 
 
 @dataclass(frozen=True)
+class KimiDeltaShape:
+    """A Kimi Delta Attention token mixer (Kimi Linear's KDA layers): the gated delta rule with one log decay per key
+    channel instead of one per head, as many value heads as query/key heads and value dims as key dims (q, k and v
+    projected apart), the chunked rule computing its decayed products by sub-chunks of up to 8 positions; sizes named
+    as :class:`GatedDeltaNetShape`'s. ``moe_models.recurrent_saved_bytes.record_kimi_delta`` declares its saves."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    chunk: int
+
+    def __post_init__(self) -> None:
+        if self.value_heads != self.key_heads or self.value_dim != self.key_dim:
+            raise ValueError(
+                f"KimiDeltaShape value_heads={self.value_heads}, value_dim={self.value_dim}: KDA has one value head "
+                f"per key head and value dims equal to key dims; give {self.key_heads} and {self.key_dim}"
+            )
+
+
+@dataclass(frozen=True)
 class Mamba2Shape:
     """A Mamba-2 mixer (Nemotron-H's ``M`` layers): ``heads`` heads of ``head_dim`` channels sharing ``groups`` groups
     of B and C of ``state_dim`` (each group serving ``heads / groups`` consecutive heads), a causal depthwise
@@ -89,7 +111,7 @@ class Mamba2Shape:
     chunk: int
 
 
-TokenMixerShape = GQAShape | MLAShape | GatedDeltaNetShape | Mamba2Shape
+TokenMixerShape = GQAShape | MLAShape | GatedDeltaNetShape | KimiDeltaShape | Mamba2Shape
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from moe_memory.estimate import (
     ExpertsShape,
     GatedDeltaNetShape,
     GQAShape,
+    KimiDeltaShape,
     LayerShape,
     LocalParameters,
     Mamba2Shape,
@@ -38,8 +39,8 @@ from moe_models.saved_bytes import MOE_TRANSFORMER_SAVED_BYTES
 ROUTER_BYTES = {"fp32": 4, "fp64": 8}
 # the token mixers (ModelConfig.layer_mixers) whose saves moe_models.saved_bytes declares; model_shape refuses others
 ESTIMATED_MIXERS = ("attention", "linear_attention", "mamba")
-# the linear-attention layers (experimental_attention_variant) declared: Gated DeltaNet's; KDA's saves are not
-ESTIMATED_LINEAR_VARIANTS = (None, "gated_delta_net")
+# the linear-attention layers (experimental_attention_variant) declared: Gated DeltaNet's and Kimi Linear's KDA
+ESTIMATED_LINEAR_VARIANTS = (None, "gated_delta_net", "kimi_delta_attention")
 
 __all__ = ["estimate_module", "local_parameters", "model_shape", "run_shape"]
 
@@ -78,6 +79,15 @@ def _attention(config: ModelConfig, full: bool, rope: bool) -> GQAShape | MLASha
 
 def _gated_delta_net(config: ModelConfig) -> GatedDeltaNetShape:
     c = config
+    if c.experimental_attention_variant == "kimi_delta_attention":  # KimiDeltaMixer: linear_num_key_heads heads
+        return KimiDeltaShape(
+            key_heads=c.linear_num_key_heads,
+            value_heads=c.linear_num_key_heads,
+            key_dim=c.linear_key_head_dim,
+            value_dim=c.linear_key_head_dim,
+            conv_kernel=c.linear_conv_kernel_dim,
+            chunk=c.linear_attention_chunk_size,
+        )
     return GatedDeltaNetShape(
         key_heads=c.linear_num_key_heads,
         value_heads=c.linear_num_value_heads,
@@ -112,17 +122,18 @@ def _token_mixer(
 
 def model_shape(config: ModelConfig) -> ModelShape:
     """The layer shapes of ``config`` (one per decoder layer, from :meth:`~moe_models.config.ModelConfig.layer_mixers`:
-    a Gated DeltaNet for each linear-attention layer, a Mamba-2 mixer for each of a hybrid pattern's ``M`` layers, and a
+    a Gated DeltaNet, or a KDA layer (``experimental_attention_variant="kimi_delta_attention"``), for each
+    linear-attention layer, a Mamba-2 mixer for each of a hybrid pattern's ``M`` layers, and a
     hybrid pattern's layers of one block without the other; the MTP depths are ``mtp_depth``, with full attention),
     with what its modules save for backward (:mod:`moe_models.saved_bytes`). DeepSeek Sparse Attention is MLA with
-    ``topk``, its indexer not training; other linear-attention variants than Gated DeltaNet (KDA) are refused."""
+    ``topk``, its indexer not training; other linear-attention variants than Gated DeltaNet and KDA are refused."""
     c = config
     variant = c.experimental_attention_variant
     if variant not in ESTIMATED_LINEAR_VARIANTS:  # its layers are "linear_attention" too: never estimate them as GDN
         raise ModelConfigError(
             "experimental_attention_variant",
             variant,
-            "not estimated: the saved-activation estimate models Gated DeltaNet linear-attention layers only "
+            "not estimated: the saved-activation estimate models Gated DeltaNet and KDA linear-attention layers only "
             "(measure with moe_memory.SavedTensorBytes)",
         )
     mixers = c.layer_mixers()
@@ -270,6 +281,10 @@ _MODULE_OF = (
     (r"attention\.in_proj", "qkv_linear"),  # a Gated DeltaNet's or Mamba-2 mixer's projections and gated norm
     (r"attention\.out_proj", "attn_proj"),
     (r"attention\.norm", "linear_attn_norm"),  # a Mamba-2 mixer's: estimate_module(mamba=True)
+    # a KDA layer's gates: their projections, the forget gate's own operations, the sigmoid-gated output norm
+    (r"attention\.(forget_gate\.f_a_proj|forget_gate\.f_b_proj|b_proj|g_a_proj|g_b_proj)", "qkv_linear"),
+    (r"attention\.forget_gate", "linear_attn"),
+    (r"attention\.o_norm", "linear_attn_norm"),
     (r"attention", "rope"),
     (r"mlp\.router", "router"),
     (r"mlp\.shared_experts", "shared_experts"),

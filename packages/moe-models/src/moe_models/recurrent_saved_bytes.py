@@ -1,9 +1,10 @@
 """What the recurrent token mixers of :class:`~moe_models.model.MoETransformer` save for backward, in bytes: a Gated
-DeltaNet (Qwen3-Next's linear-attention layers, :mod:`moe_models.linear_attention`) and a Mamba-2 mixer (Nemotron-H's
-``M`` layers, :mod:`moe_models.mamba`), each on whole sequences (context parallelism is refused: not declared).
-:mod:`moe_models.saved_bytes` composes them into a decoder layer (:func:`record_gated_delta_net`,
-:func:`record_mamba2`); :func:`gated_delta_net_saved_bytes` and :func:`mamba2_saved_bytes` give one mixer alone, by
-the estimate's module, as :class:`moe_memory.measure.SavedAtBackwardBytes` measures it on the module.
+DeltaNet (Qwen3-Next's linear-attention layers, :mod:`moe_models.linear_attention`), a KDA layer (Kimi Linear's,
+:mod:`moe_models.kimi_delta`) and a Mamba-2 mixer (Nemotron-H's ``M`` layers, :mod:`moe_models.mamba`), each on whole
+sequences (context parallelism is refused: not declared). :mod:`moe_models.saved_bytes` composes them into a decoder
+layer (:func:`record_gated_delta_net`, :func:`record_kimi_delta` and :func:`record_mamba2`);
+:func:`gated_delta_net_saved_bytes`, :func:`kimi_delta_saved_bytes` and :func:`mamba2_saved_bytes` give one mixer
+alone, by the estimate's module, as :class:`moe_memory.measure.SavedAtBackwardBytes` measures it on the module.
 
 - A Gated DeltaNet layer keeps, besides its projections' inputs (under ``qkv_linear`` / ``attn_proj``), under
   ``linear_attn``: beta, the fp32 log-decay's factors, the convolution's padded input and output, the q/k L2 norms'
@@ -15,6 +16,19 @@ the estimate's module, as :class:`moe_memory.measure.SavedAtBackwardBytes` measu
   (unpadded sequences: q and k keep the strided layout of the heads), each batched matmul copies its operands. Its
   gated norm (``linear_attn_norm``) keeps the rule's output (fp32), the rsqrt, the normalised and weighted rows, z
   (fp32) and silu(z).
+- A KDA layer keeps, besides its projections' inputs (under ``qkv_linear``: the layer input once for q, k, v, b and
+  the gates' first projections, and the gates' low-rank [tokens, K] activations; ``attn_proj``), under
+  ``linear_attn``: the forget gate's fp32 softplus input and output and exp(A_log) and its negation, beta, the
+  convolution's padded input and output, the q/k L2 norms' fp32 inputs and rsqrt, and in the chunked rule (fp32,
+  positions padded to whole chunks) k, q, v and beta in chunks, the per-channel decays (exp(gamma), beta exp(gamma)),
+  the decayed products by sub-chunks of c positions (R = C / c a chunk: the decays to and from each sub-chunk's start,
+  [R, C] per position and channel for the latter, and within sub-chunks [c, c] per position and channel twice, the
+  decay and its product with k), the decayed k k^T and q k^T, the triangular system and its solution, and per chunk
+  one [K, V] state and one [C, V] correction; with two chunks or more also the decayed q and k of the chunks' reads
+  and writes (the last update feeds nothing). Unpadded, q and k keep the L2 norms' layout and the within-sub-chunk
+  matmul copies them where its batch dims cannot merge by a view. Its sigmoid-gated norm (``linear_attn_norm``) keeps
+  the rule's output (fp32), the rsqrt, the normalised rows, their product with the weight (an fp32 copy of a bf16
+  weight too) and sigmoid(gate), all fp32.
 - A Mamba-2 mixer keeps, besides its projections' inputs (under ``qkv_linear`` / ``attn_proj``), under
   ``mamba_mixer``: the time step's softplus input, output and clamped value (fp32), exp(A_log) and -exp(A_log), the
   convolution's padded input and output, the SiLU's output as the scan's x (fp32: an fp32 copy of x otherwise, and an
@@ -36,11 +50,19 @@ from __future__ import annotations
 
 import itertools
 
-from moe_memory.estimate import ForwardSaves, GatedDeltaNetShape, Mamba2Shape, RankSizes, RunShape
+from moe_memory.estimate import ForwardSaves, GatedDeltaNetShape, KimiDeltaShape, Mamba2Shape, RankSizes, RunShape
 
-__all__ = ["gated_delta_net_saved_bytes", "mamba2_saved_bytes", "record_gated_delta_net", "record_mamba2"]
+__all__ = [
+    "gated_delta_net_saved_bytes",
+    "kimi_delta_saved_bytes",
+    "mamba2_saved_bytes",
+    "record_gated_delta_net",
+    "record_kimi_delta",
+    "record_mamba2",
+]
 
 FP32_BYTES = 4
+_KDA_SUB_CHUNK = 8  # kimi_delta's largest sub-chunk: its decayed products go by divisors of the chunk up to this
 
 
 def _bytes_by_module(saves: ForwardSaves) -> dict[str, int]:
@@ -273,4 +295,111 @@ def mamba2_saved_bytes(shape: Mamba2Shape, hidden: int, sizes: RankSizes, run: R
     saves = ForwardSaves()
     layer_input = saves.tensor("x", sizes.tokens * hidden * sizes.activation_bytes, "layer input")
     record_mamba2(saves, shape, sizes, run, layer_input)
+    return _bytes_by_module(saves)
+
+
+def record_kimi_delta(
+    saves: ForwardSaves, shape: KimiDeltaShape, sizes: RankSizes, run: RunShape, attn_input: str
+) -> None:
+    """A Kimi Delta Attention layer (moe_models.kimi_delta, kernels in moe_models.gated_delta) on whole sequences:
+    its projections (q, k, v, the gates' low-rank pairs and beta's) under ``qkv_linear`` / ``attn_proj``, the forget
+    gate, convolution and chunked KDA rule under ``linear_attn``, the sigmoid-gated norm under ``linear_attn_norm``
+    (module docstring)."""
+    if sizes.cp > 1:
+        raise ValueError(
+            f"cp={sizes.cp}: KDA layers under context parallelism are not estimated; use cp=1 or measure with "
+            "moe_memory.SavedTensorBytes"
+        )
+    act, batch, seq, tokens = sizes.activation_bytes, sizes.batch, sizes.positions, sizes.tokens
+    heads, dim, size = shape.key_heads // run.tp, shape.key_dim, shape.chunk
+    sub = max(c for c in range(1, min(size, _KDA_SUB_CHUNK) + 1) if size % c == 0)  # as kimi_delta._sub_chunk
+    blocks = size // sub
+    chunks = -(-seq // size)
+    padded = chunks * size  # the last chunk padded with zeros
+    conv_channels = 3 * heads * dim
+    saves.save("qkv_linear", attn_input)
+
+    def save(module: str, name: str, nbytes: float, description: str) -> None:
+        saves.save(module, saves.tensor(f"kda.{name}", nbytes, description))
+
+    # the low-rank projections' inner activations: the forget gate's and the output gate's [tokens, K]
+    save("qkv_linear", "f_a", tokens * dim * act, "forget gate's low-rank projection (f_b_proj input)")
+    save("qkv_linear", "g_a", tokens * dim * act, "output gate's low-rank projection (g_b_proj input)")
+    mix = "linear_attn"
+    save(mix, "rate", heads * FP32_BYTES, "exp(A_log)")
+    save(mix, "softplus_in", tokens * heads * dim * FP32_BYTES, "f_b + dt_bias, fp32")
+    save(mix, "softplus", tokens * heads * dim * FP32_BYTES, "softplus(f_b + dt_bias), fp32")
+    save(mix, "neg_rate", heads * FP32_BYTES, "-exp(A_log)")
+    save(mix, "beta", tokens * heads * act, "beta = sigmoid(b)")
+    save(mix, "conv_in", batch * conv_channels * (seq + shape.conv_kernel - 1) * act, "conv input after W - 1 zeros")
+    save(mix, "conv_out", batch * conv_channels * seq * act, "conv output (the SiLU's input)")
+    # the q/k L2 norms' inputs: fp32 views of the SiLU output in fp32, else fp32 [B, N, S, K] copies
+    if act == FP32_BYTES:
+        save(mix, "silu", batch * conv_channels * seq * act, "conv output after SiLU (q, k, v)")
+    else:
+        save(mix, "q32", tokens * heads * dim * FP32_BYTES, "q, fp32")
+        save(mix, "k32", tokens * heads * dim * FP32_BYTES, "k, fp32")
+    save(mix, "q_rstd", tokens * heads * FP32_BYTES, "q L2 norm rsqrt")
+    save(mix, "k_rstd", tokens * heads * FP32_BYTES, "k L2 norm rsqrt")
+    # the chunked rule, in fp32: per position and key channel (padded), per chunk [C, C], per chunk [K, V] states
+    positions = batch * heads * padded * dim * FP32_BYTES
+    square = batch * heads * padded * size * FP32_BYTES
+    # the decayed products by sub-chunks of c positions (R = C / c of them a chunk)
+    save(mix, "to_ref", positions, "exp(gamma - gamma at the sub-chunk's start)")
+    save(mix, "before_mask", blocks * size, "positions before each sub-chunk (bool)")
+    save(mix, "from_ref", positions * blocks, "exp(gamma at each sub-chunk's start - gamma), [R, C] a chunk")
+    save(mix, "k", positions, "k in chunks (L2-normed)")
+    save(mix, "within_mask", sub * sub, "causal mask within a sub-chunk (bool)")
+    save(mix, "within_decay", positions * sub, "exp(gamma_r - gamma_j) within sub-chunks, [c, c, K] a sub-chunk")
+    save(mix, "within", positions * sub, "exp(gamma_r - gamma_j) k_j within sub-chunks")
+    save(mix, "k_from_ref", positions * blocks, "k times its decay to each later sub-chunk's start")
+    save(mix, "eye", blocks * blocks * FP32_BYTES, "the sub-chunks' block diagonal")
+    save(mix, "q", positions, "q in chunks (L2-normed, scaled)")
+    # q and k [B, N, T, R, c, K]: padding copies them contiguous; unpadded they keep the L2 norms' layout (positions
+    # innermost, as the convolution's output), and the within-sub-chunk matmul that cannot merge its batch dims by a
+    # view copies them
+    if padded == seq and not _merge_as_view(
+        (batch, heads, chunks, blocks, sub), (heads * dim * seq, dim * seq, size, sub, 1)
+    ):
+        for what in ("k", "q"):
+            save(mix, f"copy {what}", positions, f"{what} copied for the within-sub-chunk matmul")
+    for what in ("k", "q"):
+        save(mix, f"{what}_to_ref", positions, f"{what} times its decay from the sub-chunk's start")
+    save(mix, "kk", square, "decayed k k^T within chunks")
+    save(mix, "beta_chunks", batch * heads * padded * FP32_BYTES, "beta in chunks")
+    save(mix, "exp_gamma", positions, "exp(cumulative log decay)")
+    save(mix, "v", positions, "v in chunks")
+    save(mix, "beta_exp_gamma", positions, "beta exp(cumulative log decay)")
+    save(mix, "system", square, "unit lower-triangular system per chunk")
+    save(mix, "solved", 2 * positions, "its solution for [v | k]")
+    save(mix, "qk", square, "decayed q k^T within chunks")
+    # the scan: one state and one correction per chunk; the last chunk's state update feeds nothing, so what only it
+    # keeps is freed with it (with one chunk: the decayed k and its decay to the chunk end; q's read of the zero state
+    # needs no q)
+    save(mix, "states", chunks * batch * heads * dim * dim * FP32_BYTES, "state entering each chunk")
+    save(mix, "u", chunks * batch * heads * size * dim * FP32_BYTES, "correction of each chunk")
+    if chunks > 1:
+        save(mix, "exp_gamma_k", positions, "exp(decay to the chunk end) per channel")
+        save(mix, "q_read", positions, "q times its decay")
+        save(mix, "k_write", positions, "k times its decay to the chunk end")
+    # the sigmoid-gated norm, fp32 math on the rule's output ([B, N, T C, V] with fp32 activations, else an fp32 copy)
+    rows = tokens * heads
+    norm = "linear_attn_norm"
+    save(norm, "o", (batch * heads * padded if act == FP32_BYTES else rows) * dim * FP32_BYTES, "rule output, fp32")
+    save(norm, "rstd", rows * FP32_BYTES, "norm rsqrt")
+    save(norm, "normalised", rows * dim * FP32_BYTES, "normalised, fp32")
+    if act != FP32_BYTES:  # the norm multiplies by its weight in fp32: a copy of a bf16 weight
+        save(norm, "weight32", dim * FP32_BYTES, "norm weight, fp32")
+    save(norm, "weighted", rows * dim * FP32_BYTES, "normalised times its weight, fp32")
+    save(norm, "gate", rows * dim * FP32_BYTES, "sigmoid(gate), fp32")
+    save("attn_proj", "out", rows * dim * act, "gated norm output")
+
+
+def kimi_delta_saved_bytes(shape: KimiDeltaShape, hidden: int, sizes: RankSizes, run: RunShape) -> dict[str, int]:
+    """What one KDA layer (hidden size ``hidden``) saves for backward, by the estimate's module, its input (under
+    ``qkv_linear``) included: the layer alone, as :class:`moe_memory.measure.SavedAtBackwardBytes` measures it on the
+    module (what is still saved when the backward starts)."""
+    saves = ForwardSaves()
+    layer_input = saves.tensor("x", sizes.tokens * hidden * sizes.activation_bytes, "layer input")
+    record_kimi_delta(saves, shape, sizes, run, layer_input)
     return _bytes_by_module(saves)

@@ -41,9 +41,9 @@ the backward starts):
   expert ``act(x W1) W2``: each saves its input, the activation's one saved tensor (GELU its input; squared ReLU
   ``relu(h)``, which relu keeps as its output and the square as its input: one tensor) and the activation's output,
   all ``[tokens, ffn]``.
-- The recurrent token mixers, a Gated DeltaNet and a Mamba-2 mixer, are declared in
-  :mod:`moe_models.recurrent_saved_bytes` (``gated_delta_net_saved_bytes`` and ``mamba2_saved_bytes``, re-exported
-  here, give one alone).
+- The recurrent token mixers, a Gated DeltaNet, a KDA layer and a Mamba-2 mixer, are declared in
+  :mod:`moe_models.recurrent_saved_bytes` (``gated_delta_net_saved_bytes``, ``kimi_delta_saved_bytes`` and
+  ``mamba2_saved_bytes``, re-exported here, give one alone).
 - A hybrid pattern's layer (Nemotron-H) is one pre-norm block: a token mixer without a channel mixer, or a channel
   mixer without a token mixer; its norm saves the layer's input, and the other block and its norm save nothing.
 
@@ -70,6 +70,7 @@ from moe_memory.estimate import (
     ForwardSaves,
     GatedDeltaNetShape,
     GQAShape,
+    KimiDeltaShape,
     LayerShape,
     Mamba2Shape,
     MLAShape,
@@ -81,8 +82,10 @@ from moe_memory.estimate import (
 )
 from moe_models.recurrent_saved_bytes import (
     gated_delta_net_saved_bytes,
+    kimi_delta_saved_bytes,
     mamba2_saved_bytes,
     record_gated_delta_net,
+    record_kimi_delta,
     record_mamba2,
 )
 from moe_models.sparse_attention import QUERY_BLOCK
@@ -91,6 +94,7 @@ __all__ = [
     "MOE_TRANSFORMER_SAVED_BYTES",
     "MoETransformerSavedBytes",
     "gated_delta_net_saved_bytes",
+    "kimi_delta_saved_bytes",
     "mamba2_saved_bytes",
 ]
 
@@ -493,6 +497,8 @@ def _layer(saves: ForwardSaves, model: ModelShape, layer: LayerShape, sizes: Ran
             _mla(saves, attention, sizes, run, attn_input)
         elif isinstance(attention, GatedDeltaNetShape):
             record_gated_delta_net(saves, attention, sizes, run, attn_input)
+        elif isinstance(attention, KimiDeltaShape):
+            record_kimi_delta(saves, attention, sizes, run, attn_input)
         elif isinstance(attention, Mamba2Shape):
             record_mamba2(saves, attention, sizes, run, attn_input)
         else:
