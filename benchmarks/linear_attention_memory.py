@@ -44,8 +44,7 @@ from moe_models.kimi_delta import KimiDeltaMixer
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, model_shape
 from moe_models.presets import preset
-from moe_models.recurrent_saved_bytes import kimi_delta_saved_bytes
-from moe_models.saved_bytes import gated_delta_net_saved_bytes, mamba2_saved_bytes
+from moe_models.recurrent_saved_bytes import gated_delta_net_saved_bytes, kimi_delta_saved_bytes, mamba2_saved_bytes
 
 LAYER = {
     "hidden_size": 256,

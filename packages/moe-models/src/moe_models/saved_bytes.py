@@ -42,8 +42,7 @@ the backward starts):
   ``relu(h)``, which relu keeps as its output and the square as its input: one tensor) and the activation's output,
   all ``[tokens, ffn]``.
 - The recurrent token mixers, a Gated DeltaNet, a KDA layer and a Mamba-2 mixer, are declared in
-  :mod:`moe_models.recurrent_saved_bytes` (``gated_delta_net_saved_bytes``, ``kimi_delta_saved_bytes`` and
-  ``mamba2_saved_bytes``, re-exported here, give one alone).
+  :mod:`moe_models.recurrent_saved_bytes` (which also gives one alone).
 - A hybrid pattern's layer (Nemotron-H) is one pre-norm block: a token mixer without a channel mixer, or a channel
   mixer without a token mixer; its norm saves the layer's input, and the other block and its norm save nothing.
 
@@ -80,22 +79,12 @@ from moe_memory.estimate import (
     RunShape,
     mtp_attention,
 )
-from moe_models.recurrent_saved_bytes import (
-    gated_delta_net_saved_bytes,
-    kimi_delta_saved_bytes,
-    mamba2_saved_bytes,
-    record_gated_delta_net,
-    record_kimi_delta,
-    record_mamba2,
-)
+from moe_models.recurrent_saved_bytes import record_gated_delta_net, record_kimi_delta, record_mamba2
 from moe_models.sparse_attention import QUERY_BLOCK
 
 __all__ = [
     "MOE_TRANSFORMER_SAVED_BYTES",
     "MoETransformerSavedBytes",
-    "gated_delta_net_saved_bytes",
-    "kimi_delta_saved_bytes",
-    "mamba2_saved_bytes",
 ]
 
 FP32_BYTES = 4
