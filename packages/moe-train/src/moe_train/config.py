@@ -127,6 +127,14 @@ class TrainConfig:
     optimizer_states_dtype: str = "fp32"
     params_dtype: str = "fp32"
     master_weights_dtype: str = "fp32"
+    # adamw | muon: Muon (moe_train.muon) for the hidden matrices, routed experts one matrix each, and AdamW (the
+    # keys above) for embeddings, head, norms, biases, routers and MTP projections, one lr for both (train.lr, so
+    # muon_adjust_lr_fn match_rms_adamw lets Muon reuse AdamW's lr and weight decay, as Moonlight does)
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95  # Megatron --muon-momentum
+    muon_use_nesterov: bool = True  # Megatron --muon-use-nesterov
+    muon_num_ns_steps: int = 5  # Megatron --muon-num-ns-steps
+    muon_adjust_lr_fn: str = "match_rms_adamw"  # torch.optim.Muon's adjust_lr_fn: original | match_rms_adamw
     # a step whose loss or gradient norm is not finite stops the run; up to this many such steps are skipped instead
     # (no update) first
     skip_nonfinite_steps: int = 0
@@ -404,6 +412,7 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"train.{key}={getattr(cfg.train, key)!r}: choose {' or '.join(choices)}")
     _validate_data(cfg)
     _validate_peft(cfg.peft)
+    _validate_muon(cfg)
     _validate_dsa_training(cfg)
     if cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"run.device={cfg.run.device!r}: choose auto, cpu or cuda")
@@ -424,6 +433,47 @@ def _validate_dsa_training(cfg: ExperimentConfig) -> None:
     if cfg.model.dsa_indexer_dense_warmup and cfg.peft.method != "none":
         raise ConfigError(
             f"peft.method={cfg.peft.method!r}: the DSA dense warm-up trains the indexers alone; set peft.method none"
+        )
+
+
+def _validate_muon(cfg: ExperimentConfig) -> None:
+    """train.optimizer and Muon's keys; what this first Muon does not do yet (one process or plain data parallelism
+    only, fp32 parameters and states, no LoRA) is refused naming the key to change."""
+    train = cfg.train
+    if train.optimizer not in ("adamw", "muon"):
+        raise ConfigError(f"train.optimizer={train.optimizer!r}: choose adamw or muon")
+    if train.optimizer == "adamw":
+        return
+    if not 0 <= train.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum={train.muon_momentum}: must be in [0, 1), e.g. 0.95")
+    if not 1 <= train.muon_num_ns_steps < 100:
+        raise ConfigError(f"train.muon_num_ns_steps={train.muon_num_ns_steps}: must be in [1, 100), e.g. 5")
+    if train.muon_adjust_lr_fn not in ("original", "match_rms_adamw"):
+        raise ConfigError(f"train.muon_adjust_lr_fn={train.muon_adjust_lr_fn!r}: choose original or match_rms_adamw")
+    # fp32 parameters have no master copy, so master_weights_dtype does not matter; bf16 ones would need bf16 states
+    # or fp32 masters, which this first Muon does not keep
+    for key in ("optimizer_states_dtype", "params_dtype"):
+        if getattr(train, key) != "fp32":
+            raise ConfigError(f"train.{key}={getattr(train, key)!r}: train.optimizer muon runs in fp32 only; set fp32")
+    parallel = cfg.parallel
+    for key in ("tp", "cp", "pp", "ep"):
+        if getattr(parallel, key) != 1:
+            raise ConfigError(
+                f"parallel.{key}={getattr(parallel, key)}: train.optimizer muon runs in one process or plain data "
+                f"parallelism only (so far); set parallel.{key} 1 or train.optimizer adamw"
+            )
+    if parallel.etp not in (None, 1):
+        raise ConfigError(
+            f"parallel.etp={parallel.etp}: train.optimizer muon does not split experts (so far); set parallel.etp 1"
+        )
+    if parallel.dp_shard > 1:
+        raise ConfigError(
+            f"parallel.dp_shard={parallel.dp_shard}: train.optimizer muon does not orthogonalise FSDP shards (so far); "
+            "set parallel.dp_shard 1 (parallel.dp_replicate for data parallelism) or train.optimizer adamw"
+        )
+    if cfg.peft.method != "none":
+        raise ConfigError(
+            f"peft.method={cfg.peft.method!r}: train.optimizer muon does not train LoRA adapters (so far); set none"
         )
 
 

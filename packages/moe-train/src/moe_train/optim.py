@@ -1,5 +1,6 @@
-"""AdamW with decoupled weight decay on matrices only, low-precision states and master weights as the config says
-(:class:`moe_train.adamw.PrecisionAwareAdamW`), and a linear-warmup + cosine schedule."""
+"""The optimizer ``train.optimizer`` names: AdamW with decoupled weight decay on matrices only, low-precision states
+and master weights as the config says (:class:`moe_train.adamw.PrecisionAwareAdamW`), or Muon with AdamW for the rest
+(:class:`moe_train.muon.MuonWithAdamW`); and a linear-warmup + cosine schedule."""
 
 from __future__ import annotations
 
@@ -10,11 +11,40 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_train.adamw import PrecisionAwareAdamW
-from moe_train.config import TrainConfig
+from moe_train.config import ConfigError, TrainConfig
 from moe_train.dtypes import torch_dtype
+from moe_train.muon import MuonWithAdamW, muon_param_groups, splits_matrices
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> PrecisionAwareAdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> PrecisionAwareAdamW | MuonWithAdamW:
+    """The optimizer ``train.optimizer`` names over ``model``'s trainable parameters: AdamW (below) or Muon with
+    AdamW for the parameters Muon does not take (:func:`build_muon`)."""
+    if cfg.optimizer == "muon":
+        return build_muon(model, cfg)
+    return build_adamw(model, cfg)
+
+
+def build_muon(model: nn.Module, cfg: TrainConfig) -> MuonWithAdamW:
+    """:class:`moe_train.muon.MuonWithAdamW` with ``cfg``'s Muon and AdamW hyperparameters, one lr for both."""
+    muon = {
+        "momentum": cfg.muon_momentum,
+        "nesterov": cfg.muon_use_nesterov,
+        "ns_steps": cfg.muon_num_ns_steps,
+        "adjust_lr": cfg.muon_adjust_lr_fn,
+        "weight_decay": cfg.weight_decay,
+    }
+    adamw = {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}
+    groups = muon_param_groups(model, muon, adamw)
+    if any(splits_matrices(p) for g in groups if g["rule"] == "muon" for p in g["params"]):
+        # the config allows the default dp_shard -1, which shards over every rank of a multi-process run
+        raise ConfigError(
+            "parallel.dp_shard: train.optimizer muon does not orthogonalise sharded matrices (so far); "
+            "set parallel.dp_shard 1 (parallel.dp_replicate for data parallelism) or train.optimizer adamw"
+        )
+    return MuonWithAdamW(groups, lr=cfg.lr)
+
+
+def build_adamw(model: nn.Module, cfg: TrainConfig) -> PrecisionAwareAdamW:
     """AdamW over ``model``'s trainable parameters with ``cfg``'s hyperparameters, its states in
     ``train.optimizer_states_dtype`` and fp32 master copies of parameters that are not fp32 unless
     ``train.master_weights_dtype`` is none. With all-fp32 settings its updates are torch.optim.AdamW's, bitwise."""

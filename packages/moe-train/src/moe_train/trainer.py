@@ -25,6 +25,7 @@ from moe_train.faults import NonFiniteError, StopRequest, agree_on_failure
 from moe_train.loggers import RunLoggers
 from moe_train.loop import TrainLoop
 from moe_train.metrics import MetricsLog
+from moe_train.muon import grouping_message
 from moe_train.optim import build_optimizer
 from moe_train.output_lock import OutputDirLock
 from moe_train.plots import heatmap_svg, line_chart_svg
@@ -260,7 +261,12 @@ def _start_message(setup: Setup, loop: TrainLoop) -> str:
         f"moe-train: {cfg.model.family} {n_params / 1e6:.2f}M params, {setup.ctx.world_size} rank(s) on "
         f"{setup.ctx.device.type}, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens "
         f"(micro {setup.micro_batch}, accumulation {setup.grad_accum}), peak {loop.peak:.3f} TFLOPS "
-        f"({loop.peak_source}), {cfg.train.params_dtype} params, AdamW states {cfg.train.optimizer_states_dtype}"
+        f"({loop.peak_source}), {cfg.train.params_dtype} params, "
+        + (
+            grouping_message(loop.optimizer)  # which parameters Muon takes, which AdamW: printed once, at start-up
+            if cfg.train.optimizer == "muon"
+            else f"AdamW states {cfg.train.optimizer_states_dtype}"
+        )
         + (f", master weights {cfg.train.master_weights_dtype}" if cfg.train.params_dtype != "fp32" else "")
         + (", DSA dense warm-up: the indexers alone train" if cfg.model.dsa_indexer_dense_warmup else "")
         + _memory_message(setup.memory)

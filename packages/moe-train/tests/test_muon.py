@@ -1,0 +1,261 @@
+"""Muon (moe_train.muon) against torch.optim.Muon on plain matrices and on grouped experts (one torch.optim.Muon
+parameter per expert), its AdamW groups against torch.optim.AdamW, which parameter takes which rule, a short training
+run that resumes bitwise, and the layouts and settings it refuses."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_models import build_model
+from moe_train import cli
+from moe_train.config import ConfigError, load_config
+from moe_train.muon import MuonWithAdamW
+from moe_train.optim import build_optimizer, lr_at, set_lr
+from moe_train.setup import prepare
+from moe_train.trainer import train
+
+MUON = {"train.optimizer": "muon"}
+STEPS = 10
+
+
+def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_plain_matrices_match_torch_muon(nesterov: bool, adjust_lr: str) -> None:
+    # tall, wide and square matrices: Newton-Schulz transposes tall ones, and the lr adjustment depends on the shape
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(48, 16), (16, 40), (24, 24)]
+    ours_p = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "nesterov": nesterov, "ns_steps": 5}
+    ours = MuonWithAdamW([{"params": ours_p, "rule": "muon"}], adjust_lr=adjust_lr, **hyper)
+    ref = torch.optim.Muon(ref_p, adjust_lr_fn=adjust_lr, **hyper)
+    for step in range(STEPS):
+        for p, q in zip(ours_p, ref_p, strict=True):
+            q.grad = torch.randn(p.shape, generator=gen)
+            p.grad = q.grad.clone()
+        set_lr(ours, 0.02 * (1 - step / STEPS))  # the schedule changes lr between steps
+        set_lr(ref, 0.02 * (1 - step / STEPS))
+        ours.step()
+        ref.step()
+        for p, q in zip(ours_p, ref_p, strict=True):
+            assert _rel(p.detach(), q.detach()) < 1e-6, (step, tuple(p.shape))
+            assert not torch.equal(p.detach(), torch.zeros_like(p))
+    for p, q in zip(ours_p, ref_p, strict=True):
+        assert torch.equal(ours.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_grouped_experts_are_orthogonalised_expert_by_expert(adjust_lr: str) -> None:
+    # an [E, K, M] weight against torch.optim.Muon over E separate [K, M] parameters (tall: K > M, so the per-expert
+    # transpose and the per-expert lr adjustment by (K, M) are exercised)
+    gen = torch.Generator().manual_seed(1)
+    E, K, M = 4, 40, 24
+    weight_EKM = torch.nn.Parameter(torch.randn(E, K, M, generator=gen))
+    experts = [torch.nn.Parameter(weight_EKM[e].detach().clone()) for e in range(E)]
+    hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+    ours = MuonWithAdamW([{"params": [weight_EKM], "rule": "muon"}], adjust_lr=adjust_lr, **hyper)
+    ref = torch.optim.Muon(experts, adjust_lr_fn=adjust_lr, **hyper)
+    for step in range(STEPS):
+        # experts of very different gradient scales: one norm over the whole [E, K, M] tensor would differ
+        grad_EKM = torch.randn(E, K, M, generator=gen) * torch.tensor([1.0, 10.0, 0.1, 3.0]).view(E, 1, 1)
+        weight_EKM.grad = grad_EKM.clone()
+        for e, p in enumerate(experts):
+            p.grad = grad_EKM[e].clone()
+        ours.step()
+        ref.step()
+        reference_EKM = torch.stack([p.detach() for p in experts])
+        assert _rel(weight_EKM.detach(), reference_EKM) < 1e-6, step
+
+    # control: torch.optim.Muon cannot take the 3-D weight, and orthogonalising it as one [E*K, M] matrix differs
+    flat = torch.nn.Parameter(weight_EKM.detach().reshape(E * K, M).clone())
+    again = copy.deepcopy(weight_EKM)
+    flat.grad = torch.randn(E * K, M, generator=gen)
+    again.grad = flat.grad.view(E, K, M).clone()
+    torch.optim.Muon([flat], adjust_lr_fn=adjust_lr, **hyper).step()
+    MuonWithAdamW([{"params": [again], "rule": "muon"}], adjust_lr=adjust_lr, **hyper).step()
+    assert _rel(again.detach().reshape(E * K, M), flat.detach()) > 1e-4
+
+
+def _names(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rule: str) -> set[str]:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return {name_of[id(p)] for g in optimizer.param_groups if g["rule"] == rule for p in g["params"]}
+
+
+GROUPING_MODEL = {
+    "model.num_layers": "2",
+    "model.moe_layer_freq": "[0,1]",  # a dense MLP layer, then a MoE layer
+    "model.moe_shared_expert_intermediate_size": "64",
+    "model.moe_shared_expert_gate": "true",
+    "model.moe_router_score_function": "sigmoid",
+    "model.moe_router_enable_expert_bias": "true",
+    "model.mtp_num_layers": "1",
+    "train.optimizer": "muon",
+}
+
+
+def test_grouping_and_adamw_groups_match_torch_adamw() -> None:
+    cfg = load_config("tiny", GROUPING_MODEL)
+    model = build_model(cfg.model, seed=0)
+    optimizer = build_optimizer(model, cfg.train)
+    assert isinstance(optimizer, MuonWithAdamW)
+    # the hand list of what Muon takes: attention and dense-MLP matrices, shared experts, routed experts
+    attention = {f"{p}.attention.{w}_proj.weight" for p in ("layers.0", "layers.1", "mtp.0.layer") for w in "qkvo"}
+    dense = {f"layers.0.mlp.{w}_proj.weight" for w in ("gate", "up", "down")}
+    shared = {
+        f"{p}.mlp.shared_experts.{w}" for p in ("layers.1", "mtp.0.layer") for w in ("w_gate_up_H2F", "w_down_FH")
+    }
+    routed = {f"{p}.mlp.experts.{w}" for p in ("layers.1", "mtp.0.layer") for w in ("w_gate_up_EH2F", "w_down_EFH")}
+    assert _names(optimizer, model, "muon") == attention | dense | shared | routed
+    adamw = _names(optimizer, model, "adamw")
+    assert {"embed_tokens.weight", "lm_head.weight", "mtp.0.eh_proj.weight", "layers.1.mlp.router.weight"} <= adamw
+    assert "layers.1.mlp.shared_experts.w_gate_H1" in adamw and "norm.weight" in adamw
+    assert adamw | _names(optimizer, model, "muon") == {n for n, _ in model.named_parameters()}
+
+    # the AdamW groups update as torch.optim.AdamW with the same groups (fp32 states), given the same gradients (drawn
+    # here, so the Muon matrices moving differently from AdamW's cannot make the gradients part)
+    reference = copy.deepcopy(model)
+    by_position = dict(zip(map(id, model.parameters()), reference.parameters(), strict=True))
+    adamw_groups = [g for g in optimizer.param_groups if g["rule"] == "adamw"]
+    groups = [
+        {"params": [by_position[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]} for g in adamw_groups
+    ]
+    initial = {id(p): p.detach().clone() for p in model.parameters()}
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, cfg.train.weight_decay]
+    betas = (cfg.train.adam_beta1, cfg.train.adam_beta2)
+    ref = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=betas, eps=cfg.train.adam_eps)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(STEPS):
+        for p in model.parameters():
+            q = by_position[id(p)]
+            q.grad = torch.randn(p.shape, generator=gen)
+            p.grad = q.grad.clone()
+        set_lr(optimizer, lr_at(step, cfg.train))
+        set_lr(ref, lr_at(step, cfg.train))
+        optimizer.step()
+        ref.step()
+        for group in adamw_groups:
+            for p in group["params"]:
+                assert torch.equal(p, by_position[id(p)]), step
+    # both rules moved every parameter they hold (a comparison of untouched copies would pass trivially)
+    assert all(not torch.equal(p, initial[id(p)]) for p in model.parameters())
+
+
+def _losses(out: Path) -> dict[int, tuple[float, float]]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
+
+
+def test_a_muon_run_trains_and_resumes_bitwise(
+    micro_overrides: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = {**micro_overrides, **MUON, "train.lr": "1e-2", "run.log_interval": "1", "run.checkpoint_interval": "4"}
+    out = Path(overrides["run.output_dir"])
+    train(prepare(load_config("tiny", {**overrides, "train.steps": "12"}), 1))
+    started = capsys.readouterr().out
+    assert "optimizer muon " in started and " tensors / " in started and "adamw " in started
+    whole = _losses(out)
+    assert sum(whole[s][0] for s in (10, 11, 12)) < sum(whole[s][0] for s in (1, 2, 3)) - 0.3  # the loss falls
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    for step in (8, 12):
+        shutil.rmtree(resumed / "checkpoints" / f"step_{step}")
+    again = {**overrides, "run.output_dir": str(resumed), "train.steps": "12", "run.resume": "auto"}
+    summary = train(prepare(load_config("tiny", again), 1))
+    assert summary.resumed_from is not None and summary.resumed_from.endswith("step_4")
+    continued = _losses(resumed)
+    assert [continued[s] for s in range(5, 13)] == [whole[s] for s in range(5, 13)]
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"train.optimizer": "sgd"}, "train.optimizer='sgd': choose adamw or muon"),
+        ({**MUON, "train.muon_adjust_lr_fn": "spectral"}, "train.muon_adjust_lr_fn='spectral'"),
+        ({**MUON, "train.muon_momentum": "1.0"}, "train.muon_momentum=1.0: must be in [0, 1)"),
+        ({**MUON, "train.optimizer_states_dtype": "bf16"}, "train.optimizer_states_dtype='bf16': train.optimizer muon"),
+        ({**MUON, "train.params_dtype": "bf16"}, "train.params_dtype='bf16': train.optimizer muon runs in fp32 only"),
+        ({**MUON, "parallel.tp": "2"}, "parallel.tp=2: train.optimizer muon runs in one process or plain data"),
+        ({**MUON, "parallel.ep": "2"}, "parallel.ep=2: train.optimizer muon"),
+        ({**MUON, "parallel.pp": "2"}, "parallel.pp=2: train.optimizer muon"),
+        ({**MUON, "parallel.cp": "2"}, "parallel.cp=2: train.optimizer muon"),
+        ({**MUON, "parallel.etp": "2"}, "parallel.etp=2: train.optimizer muon does not split experts"),
+        ({**MUON, "parallel.dp_shard": "2"}, "parallel.dp_shard=2: train.optimizer muon does not orthogonalise"),
+        ({**MUON, "peft.method": "lora"}, "peft.method='lora': train.optimizer muon does not train LoRA"),
+    ],
+)
+def test_refusals_are_one_line_exit_2(
+    micro_overrides: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    extra: dict[str, str],
+    expected: str,
+) -> None:
+    with pytest.raises(ConfigError, match="^" + expected.split(":")[0].replace(".", r"\.").replace("[", r"\[")):
+        load_config("tiny", {**micro_overrides, **extra})
+    monkeypatch.setenv("WORLD_SIZE", "4")  # refused before joining a process group, as a torchrun launch would be
+    args = [token for key, value in {**micro_overrides, **extra}.items() for token in (f"--{key}", value)]
+    assert cli.main(["train", *args]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+    assert not Path(micro_overrides["run.output_dir"]).exists()
+
+
+WORLD = 2
+DATA_PARALLEL = {"parallel.dp_replicate": "2", "parallel.dp_shard": "1", "train.micro_batch_size": "2"}
+
+
+def test_plain_data_parallelism_trains_as_one_process_and_sharding_is_refused(
+    launch_gloo_workers, micro_overrides: dict[str, str], tmp_path: Path
+) -> None:
+    overrides = {**micro_overrides, **MUON, "run.log_interval": "1", "train.steps": "6", "train.micro_batch_size": "2"}
+    (tmp_path / "overrides.json").write_text(json.dumps(overrides))
+    results = launch_gloo_workers(Path(__file__), WORLD, tmp_path, timeout=150)
+    train(prepare(load_config("tiny", overrides), 1))
+    one = _losses(Path(overrides["run.output_dir"]))
+    two = _losses(tmp_path / "dp")
+    assert len(one) == len(two) == 6
+    for step, (loss, grad_norm) in one.items():  # the same updates; only the gradient reduction's order differs
+        assert two[step][0] == pytest.approx(loss, rel=1e-4), step
+        assert two[step][1] == pytest.approx(grad_norm, rel=1e-4), step
+    # parallel.dp_shard -1 (the default) shards over both ranks, which the config cannot see: the optimizer refuses
+    for result in results:
+        assert result["placements"].startswith("(Replicate()")  # DTensors, unsharded: what plain DP is here
+        assert result["sharded_error"].startswith("parallel.dp_shard: train.optimizer muon does not orthogonalise")
+
+
+def _worker(out: Path) -> None:
+    from moe_train.optim import build_muon
+
+    overrides = json.loads((out / "overrides.json").read_text())
+    torch.set_num_threads(1)
+    setup = prepare(load_config("tiny", {**overrides, **DATA_PARALLEL, "run.output_dir": str(out / "dp")}), WORLD)
+    params = dict(setup.model.named_parameters())  # a pipeline-ready model: stages hold names under "<stage>."
+    placements = str(next(p for n, p in params.items() if n.endswith("layers.0.attention.q_proj.weight")).placements)
+    train(setup)
+    sharded = prepare(load_config("tiny", {**overrides, "run.output_dir": str(out / "fsdp")}), WORLD)
+    try:
+        build_muon(sharded.model, sharded.cfg.train)
+        error = ""
+    except ConfigError as err:
+        error = str(err)
+    rank = torch.distributed.get_rank()
+    torch.save({"placements": placements, "sharded_error": error}, out / f"rank{rank}.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _worker(Path(sys.argv[1]))
