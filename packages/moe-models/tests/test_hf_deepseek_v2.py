@@ -6,15 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from _hf_reference import (
-    MLA_TINY,
-    YARN_ROPE,
-    assert_exercised,
-    assert_import_refused,
-    both_ways_within,
-    draw_expert_groups,
-    draw_mla_dims,
-)
+from _hf_family_cases import MLA_TINY, draw_mla_dims
+from _hf_reference import YARN_ROPE, assert_exercised, assert_import_refused, both_ways_within, draw_expert_groups
 from _published_hf_configs import PUBLISHED_HF_CONFIGS
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -9,18 +9,15 @@ import dataclasses
 
 import pytest
 import torch
+from _hf_family_cases import MLA_TINY, SIGMOID_MOE_REFUSED, draw_sigmoid_moe, mla_dims
 from _hf_reference import (
-    MLA_TINY,
     SEQ_LEN,
-    SIGMOID_MOE_REFUSED,
     YARN_ROPE,
     assert_exercised,
     assert_export_refused,
     assert_import_refused,
     both_ways_within,
     class_defaults_agree,
-    draw_sigmoid_moe,
-    mla_dims,
     mtp_round_trip,
 )
 from _published_hf_configs import PUBLISHED_HF_CONFIGS

@@ -6,17 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from _hf_family_cases import MLA_TINY, SIGMOID_MOE_REFUSED, draw_mla_dims, draw_sigmoid_moe, mla_dims
 from _hf_reference import (
-    MLA_TINY,
-    SIGMOID_MOE_REFUSED,
     YARN_ROPE,
     assert_exercised,
     assert_import_refused,
     both_ways_within,
-    draw_mla_dims,
-    draw_sigmoid_moe,
     logits,
-    mla_dims,
     mtp_round_trip,
     rel_err,
 )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hf_family_cases import draw_mla_dims
 from _hf_reference import (
     assert_exercised,
     assert_export_refused,
@@ -18,7 +19,6 @@ from _hf_reference import (
     both_ways_within,
     class_defaults_agree,
     draw_expert_groups,
-    draw_mla_dims,
     hf_from_config,
     logits,
     rel_err,

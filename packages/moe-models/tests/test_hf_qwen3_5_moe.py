@@ -9,18 +9,20 @@ import warnings
 
 import pytest
 import torch
-from _hf_reference import (
+from _hf_family_cases import (
     HYBRID_FEATURES,
     HYBRID_REFUSED,
     HYBRID_TINY,
-    assert_export_refused,
     assert_hybrid_export_refused,
-    assert_import_refused,
     attention_kinds,
-    both_ways_within,
-    class_defaults_agree,
     draw_hybrid,
     exercise_hybrid_case,
+)
+from _hf_reference import (
+    assert_export_refused,
+    assert_import_refused,
+    both_ways_within,
+    class_defaults_agree,
     hf_from_config,
     logits,
     mtp_block_left_unread,

@@ -10,23 +10,20 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from _dsa_cases import random_selection, small_indexer, small_inputs
 from _hf_reference import rel_err
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
 from transformers import DeepseekV32Config, GlmMoeDsaConfig
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention, DeepseekV32RotaryEmbedding
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention
 
-from moe_memory import SavedTensorBytes
 from moe_models.config import ModelConfig
 from moe_models.mla import MultiLatentAttention
 from moe_models.sparse_attention import (
     LightningIndexer,
     SparseCoreAttention,
-    dense_indexer_loss,
     sparse_attention,
-    sparse_indexer_loss,
 )
 
 F64 = torch.float64
@@ -167,20 +164,6 @@ def _pair(family: str, topk: int, s: int, seed: int, requires_grad: bool = False
     return _Pair(hf, mla, indexer, x, *_rotary(hf, x), g)
 
 
-def _small_indexer(topk: int, heads: int, dtype: torch.dtype = F64) -> LightningIndexer:
-    return LightningIndexer(hidden_size=8, q_lora_rank=4, num_heads=heads, head_dim=6, rope_dim=4, topk=topk).to(dtype)
-
-
-def _small_inputs(
-    g: torch.Generator, b: int, s: int, dtype: torch.dtype = F64
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random hidden states ``[B, S, 8]`` and q latents ``[B, S, 4]`` for :func:`_small_indexer`, and rotary tables
-    ``[S, 2]`` (frequencies 1 and 0.1) at positions 0..S-1."""
-    x, q_latent = torch.randn(b, s, 8, generator=g, dtype=dtype), torch.randn(b, s, 4, generator=g, dtype=dtype)
-    angles = torch.arange(s, dtype=dtype)[:, None] * torch.tensor([1.0, 0.1], dtype=dtype)
-    return x, q_latent, angles.cos(), angles.sin()
-
-
 # ----------------------------------------------------------------------------- the indexer
 
 
@@ -231,9 +214,9 @@ def _naive_index_scores(indexer, x, q_latent, cos, sin) -> torch.Tensor:
 def test_indexer_on_cached_keys_selects_as_on_the_whole_sequence(topk, prefix, new, seed) -> None:
     """Generation: the last ``new`` queries scored against the keys of the whole sequence (a cache's, from
     ``keys``) select what they select in one pass over the whole sequence."""
-    indexer = _small_indexer(topk, heads=3)
+    indexer = small_indexer(topk, heads=3)
     total = prefix + new
-    x, q_latent, cos, sin = _small_inputs(torch.Generator().manual_seed(seed), 1, total)
+    x, q_latent, cos, sin = small_inputs(torch.Generator().manual_seed(seed), 1, total)
     whole = indexer(x, q_latent, cos, sin)
     cached_keys = indexer.keys(x, cos, sin)
     tail = slice(prefix, total)
@@ -247,13 +230,13 @@ def test_bf16_inputs_compute_in_fp32() -> None:
     """bf16 in, bf16 out, the result that of fp64 on the same (bf16-rounded) values to bf16 precision."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 20, 8, generator=g).bfloat16() for _ in range(3))
-    indices = _random_selection(g, 1, 20, 20, 5, 0.0)
+    indices = random_selection(g, 1, 20, 20, 5, 0.0)
     out = sparse_attention(q, k, v, indices)
     assert out.dtype == torch.bfloat16
     exact = sparse_attention(q.double(), k.double(), v.double(), indices)
     assert rel_err(out, exact) < 1e-2
-    indexer = _small_indexer(5, heads=2, dtype=torch.bfloat16)
-    x, q_latent, cos, sin = _small_inputs(g, 1, 20, torch.float32)
+    indexer = small_indexer(5, heads=2, dtype=torch.bfloat16)
+    x, q_latent, cos, sin = small_inputs(g, 1, 20, torch.float32)
     scores = indexer.scores(x.bfloat16(), q_latent.bfloat16(), cos, sin)
     assert scores.dtype == torch.float32  # the ranking is done in fp32 whatever the model's dtype
 
@@ -269,12 +252,6 @@ def test_indexer_constructor_refuses_bad_fields() -> None:
 
 
 # ----------------------------------------------------------------------------- the sparse core
-
-
-def _random_selection(g, b, s, k, t, empty_share: float) -> torch.Tensor:
-    """Distinct random key indices per query, later keys included (to be ignored) and some slots -1."""
-    indices = torch.rand(b, s, k, generator=g).argsort(dim=-1)[..., :t]
-    return indices.masked_fill(torch.rand(b, s, t, generator=g) < empty_share, -1)
 
 
 def _dense_reference(q, k, v, indices, scale, q_pos, k_pos) -> torch.Tensor:
@@ -306,7 +283,7 @@ def test_sparse_attention_matches_dense_mask(topk, extra, prefix, block_size, em
     q = torch.randn(b, n, s, d, generator=g, dtype=F64, requires_grad=True)
     k = torch.randn(b, n, k_len, d, generator=g, dtype=F64, requires_grad=True)
     v = torch.randn(b, n, k_len, dv, generator=g, dtype=F64, requires_grad=True)
-    indices = _random_selection(g, b, s, k_len, min(topk, k_len), empty_share)
+    indices = random_selection(g, b, s, k_len, min(topk, k_len), empty_share)
     q_pos, k_pos = torch.arange(prefix, k_len), torch.arange(k_len)
     out = sparse_attention(q, k, v, indices, 0.7, block_size=block_size)
     ref = _dense_reference(q, k, v, indices, 0.7, q_pos, k_pos)
@@ -327,8 +304,8 @@ def test_indexer_with_sparse_core_is_causal_attention_when_topk_covers_the_seque
     """A query with at most top-k earlier keys takes them all: sparse attention is then plain causal attention."""
     s = max(1, topk + extra)
     g = torch.Generator().manual_seed(seed)
-    indexer = _small_indexer(topk, heads=2)
-    indices = indexer(*_small_inputs(g, 1, s))
+    indexer = small_indexer(topk, heads=2)
+    indices = indexer(*small_inputs(g, 1, s))
     assert indices.shape == (1, s, min(topk, s))
     assert ((indices >= 0).sum(-1) == torch.arange(s).clamp_max(topk - 1) + 1).all()  # min(topk, s+1) keys each
     q, k, v = (torch.randn(1, 2, s, 5, generator=g, dtype=F64) for _ in range(3))
@@ -401,120 +378,6 @@ def _renamed(hf_name: str) -> str:
     for theirs, mine in MLA_RENAMES.items():
         hf_name = hf_name.replace(theirs, mine)
     return hf_name
-
-
-# ----------------------------------------------------------------------------- the indexer losses
-
-
-def _hand_loss(index_scores, q, k, scale, selection) -> torch.Tensor:
-    """Per query: each head's softmax over the query's key set, summed over heads and divided by the sum, against
-    softmax of the indexer's scores over the same set; KL summed over the set, averaged over the queries.
-    ``selection(b, s)``: the query's key set (a list of key indices)."""
-    b_len, _, s_len, _ = q.shape
-    total = index_scores.new_zeros(())
-    for b in range(b_len):
-        for s in range(s_len):
-            keys = selection(b, s)
-            logits = torch.stack([(q[b, :, s] * k[b, :, t]).sum(-1) * scale for t in keys], dim=-1)  # [N, T]
-            per_head = torch.exp(logits - logits.max(-1, keepdim=True).values)
-            per_head = per_head / per_head.sum(-1, keepdim=True)
-            target = per_head.sum(0) / per_head.sum()
-            scores = torch.stack([index_scores[b, s, t] for t in keys])
-            log_q = scores - torch.logsumexp(scores, dim=0)
-            total = total + (target * (target.log() - log_q)).sum()
-    return total / (b_len * s_len)
-
-
-@settings(max_examples=15, deadline=None)
-@given(topk=st.integers(1, 5), extra=st.integers(-4, 6), seed=st.integers(0, 2**16))
-def test_indexer_losses_match_hand_computation(topk, extra, seed) -> None:
-    s = max(1, topk + extra)
-    g = torch.Generator().manual_seed(seed)
-    indexer = _small_indexer(topk, heads=3)
-    x, q_latent, cos, sin = _small_inputs(g, 2, s)
-    q = torch.randn(2, 3, s, 5, generator=g, dtype=F64, requires_grad=True)
-    k = torch.randn(2, 3, s, 5, generator=g, dtype=F64, requires_grad=True)
-    scale = 0.6
-
-    # dense warm-up: every earlier key
-    dense_scores = indexer.scores(x, q_latent, cos, sin)
-    loss = dense_indexer_loss(dense_scores, q, k, scale, block_size=2)
-    hand = _hand_loss(dense_scores, q, k, scale, lambda b, i: list(range(i + 1)))
-    torch.testing.assert_close(loss, hand, rtol=1e-10, atol=1e-12)
-    params = list(indexer.parameters())
-    grads = torch.autograd.grad(loss, params, retain_graph=True)
-    for grad, ref in zip(grads, torch.autograd.grad(hand, params, retain_graph=True), strict=True):
-        torch.testing.assert_close(grad, ref, rtol=1e-9, atol=1e-12)
-    # the target is detached: the main attention's q and k get nothing from this loss
-    assert torch.autograd.grad(loss, [q, k], allow_unused=True) == (None, None)
-
-    # sparse stage: the selected keys only
-    indices = indexer(x, q_latent, cos, sin)
-    selected = indexer.selected_scores(x, q_latent, cos, sin, indices)
-    dense_at = dense_scores.gather(-1, indices.clamp_min(0)).masked_fill(indices < 0, float("-inf"))
-    torch.testing.assert_close(selected, dense_at, rtol=1e-12, atol=1e-12)
-    loss = sparse_indexer_loss(selected, q, k, indices, scale, block_size=2)
-
-    def chosen(b: int, i: int) -> list[int]:
-        return [t for t in indices[b, i].tolist() if t >= 0]
-
-    # the selected scores at their keys' places (the -1 slots into a column dropped after)
-    chosen_scores = torch.full((2, s, s + 1), float("-inf"), dtype=F64)
-    chosen_scores = chosen_scores.scatter(-1, torch.where(indices < 0, s, indices), selected)[..., :s]
-    hand = _hand_loss(chosen_scores, q, k, scale, chosen)
-    torch.testing.assert_close(loss, hand, rtol=1e-10, atol=1e-12)
-    grads = torch.autograd.grad(loss, params, retain_graph=True)
-    for grad, ref in zip(grads, torch.autograd.grad(hand, params, retain_graph=True), strict=True):
-        torch.testing.assert_close(grad, ref, rtol=1e-9, atol=1e-12)
-    assert torch.autograd.grad(loss, [q, k], allow_unused=True) == (None, None)
-    if s <= topk:  # every earlier key selected: the two stages' losses coincide
-        torch.testing.assert_close(loss, dense_indexer_loss(dense_scores, q, k, scale), rtol=1e-10, atol=1e-12)
-    if topk == 1:  # one selected key: target and indexer are both certain of it
-        assert loss == 0
-
-
-# ----------------------------------------------------------------------------- memory
-
-
-def _saved_by_sparse_attention(s: int) -> tuple[int, int]:
-    q, k, v = (torch.randn(1, 2, s, 8, requires_grad=True) for _ in range(3))
-    indices = _random_selection(torch.Generator().manual_seed(0), 1, s, s, 4, 0.0)
-    with SavedTensorBytes() as saved:
-        sparse_attention(q, k, v, indices, block_size=16)
-    return saved.total, max(x.nbytes // x.dtype.itemsize for x in saved.storages)
-
-
-class _LargestTensor(TorchFunctionMode):
-    """The largest tensor any torch function returns while active (element count)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
-def test_memory_is_linear_in_the_sequence() -> None:
-    (short, _), (long, largest) = _saved_by_sparse_attention(256), _saved_by_sparse_attention(512)
-    assert 1.8 < long / short < 2.2, (short, long)
-    assert largest <= 512 * 4 * 2 * 8 < 512 * 512  # at most the selected [S, topk] keys of the heads, never [S, S]
-    s, block = 512, 16
-    q, k, v = (torch.randn(1, 2, s, 8) for _ in range(3))
-    indices = _random_selection(torch.Generator().manual_seed(1), 1, s, s, 4, 0.0)
-    with _LargestTensor() as seen:
-        sparse_attention(q, k, v, indices, block_size=block)
-    assert seen.largest <= s * 4 * 2 * 8, seen.largest
-    indexer = _small_indexer(4, heads=2, dtype=torch.float32)
-    indexer.top_k.block_size = block
-    inputs = _small_inputs(torch.Generator().manual_seed(2), 1, s, torch.float32)
-    with _LargestTensor() as seen:
-        indexer(*inputs)
-    assert seen.largest <= max(2 * block * s, s * 8), seen.largest  # a block's [H, block, K] scores, not [S, S]
 
 
 # ----------------------------------------------------------------------------- wired into MLA and the model

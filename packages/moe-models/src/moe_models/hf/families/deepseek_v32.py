@@ -51,8 +51,10 @@ def _mlp_pattern(hf: ReadFields, num_layers: int) -> list[int]:
     return [int(t == "sparse") for t in types]
 
 
-def _indexer_from_hf(hf: ReadFields) -> dict[str, int]:
-    values = {key: hf.get(key, default) for key, default in _INDEX_DEFAULTS.items()}
+def indexer_sizes_from_hf(hf: ReadFields, defaults: dict[str, int]) -> dict[str, int]:
+    """The lightning indexer's ``dsa_indexer_*`` sizes from index_topk / index_n_heads / index_head_dim (``defaults``:
+    the config class's), which DeepSeek-V3.2 and GLM-5 share."""
+    values = {key: hf.get(key, default) for key, default in defaults.items()}
     for key, value in values.items():
         if not isinstance(value, int) or value < 1:
             raise unsupported(key, value, "DeepSeek Sparse Attention needs a positive integer")
@@ -63,25 +65,44 @@ def _indexer_from_hf(hf: ReadFields) -> dict[str, int]:
     }
 
 
-def _from_hf(hf: ReadFields) -> dict[str, Any]:
+def dsa_model_from_hf(
+    hf: ReadFields, model: str, family: str, mla_defaults: dict[str, int | None], defaults: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(MLA fields, MoE fields) of a DeepSeek-V3.2-style config.json (``model``: its name in messages), with what
+    DeepSeek-V3.2 and GLM-5 both refuse: MoE layers not every layer past the dense ones, MLA rotating halves, layer
+    types other than indexed attention, no q latent."""
     refuse_unless(hf, "moe_layer_freq", (1, None), None, "every layer after the dense ones is MoE: set it to 1")
-    # transformers' MLA rotates interleaved pairs whatever config.json says (DeepseekV32Config has no such field)
-    refuse_unless(hf, "rope_interleave", (True, None), None, "DeepSeek-V3.2's MLA always rotates interleaved pairs")
+    # transformers' MLA rotates interleaved pairs whatever config.json says (the config classes have no such field)
+    refuse_unless(hf, "rope_interleave", (True, None), None, f"{model}'s MLA always rotates interleaved pairs")
     num_layers = required(hf, "num_hidden_layers")
     types = hf.get("layer_types")
     if types is not None and types != ["indexed_attention"] * num_layers:
-        raise unsupported("layer_types", types, "every DeepSeek-V3.2 layer is 'indexed_attention'")
-    moe = sigmoid_moe_from_hf(hf, "DeepSeek-V3.2", _DEFAULTS, _mlp_pattern(hf, num_layers))
-    mla = mla_from_hf(hf, "deepseek_v32", _MLA_DEFAULTS)
+        raise unsupported("layer_types", types, f"every {model} layer is 'indexed_attention'")
+    moe = sigmoid_moe_from_hf(hf, model, defaults, _mlp_pattern(hf, num_layers))
+    mla = mla_from_hf(hf, family, mla_defaults)
     if mla["q_lora_rank"] is None:
-        raise unsupported("q_lora_rank", None, "the indexer reads the q latent: DeepSeek-V3.2 needs a q_lora_rank")
-    return (
-        mla
-        | _indexer_from_hf(hf)
-        | {"rotary_interleaved": True}
-        | moe
-        | _groups_from_hf(hf, moe["num_moe_experts"], moe["moe_router_topk"])
-    )
+        raise unsupported("q_lora_rank", None, f"the indexer reads the q latent: {model} needs a q_lora_rank")
+    return mla | {"rotary_interleaved": True}, moe
+
+
+def dsa_model_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """config.json's side of :func:`dsa_model_from_hf` and the indexer's sizes, refusing what neither family holds."""
+    f = c.family
+    require(c.dsa_indexer_topk is not None, "dsa_indexer_topk", None, f, "every layer has the lightning indexer")
+    require(c.q_lora_rank is not None, "q_lora_rank", None, f, "the attention always has a q latent")
+    require(c.rotary_interleaved, "rotary_interleaved", False, f, "MLA rotates interleaved pairs")
+    indexer = {
+        "index_topk": c.dsa_indexer_topk,
+        "index_n_heads": c.dsa_indexer_n_heads,
+        "index_head_dim": c.dsa_indexer_head_dim,
+    }
+    return mla_to_hf(c) | indexer | sigmoid_moe_to_hf(c) | {"scoring_func": "sigmoid"}
+
+
+def _from_hf(hf: ReadFields) -> dict[str, Any]:
+    mla, moe = dsa_model_from_hf(hf, "DeepSeek-V3.2", "deepseek_v32", _MLA_DEFAULTS, _DEFAULTS)
+    groups = _groups_from_hf(hf, moe["num_moe_experts"], moe["moe_router_topk"])
+    return mla | indexer_sizes_from_hf(hf, _INDEX_DEFAULTS) | moe | groups
 
 
 def _groups_from_hf(hf: ReadFields, experts: int, topk: int) -> dict[str, Any]:
@@ -93,16 +114,7 @@ def _groups_from_hf(hf: ReadFields, experts: int, topk: int) -> dict[str, Any]:
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:
-    f = c.family
-    require(c.dsa_indexer_topk is not None, "dsa_indexer_topk", None, f, "every layer has the lightning indexer")
-    require(c.q_lora_rank is not None, "q_lora_rank", None, f, "the attention always has a q latent")
-    require(c.rotary_interleaved, "rotary_interleaved", False, f, "MLA rotates interleaved pairs")
-    indexer = {
-        "index_topk": c.dsa_indexer_topk,
-        "index_n_heads": c.dsa_indexer_n_heads,
-        "index_head_dim": c.dsa_indexer_head_dim,
-    }
-    return mla_to_hf(c) | indexer | sigmoid_moe_to_hf(c) | {"scoring_func": "sigmoid"}
+    return dsa_model_to_hf(c)
 
 
 FAMILY = HFFamily(

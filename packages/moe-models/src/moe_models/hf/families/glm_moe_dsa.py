@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from moe_models.config import ModelConfig
-from moe_models.hf.families.deepseek_v2 import groups_from_hf, mla_from_hf, mla_to_hf
-from moe_models.hf.families.deepseek_v32 import _mlp_pattern
-from moe_models.hf.families.glm4_moe_lite import GROUP_SCORE_TOPK, sigmoid_moe_from_hf, sigmoid_moe_to_hf
+from moe_models.hf.families.deepseek_v2 import groups_from_hf
+from moe_models.hf.families.deepseek_v32 import dsa_model_from_hf, dsa_model_to_hf, indexer_sizes_from_hf
+from moe_models.hf.families.glm4_moe_lite import GROUP_SCORE_TOPK
 from moe_models.hf.family import CheckpointNames, HFFamily, ReadFields, refuse_unless, require, required, unsupported
 
 # GlmMoeDsaConfig's defaults (GLM-5's values)
@@ -69,50 +69,25 @@ def _indexer_from_hf(hf: ReadFields, num_layers: int) -> dict[str, Any]:
         raise unsupported(key, hf[key], why)
     # transformers' GlmMoeDsaIndexer rotates interleaved pairs whatever config.json says
     refuse_unless(hf, "indexer_rope_interleave", (True, None), None, "GLM-5's indexer always rotates interleaved pairs")
-    values = {k: hf.get(k, default) for k, default in _INDEX_DEFAULTS.items()}
-    for k, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise unsupported(k, value, "DeepSeek Sparse Attention needs a positive integer")
-    return {
-        "dsa_indexer_topk": values["index_topk"],
-        "dsa_indexer_n_heads": values["index_n_heads"],
-        "dsa_indexer_head_dim": values["index_head_dim"],
-        "dsa_indexer_rope_interleaved": True,
-    }
+    return indexer_sizes_from_hf(hf, _INDEX_DEFAULTS) | {"dsa_indexer_rope_interleaved": True}
 
 
 def _from_hf(hf: ReadFields) -> dict[str, Any]:
-    refuse_unless(hf, "moe_layer_freq", (1, None), None, "every layer after the dense ones is MoE: set it to 1")
-    # transformers' MLA rotates interleaved pairs whatever config.json says (GlmMoeDsaConfig has no such field)
-    refuse_unless(hf, "rope_interleave", (True, None), None, "GLM-5's MLA always rotates interleaved pairs")
-    num_layers = required(hf, "num_hidden_layers")
-    types = hf.get("layer_types")
-    if types is not None and types != ["indexed_attention"] * num_layers:
-        raise unsupported("layer_types", types, "every GLM-5 layer is 'indexed_attention'")
-    moe = sigmoid_moe_from_hf(hf, "GLM-5", _DEFAULTS, _mlp_pattern(hf, num_layers))
-    mla = mla_from_hf(hf, "glm_moe_dsa", _MLA_DEFAULTS)
-    if mla["q_lora_rank"] is None:
-        raise unsupported("q_lora_rank", None, "the indexer reads the q latent: GLM-5 needs a q_lora_rank")
+    mla, moe = dsa_model_from_hf(hf, "GLM-5", "glm_moe_dsa", _MLA_DEFAULTS, _DEFAULTS)
     groups = groups_from_hf(hf, moe["num_moe_experts"], moe["moe_router_topk"], 1, score_topk=GROUP_SCORE_TOPK)
-    return mla | _indexer_from_hf(hf, num_layers) | {"rotary_interleaved": True} | moe | groups
+    return mla | _indexer_from_hf(hf, required(hf, "num_hidden_layers")) | moe | groups
 
 
 def _to_hf(c: ModelConfig) -> dict[str, Any]:
-    f = c.family
-    require(c.dsa_indexer_topk is not None, "dsa_indexer_topk", None, f, "every layer has the lightning indexer")
-    require(c.q_lora_rank is not None, "q_lora_rank", None, f, "the attention always has a q latent")
-    require(c.rotary_interleaved, "rotary_interleaved", False, f, "MLA rotates interleaved pairs")
+    common = dsa_model_to_hf(c)  # refuses a model without the indexer first
     why = "the indexer rotates interleaved pairs"
-    require(c.dsa_indexer_rope_interleaved, "dsa_indexer_rope_interleaved", False, f, why)
+    require(c.dsa_indexer_rope_interleaved, "dsa_indexer_rope_interleaved", False, c.family, why)
     indexer = {
-        "index_topk": c.dsa_indexer_topk,
-        "index_n_heads": c.dsa_indexer_n_heads,
-        "index_head_dim": c.dsa_indexer_head_dim,
         "indexer_types": ["full"] * c.num_layers,
         "indexer_rope_interleave": True,  # what SGLang and vLLM read (transformers always interleaves)
         "rope_interleave": True,
     }
-    return mla_to_hf(c) | indexer | sigmoid_moe_to_hf(c) | {"scoring_func": "sigmoid"}
+    return common | indexer
 
 
 FAMILY = HFFamily(
