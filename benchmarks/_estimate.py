@@ -11,17 +11,21 @@ meta build, parallelize, materialize) under its layout, with moe-train's AdamW.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from moe_memory.estimate import MemoryEstimate, estimate_memory
 from moe_memory.measure import SavedTensorBytes
 from moe_models import MoETransformer, next_token_loss
 from moe_models.linear_attention import GatedDeltaNet
 from moe_models.memory import estimate_module, local_parameters, model_shape, run_shape
+from moe_parallel import hidden_matrix_splits
 from moe_train.config import load_config
+from moe_train.muon import muon_parameters
 from moe_train.optim import build_optimizer
 from moe_train.trainer import prepare
 
@@ -115,12 +119,17 @@ def training_step(preset: str, overrides: dict[str, str], world: int) -> dict:
     positions = setup.parallel.positions(cfg.data.seq_len)  # under cp: this rank's share of every sequence
     saved = measured_step(model, ids, cfg.model.mtp_loss_scaling_factor, positions, setup.parallel.loss_context())
     setup.parallel.finalize_grads()  # as the trainer does before its step: gradients completed over the layout
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train, hidden_matrix_splits(setup.parallel))
     optimizer.step()
     param_bytes = DTYPE_BYTES[cfg.train.params_dtype]  # fp32 runs: no autocast; bf16 parameters compute in bf16
+    params = local_parameters(model)
+    if cfg.train.optimizer == "muon":  # Muon's matrices keep one momentum buffer each, no AdamW moments or step
+        muon = [p for p in model.parameters() if id(p) in muon_parameters(model)]
+        momentum = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in muon)
+        params = dataclasses.replace(params, momentum_only_numel=momentum, momentum_only_tensors=len(muon))
     run = run_shape(
         cfg.model,
-        local_parameters(model),
+        params,
         micro_batch=setup.micro_batch,
         seq_len=cfg.data.seq_len,
         activation_bytes=param_bytes,

@@ -2,11 +2,11 @@
 train`` builds it (meta build, parallelize, materialize), one forward + backward + optimizer step.
 
 Per rank, the estimate's parameter, gradient and optimizer-state bytes (moe-train's AdamW, states in fp32 and in
-bf16) equal what the rank allocated, and its activations are within 10% of the bytes ``SavedTensorBytes`` measured:
-expert parallelism (all-to-all and all-gather dispatchers, FSDP over the data-parallel ranks), tensor + sequence
-parallelism with expert tensor parallelism (also with bf16 parameters and fp32 master weights), tp x ep on
-DeepSeek-V3's proxy (MLA, shared expert, dense layer, MTP), and context parallelism (GQA, GPT-OSS's sinks and windows,
-MLA with MTP).
+bf16; Muon's momentum) equal what the rank allocated, and its activations are within 10% of the bytes
+``SavedTensorBytes`` measured: expert parallelism (all-to-all and all-gather dispatchers, FSDP over the data-parallel
+ranks), tensor + sequence parallelism with expert tensor parallelism (also with bf16 parameters and fp32 master
+weights), tp x ep on DeepSeek-V3's proxy (MLA, shared expert, dense layer, MTP), and context parallelism (GQA,
+GPT-OSS's sinks and windows, MLA with MTP).
 Routing decides how many rows each rank's experts get: the estimate's is the expected share, so the mean over the
 ranks is held closer (2%) than each rank.
 """
@@ -44,6 +44,8 @@ CASES = {
         "tiny-deepseek-v3",
         {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"},
     ),
+    # Muon: its matrices keep one momentum buffer each (no moments, no step), AdamW the rest
+    "deepseek-v3 ep=2, Muon": ("tiny-deepseek-v3", {"parallel.ep": "2", "train.optimizer": "muon"}),
     # context parallelism: half the positions a rank, the keys and values of all of them in attention
     "qwen3-moe cp=2": ("tiny-qwen3-moe", {"parallel.cp": "2"}),
     "gpt-oss cp=2 (sinks, sliding windows)": ("tiny-gpt-oss", {"parallel.cp": "2"}),

@@ -230,6 +230,14 @@ PIPELINE_MODELS = {
 PIPELINE_SEED = "3"
 # gradient completion off: experts are then scaled by edp/dp = 1/2 too little, so the run must diverge
 CONTROL = ("control: ep=2 without gradient sync", 2, {"parallel.ep": "2"})
+# Muon (train.optimizer muon) under every layout, on DeepSeek-V3's proxy (MLA, a dense layer, a shared expert, MTP: the
+# most kinds of matrix): each matrix must be orthogonalised whole however the layout splits it, so the runs equal one
+# process's Muon run as the AdamW ones do. The context-parallel layouts run on its context model
+MUON = {"train.optimizer": "muon"}
+MUON_PRESET = "tiny-deepseek-v3"
+MUON_CONTEXT_LAYOUTS = ("cp=2", "cp=2 x ep=2", "cp=2 x tp=2", "cp=4", "tp=2")
+# Muon orthogonalising each FSDP shard on its own (what a sharding-unaware Muon does) trains, differently
+MUON_CONTROL = ("control: dp_shard=2 Muon shard by shard", 2, {})
 
 
 # (preset or context model, layout) pairs run only with MOE_TEST_FULL_MATRIX=1: the 4-rank tensor-parallel runs cost
@@ -302,7 +310,43 @@ def single_process(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -
             overrides = {**_overrides(data_cache), **model, "run.output_dir": str(out / name)}
             train(prepare(load_config(preset, overrides), 1))
             runs[name] = _records(out / name)
+    for variant, (preset, model) in _muon_references().items():
+        overrides = {**_overrides(data_cache), **model, **MUON, "run.output_dir": str(out / variant)}
+        train(prepare(load_config(preset, overrides), 1))
+        runs[variant] = _records(out / variant)
     return runs
+
+
+def _muon_references() -> dict[str, tuple[str, dict[str, str]]]:
+    """The one-process Muon runs: name -> (preset, overrides) for the layouts', the pipelines' and the context
+    layouts' settings."""
+    context_preset, context_model = CONTEXT_MODELS[MUON_PRESET]
+    return {
+        f"muon {MUON_PRESET}": (MUON_PRESET, {}),
+        f"muon {MUON_PRESET} 4 layers": (MUON_PRESET, _pipeline_overrides(MUON_PRESET)),
+        f"muon {MUON_PRESET} context": (context_preset, {**CONTEXT_BATCH, **context_model}),
+    }
+
+
+def _muon_cases(world: int) -> list[dict]:
+    """The Muon runs on ``world`` ranks (one per layout), and the shard-by-shard control."""
+    references = _muon_references()
+    cases = []
+    for layout, (size, extra) in {**LAYOUTS, **PIPELINE_LAYOUTS}.items():
+        reference = f"muon {MUON_PRESET}" + (" 4 layers" if layout in PIPELINE_LAYOUTS else "")
+        if size == world:
+            preset, model = references[reference]
+            cases.append({"name": _case_dir(reference, layout), "preset": preset, "overrides": {**model, **extra}})
+    for layout in MUON_CONTEXT_LAYOUTS:
+        size, extra, _ = CONTEXT_LAYOUTS[layout]
+        if size == world:
+            preset, model = references[f"muon {MUON_PRESET} context"]
+            name = _case_dir(f"muon {MUON_PRESET} context", layout)
+            cases.append({"name": name, "preset": preset, "overrides": {**model, **extra}})
+    if world == MUON_CONTROL[1]:
+        name = _case_dir(f"muon {MUON_PRESET}", MUON_CONTROL[0])
+        cases.append({"name": name, "preset": MUON_PRESET, "overrides": MUON_CONTROL[2], "muon_shardwise": True})
+    return cases
 
 
 def _pipeline_overrides(preset: str) -> dict[str, str]:
@@ -356,6 +400,8 @@ def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, la
                     "skip_grad_sync": True,
                 }
             )
+        for case in _muon_cases(world):
+            cases.append({**case, "overrides": {**_overrides(data_cache), **case["overrides"], **MUON}})
         (out / f"world{world}").mkdir()
         (out / f"world{world}" / "cases.json").write_text(json.dumps(cases))
         outcomes[world] = launch_gloo_scenarios(WORKER, world, out / f"world{world}", timeout=600)
@@ -419,6 +465,35 @@ def test_control_without_gradient_sync_differs(single_process, parallel_runs: di
     # the experts hold ~1% of the squared gradient norm here, so doubling their gradients moves the norm by about
     # 1%: ten times the tolerance the layouts are held to
     assert _max_rel_diff(ours, single_process[PRESETS[0]], "grad_norm") > 10 * TOLERANCE
+
+
+MUON_CASES = [
+    (reference, layout)
+    for layout in [*LAYOUTS, *PIPELINE_LAYOUTS, *MUON_CONTEXT_LAYOUTS]
+    for reference in [
+        f"muon {MUON_PRESET}"
+        + (" 4 layers" if layout in PIPELINE_LAYOUTS else " context" if layout in MUON_CONTEXT_LAYOUTS else "")
+    ]
+]
+
+
+@pytest.mark.parametrize(("reference", "layout"), MUON_CASES)
+def test_muon_layout_equals_single_process(reference: str, layout: str, single_process, parallel_runs: dict) -> None:
+    """Muon's update of a matrix is a function of the whole matrix: gathered where the layout splits it, it must give
+    one process's run (the same tolerance as AdamW's)."""
+    world = (CONTEXT_LAYOUTS if reference.endswith(" context") else {**LAYOUTS, **PIPELINE_LAYOUTS})[layout][0]
+    ours = _records(_case(parallel_runs, world, _case_dir(reference, layout)))
+    diffs = {key: _max_rel_diff(ours, single_process[reference], key) for key in ("loss", "grad_norm")}
+    print(f"{reference} {layout}: max relative difference {diffs}")
+    assert all(d < TOLERANCE for d in diffs.values()), diffs
+    assert single_process[reference][-1]["loss"] < single_process[reference][0]["loss"] - 0.5
+
+
+def test_muon_control_orthogonalising_shards_apart_differs(single_process, parallel_runs: dict) -> None:
+    reference = f"muon {MUON_PRESET}"
+    ours = _records(_case(parallel_runs, MUON_CONTROL[1], _case_dir(reference, MUON_CONTROL[0])))
+    # step 1's loss and gradients precede any update; from step 2 on the shards' separate updates show
+    assert _max_rel_diff(ours, single_process[reference], "loss") > 10 * TOLERANCE
 
 
 def test_the_default_matrix_keeps_every_layout() -> None:

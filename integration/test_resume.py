@@ -1,7 +1,7 @@
 """Checkpoints during a run and exact resume: in one process after SIGTERM (bitwise), under dp_shard=2 and tp=2 x ep=2
-(rel 1e-6), onto other layouts (tp=2 x ep=2 -> pp=2 -> one process), and after kill -9 at a random moment, saves
-included. Each process start costs seconds: the runs are shared where they can
-be (an uninterrupted run's periodic checkpoints are what the others resume from)."""
+(rel 1e-6), onto other layouts (tp=2 x ep=2 -> pp=2 -> one process), Muon's too (dp_shard=2 -> tp=2 -> one process),
+and after kill -9 at a random moment, saves included. Each process start costs seconds: the runs are shared where
+they can be (an uninterrupted run's periodic checkpoints are what the others resume from)."""
 
 from __future__ import annotations
 
@@ -184,6 +184,36 @@ def test_tensor_and_expert_parallel_resume_and_onto_other_layouts(
     for step in range(1, STEPS + 1):
         assert steps[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5), step
         assert steps[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-2), step
+
+
+MUON = ["--train.optimizer", "muon", "--train.lr", "1e-2"]
+
+
+def test_muon_resume_under_dp_shard_and_onto_other_layouts(tmp_path: Path, data_cache: Path, run) -> None:
+    """Muon (its momentum buffers in the checkpoint; each matrix orthogonalised whole under every layout): dp_shard=2
+    from its own step-5 checkpoint, steps 6-10 within 1e-6 of its uninterrupted run; then from that run's step-10
+    checkpoint onto tp=2 (the experts split over etp=tp, and their momentum with them) for steps 11-15 and one process
+    for 16-20: every loss as the uninterrupted one-process Muon run's within 1e-5."""
+    single = tmp_path / "single"
+    _one_process([*COMMON, *MUON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(single)], tmp_path)
+    whole = _uninterrupted(run, tmp_path, data_cache, [*MUON, "--parallel.dp_shard", "2"], exit_at=10)
+    base = [*COMMON, *MUON, "--data.cache_dir", str(data_cache)]
+    part = [*base, "--parallel.dp_shard", "2", "--run.output_dir", str(tmp_path / "part"), "--run.exit_interval", "10"]
+    resumed = _torchrun(run, 2, [*part, "--run.resume", str(whole / "checkpoints" / "step_5")], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same(_records(tmp_path / "part"), _records(whole), range(6, 11), rel=1e-6)
+
+    chain = tmp_path / "chain"
+    args = [*base, "--run.output_dir", str(chain), "--run.exit_interval", "5"]
+    tp2 = ["--parallel.tp", "2", "--run.resume", str(whole / "checkpoints" / "step_10")]
+    done = _torchrun(run, 2, [*args, *tp2], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _one_process([*args, "--run.resume", "auto"], tmp_path)
+    steps, reference = {**_records(whole), **_records(chain)}, _records(single)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert steps[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5), step
+    assert reference[STEPS]["loss"] < reference[1]["loss"] - 0.5  # it trained
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:

@@ -350,7 +350,7 @@ def test_parallel_plan_and_module_kinds_of_kda_layers():
         assert not [name for name in plan.tp_partial_grads if name.startswith(f"{prefix}.attention.")]
     assert "linear_num_key_heads" not in plan.tp_divides
     assert plan.context_parallel_segments == tuple(f"{prefix}.attention.segments" for prefix in kda)
-    assert plan.context_parallel == ("layers.3.attention.core_attention",)
+    assert plan.context_parallel == ("layers.3.attention.core_attention", "layers.3.attention.logit_max")
     kinds = model.module_kinds()
     assert "layers.0.attention.k_proj" in kinds["qkv_linear"] and "layers.0.attention.o_proj" in kinds["attn_proj"]
     assert "layers.3.attention.kv_b_proj" in kinds["qkv_linear"]

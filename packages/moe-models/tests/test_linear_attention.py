@@ -155,4 +155,4 @@ def test_the_segment_rows_context_parallelism_gathers_are_those_the_layers_excha
         "layers.1.attention.segments",
         "layers.2.attention.segments",
     )
-    assert plan.context_parallel == ("layers.3.attention.core_attention",)
+    assert plan.context_parallel == ("layers.3.attention.core_attention", "layers.3.attention.logit_max")

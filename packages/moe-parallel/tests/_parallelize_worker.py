@@ -40,6 +40,7 @@ from moe_parallel import (
     apply_context_parallel,
     build_meshes,
     full_value,
+    hidden_matrix_splits,
     init_distributed,
     load_balanced_positions,
     local_box,
@@ -450,12 +451,19 @@ def expert_placements(world: int) -> dict:
         "ep=2 (edp=2)": {"ep": 2},
         "ep=4 (edp=1)": {"ep": 4},
         "tp=2 x ep=2": {"tp": 2, "ep": 2, "etp": 1},
+        "etp=2 x ep=2": {"etp": 2, "ep": 2},
     }.items():
         with torch.device("meta"):  # placements only: nothing to allocate
             model = build_model(config)
         cfg = ParallelConfig(**sizes)
-        parallelize(model, build_meshes(cfg.layout(world), "cpu"), cfg)
+        parallel = parallelize(model, build_meshes(cfg.layout(world), "cpu"), cfg)
         result["placements"][name] = _placements(model)
+        # the matrices split outside their placements (etp's slices), by name: (dim, the group's ranks)
+        names = {id(p): n for n, p in model.named_parameters()}
+        hidden = result.setdefault("hidden", {})
+        hidden[name] = {
+            names[i]: (s.dim, dist.get_process_group_ranks(s.group)) for i, s in hidden_matrix_splits(parallel).items()
+        }
     return result
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_models.presets import preset
 from moe_parallel import ParallelConfig
 
 pytestmark = pytest.mark.dist
@@ -51,6 +52,21 @@ def test_experts_are_sharded_over_edp_only(outcomes) -> None:
     # tp=2 x ep=2 x dp_shard=2: attention 2-D (FSDP over TP), experts over edp and ep
     assert placements["tp=2 x ep=2"]["layers.0.attention.q_proj.weight"][1] == ("dp_shard", "tp")
     assert placements["tp=2 x ep=2"]["layers.0.mlp.experts.w_down_EFH"][1] == ("edp", "ep")
+
+
+def test_etp_slices_are_the_hidden_matrix_splits(outcomes) -> None:
+    """The experts' etp slices, plain tensors no placement describes, are what hidden_matrix_splits names: the first
+    projection's columns and the second's rows of every MoE layer, over the rank's etp group; nothing without etp."""
+    for rank, result in enumerate(outcomes["placements"]):
+        hidden = result["hidden"]
+        assert hidden["ep=2 (edp=2)"] == hidden["tp=2 x ep=2"] == {}, rank
+        layers = range(preset("tiny-qwen3-moe").num_layers)
+        want = {f"layers.{i}.mlp.experts.{w}": d for i in layers for w, d in (("w_gate_up_EH2F", 2), ("w_down_EFH", 1))}
+        assert {name: dim for name, (dim, _) in hidden["etp=2 x ep=2"].items()} == want, rank
+        groups = {tuple(ranks) for _, ranks in hidden["etp=2 x ep=2"].values()}
+        assert len(groups) == 1 and rank in next(iter(groups)) and len(next(iter(groups))) == 2, groups
+        kind, *_ = result["placements"]["etp=2 x ep=2"]["layers.0.mlp.experts.w_gate_up_EH2F"]
+        assert kind != "dtensor"  # a plain tensor: its placements could not have said it is split
 
 
 def test_fewer_experts_than_shards_train_as_one_process(outcomes) -> None:

@@ -10,6 +10,7 @@ PUBLIC_NAMES = [
     "DistributedContext",
     "EXPERT_DIMS",
     "GradientSync",
+    "HiddenSplit",
     "LayoutError",
     "MoEBlockParts",
     "MoEBlockPlan",
@@ -35,6 +36,7 @@ PUBLIC_NAMES = [
     "expert_checkpoint_pieces",
     "full_value",
     "gather_sequence",
+    "hidden_matrix_splits",
     "init_distributed",
     "load_balanced_positions",
     "local_box",
@@ -56,7 +58,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_parallel.__version__ == "0.8.0"
+    assert moe_parallel.__version__ == "0.8.1"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

@@ -3,6 +3,7 @@ against figures computed by hand from the architectures and against moe_models.c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -17,6 +18,7 @@ from moe_models import PUBLISHED_PRESETS, build_model, count_parameters
 from moe_models.presets import preset
 from moe_parallel import ParallelConfig
 from moe_train import cli
+from moe_train.muon import muon_parameters
 from moe_train.plan_report import (
     NON_EXPERT,
     ROUTED_EXPERTS,
@@ -257,6 +259,26 @@ def test_memory_estimate_holds_each_rank_kinds_exact_shards(deepseek_v3_ep64: Pl
     table = format_memory(estimates, options, device_memory_gib=80)
     assert "activations: core_attn" in table and "activations: expert_fc1" in table
     assert table.count("exceeds --device-memory 80 GiB by") == len(report.kinds)
+
+
+def test_muon_states_are_one_momentum_buffer_per_matrix(deepseek_v3_ep64: PlanReport) -> None:
+    report = deepseek_v3_ep64
+    with torch.device("meta"):
+        model = build_model(preset("deepseek-v3-671b"))
+    takes_muon = muon_parameters(model)
+    muon_numel = sum(p.numel() for p in model.parameters() if id(p) in takes_muon)
+    assert report.muon_tensors == len(takes_muon)
+    # each element of the 1024 ranks' shards is held once (FSDP over dp and edp, experts over ep): they add up
+    assert sum(kind.muon * len(kind.ranks) for kind in report.kinds) == muon_numel
+    options = MemoryOptions(micro_batch=1, seq_len=4096, master_weights_bytes=0, optimizer="muon")
+    muon_estimates = memory_estimates(report, preset("deepseek-v3-671b"), options)
+    adamw = memory_estimates(report, preset("deepseek-v3-671b"), dataclasses.replace(options, optimizer="adamw"))
+    for (kind, estimate), (_, with_adamw) in zip(muon_estimates, adamw, strict=True):
+        muon, rest = kind.muon, kind.param_count() - kind.muon
+        # Muon: a momentum buffer (fp32) per matrix; AdamW: two moments and a 4-byte step per tensor
+        assert estimate.optimizer_states == 4 * muon + 8 * rest + 4 * (report.param_tensors - report.muon_tensors)
+        assert with_adamw.optimizer_states - estimate.optimizer_states == 4 * muon + 4 * report.muon_tensors
+        assert muon > 0.9 * kind.param_count()  # the matrices are most of DeepSeek-V3
 
 
 QWEN_8 = ["plan", "--model.preset", "qwen3-30b-a3b", "--world-size", "8", "--parallel.ep", "8"]

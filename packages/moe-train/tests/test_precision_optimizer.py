@@ -213,7 +213,7 @@ def test_state_bytes_are_the_formula(micro_overrides: dict[str, str], states: st
     opt = build_optimizer(
         model, TrainConfig(optimizer_states_dtype=states, params_dtype=params, master_weights_dtype=master)
     )
-    assert optimizer_state_bytes(opt) == {"exp_avg": 0, "exp_avg_sq": 0, "step": 0, "master": 0}
+    assert optimizer_state_bytes(opt) == {"exp_avg": 0, "exp_avg_sq": 0, "step": 0, "master": 0, "momentum_buffer": 0}
     _backward(model, 0)
     opt.step()
     tensors = list(model.parameters())
@@ -225,6 +225,7 @@ def test_state_bytes_are_the_formula(micro_overrides: dict[str, str], states: st
         "exp_avg_sq": numel * state_bytes,
         "step": 4 * len(tensors),
         "master": 4 * numel if has_master else 0,
+        "momentum_buffer": 0,  # Muon's
     }
     assert optimizer_state_bytes(opt) == expected
     # what the optimizer allocated, counted independently of optimizer_state_bytes: every state tensor's storage

@@ -169,7 +169,7 @@ class MemoryEstimate:
 
     parameters: int
     gradients: int
-    optimizer_states: int  # exp_avg + exp_avg_sq + a 4-byte step per parameter tensor
+    optimizer_states: int  # AdamW: exp_avg + exp_avg_sq + a 4-byte step per tensor; Muon: a momentum buffer
     master_weights: int
     buffers: int
     activations: tuple[SavedTensor, ...]  # on the device
@@ -370,10 +370,15 @@ def mtp_attention(model: ModelShape) -> GQAShape | MLAShape:
     return attention
 
 
-def optimizer_state_bytes(numel: int, tensors: int, run: RunShape) -> tuple[int, int]:
-    """(optimizer states, master weights) as the project's AdamW allocates them: per parameter tensor a 4-byte step
-    plus exp_avg and exp_avg_sq in the state dtype, and a master copy of parameters that are not fp32."""
-    states = tensors * FP32 + 2 * numel * run.optimizer_state_bytes
+def optimizer_state_bytes(
+    numel: int, tensors: int, run: RunShape, momentum_numel: int = 0, momentum_tensors: int = 0
+) -> tuple[int, int]:
+    """(optimizer states, master weights) as the project's optimizers allocate them: per AdamW parameter tensor a
+    4-byte step plus exp_avg and exp_avg_sq in the state dtype; per Muon tensor (``momentum_numel`` elements in
+    ``momentum_tensors`` of the ``numel`` / ``tensors``) one momentum buffer; a master copy of parameters that are not
+    fp32."""
+    adamw_numel = numel - momentum_numel
+    states = (tensors - momentum_tensors) * FP32 + (2 * adamw_numel + momentum_numel) * run.optimizer_state_bytes
     master = numel * run.master_weights_bytes if run.param_bytes != FP32 else 0
     return states, master
 
@@ -428,7 +433,9 @@ def estimate_memory(
     working = max(working, recomputed)
     p = run.params
     trained = p.numel - p.untrained_numel  # what gets a gradient, optimizer states and a master copy
-    states, master = optimizer_state_bytes(trained, p.tensors - p.untrained_tensors, run)
+    states, master = optimizer_state_bytes(
+        trained, p.tensors - p.untrained_tensors, run, p.momentum_only_numel, p.momentum_only_tensors
+    )
     logits = (
         (1 + model.mtp_depth) * sizes.tokens * (model.vocab // run.tp) * sizes.activation_bytes
     )  # vocabulary-parallel under tp

@@ -190,7 +190,8 @@ class LocalParameters:
     """This rank's parameters as training holds them (local shards): elements, how many parameter tensors (each gets
     AdamW's 4-byte ``step``), buffer bytes, and of the elements, how many are routed experts (for reporting); of the
     elements and tensors, those no gradient reaches (DeepSeek Sparse Attention's indexers while no loss trains them):
-    held, but without a gradient, optimizer states or a master copy (AdamW steps what has a gradient)."""
+    held, but without a gradient, optimizer states or a master copy (AdamW steps what has a gradient); of the trained
+    ones, those Muon updates (``train.optimizer muon``: one momentum buffer each, no second moment, no step)."""
 
     numel: int
     tensors: int
@@ -198,6 +199,8 @@ class LocalParameters:
     expert_numel: int = 0
     untrained_numel: int = 0
     untrained_tensors: int = 0
+    momentum_only_numel: int = 0
+    momentum_only_tensors: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from moe_models.blockwise import blockwise_attention
 from moe_models.config import ModelConfig
 from moe_models.documents import document_positions
 from moe_models.layers import RMSNorm
+from moe_models.qk_clip import AttentionLogitMax, logit_max_of
 from moe_models.rope import apply_rotary
 
 
@@ -84,7 +85,9 @@ class Attention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_query_groups, c.kv_channels
         chunk = c.attention_chunk_size if rope else None
-        self.core_attention = CoreAttention(c.softmax_scale, None if full_attention else c.window_size, chunk)
+        window = None if full_attention else c.window_size
+        self.core_attention = CoreAttention(c.softmax_scale, window, chunk)
+        self.logit_max = AttentionLogitMax(c.softmax_scale, window, chunk)  # QK-clip's maxima, computed when asked
         self.rope, self.qk_l2_norm, self.norm_epsilon = rope, c.qk_l2_norm and rope, c.norm_epsilon
         self.temperature = (c.attn_temperature_scale, c.attn_temperature_floor_scale)
         self.temperature_tuning = c.attn_temperature_tuning and not rope
@@ -111,10 +114,12 @@ class Attention(nn.Module):
         sin_SF: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        logit_max: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``positions_S``: where in the sequence the S tokens stand (None: 0..S-1), for the causal mask; ``cos_SF`` /
         ``sin_SF`` are the rotary tables at those positions (``[S, F]``, or per row ``[B, S, F]`` with documents);
-        ``document_ids_BS``: the whole sequences' document ids, each query then sees its own document alone."""
+        ``document_ids_BS``: the whole sequences' document ids, each query then sees its own document alone.
+        ``logit_max``: return ``(out, max logit per local query head [N])`` (:mod:`moe_models.qk_clip`)."""
         b, s, _ = x_BSH.shape
         # head counts come from the projections' widths, so a tensor-parallel rank computes its share of the heads
         q, k, v, gate_BSQ = self._qkv(x_BSH)
@@ -135,7 +140,9 @@ class Attention(nn.Module):
         out_BSQ = out_BNSD.transpose(1, 2).reshape(b, s, -1)
         if gate_BSQ is not None:
             out_BSQ = out_BSQ * torch.sigmoid(gate_BSQ)
-        return self.o_proj(out_BSQ)
+        if not logit_max:
+            return self.o_proj(out_BSQ)
+        return self.o_proj(out_BSQ), logit_max_of(self.logit_max, q, k, positions_S, documents)
 
     def _temperature(self, positions_S: torch.Tensor) -> torch.Tensor:
         """Llama 4's per-position q scale of NoPE layers, ``[S, 1]`` (broadcast over batch and heads)."""

@@ -56,15 +56,17 @@ def run_layers(
     positions_S: torch.Tensor | None = None,
     document_ids_BS: torch.Tensor | None = None,
     indexer_losses: list | None = None,
+    logit_maxima: list | None = None,
 ) -> torch.Tensor:
     """``x_BSH`` through decoder ``layers`` in order; each layer's routing (None for a dense one) goes to
     ``routings``, and the DSA indexer loss of a layer training its indexer to ``indexer_losses`` (None: dropped).
-    ``document_ids_BS``: of the whole sequences (None: one document per row)."""
+    ``document_ids_BS``: of the whole sequences (None: one document per row). ``logit_maxima`` (None: not asked):
+    the layers are asked for their softmax attention's max logit per head (QK-clip), which go there."""
     for layer in layers:
-        documents = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
-        x_BSH, routing, *indexer_loss = layer(x_BSH, cos_SF, sin_SF, positions_S, **documents)
+        extra = _layer_kwargs(document_ids_BS, logit_maxima)
+        x_BSH, routing, *side = layer(x_BSH, cos_SF, sin_SF, positions_S, **extra)
         routings.append(routing)
-        _keep_indexer_loss(indexer_losses, indexer_loss)
+        _keep_side(indexer_losses, logit_maxima, side)
     return x_BSH
 
 
@@ -78,12 +80,14 @@ def run_head(
     positions_S: torch.Tensor | None = None,
     document_ids_BS: torch.Tensor | None = None,
     indexer_losses: list | None = None,
+    logit_maxima: list | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The logits and the MTP depths' logits from the last layer's output; ``parts`` holds ``norm``, ``lm_head``,
     ``mtp`` and (for MTP) ``embed_tokens``: the whole model, or the last pipeline stage. ``input_ids_BS`` is the
     whole sequences, ``positions_S`` the positions computed; ``document_ids_BS`` (whole sequences) keeps the MTP
     depths' attention within each document too (which of their positions have a label is the loss's business). The
-    MTP layers' DSA indexer losses go to ``indexer_losses`` as :func:`run_layers`' do."""
+    MTP layers' DSA indexer losses go to ``indexer_losses`` (their max logits to ``logit_maxima``) as
+    :func:`run_layers`' do."""
     logits_BSV = parts.lm_head(parts.norm(x_BSH))
     mtp_logits = []
     hidden_BSH, ids_BS = x_BSH, input_ids_BS
@@ -92,18 +96,36 @@ def run_head(
         # out of the loss
         ids_BS = torch.roll(ids_BS, -1, dims=1)
         next_embed_BSH = parts.embed_tokens(at_positions(ids_BS, positions_S))
-        documents = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
-        hidden_BSH, routing, *indexer_loss = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S, **documents)
+        extra = _layer_kwargs(document_ids_BS, logit_maxima)
+        hidden_BSH, routing, *side = mtp(hidden_BSH, next_embed_BSH, cos_SF, sin_SF, positions_S, **extra)
         routings.append(routing)
-        _keep_indexer_loss(indexer_losses, indexer_loss)
+        _keep_side(indexer_losses, logit_maxima, side)
         mtp_logits.append(parts.lm_head(mtp.final_norm(hidden_BSH)))
     return logits_BSV, tuple(mtp_logits)
 
 
-def _keep_indexer_loss(indexer_losses: list | None, side: list) -> None:
-    """A layer's indexer loss (its output's third item, None when it computed none) into ``indexer_losses``."""
-    if indexer_losses is not None and side and side[0] is not None:
-        indexer_losses.append(side[0])
+def _layer_kwargs(document_ids_BS: torch.Tensor | None, logit_maxima: list | None) -> dict:
+    """The keywords of a decoder layer's call: the documents' ids when packed, the QK-clip maxima when asked (so a
+    call without them is exactly the plain one)."""
+    extra: dict = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
+    if logit_maxima is not None:
+        extra["attention_logit_max"] = True
+    return extra
+
+
+def _keep_side(indexer_losses: list | None, logit_maxima: list | None, side: list) -> None:
+    """A layer's output's third item (None when it computed none) into ``logit_maxima`` when they were asked for,
+    else into ``indexer_losses`` (its DSA indexer loss)."""
+    kept = logit_maxima if logit_maxima is not None else indexer_losses
+    if kept is not None and side and side[0] is not None:
+        kept.append(side[0])
+
+
+def logit_max_stack(logit_maxima: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The softmax attentions' max logits per head stacked, ``[L_attn, N]`` (``[0, 0]`` without softmax attention)."""
+    if logit_maxima:
+        return torch.stack(logit_maxima)
+    return torch.zeros(0, 0, dtype=torch.float32, device=like.device)
 
 
 def indexer_loss_sum(indexer_losses: list[torch.Tensor]) -> torch.Tensor | None:

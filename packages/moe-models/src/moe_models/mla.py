@@ -27,6 +27,7 @@ from torch import nn
 from moe_models.attention import CoreAttention
 from moe_models.config import ModelConfig
 from moe_models.layers import RMSNorm
+from moe_models.qk_clip import AttentionLogitMax, logit_max_of
 from moe_models.rope import apply_rotary
 from moe_models.sparse_attention import (
     LightningIndexer,
@@ -95,6 +96,7 @@ class MultiLatentAttention(nn.Module):
         self.up_proj = MLAUpProjection(self.nope_dim, self.rope_dim, self.v_dim, c.rotary_interleaved)
         self.indexer: LightningIndexer | None = None
         self.core_attention: CoreAttention | SparseCoreAttention = CoreAttention(c.softmax_scale)
+        self.logit_max = AttentionLogitMax(c.softmax_scale)  # QK-clip's maxima, computed when asked
         # set by the config alone, so the forward's return shape is too: (out, indexer_loss) when the indexer trains
         self.trains_indexer = bool(c.dsa_indexer_loss_coeff)
         self.sparse_indexer_loss, self.dense_warmup = c.dsa_indexer_use_sparse_loss, c.dsa_indexer_dense_warmup
@@ -118,9 +120,12 @@ class MultiLatentAttention(nn.Module):
         sin_SF: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
+        logit_max: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """As :meth:`moe_models.attention.Attention.forward`; ``(out, indexer_loss)`` when the indexer trains (module
-        docstring)."""
+        docstring), ``(out, max logit per local head)`` with ``logit_max`` (not with a DSA indexer)."""
+        if logit_max and self.indexer is not None:
+            raise ValueError("logit_max: DeepSeek sparse attention (dsa_indexer_topk) reports no QK-clip maxima")
         b, s, _ = x_BSH.shape
         q_in_BSQ = self.q_a_norm(self.q_a_proj(x_BSH)) if self.q_latent else x_BSH
         latent_BSC, k_rope_BSR = self.kv_a_proj(x_BSH).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -136,6 +141,8 @@ class MultiLatentAttention(nn.Module):
             indices_BST = self.indexer(x_BSH, q_in_BSQ, cos_SF, sin_SF, positions_S, None, positions_S, *documents)
             out_BNSV = self.core_attention(q, k, v_BNSV, indices_BST, positions_S, positions_S)
         out_BSH = self.o_proj(out_BNSV.transpose(1, 2).reshape(b, s, -1))
+        if logit_max:
+            return out_BSH, logit_max_of(self.logit_max, q, k, positions_S, documents)
         if not self.trains_indexer:
             return out_BSH
         if not (self.training and torch.is_grad_enabled()):  # evaluation, generation: nothing to train

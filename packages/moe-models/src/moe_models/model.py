@@ -35,6 +35,7 @@ from moe_models.forward import (
     at_positions,
     aux_loss_sum,
     indexer_loss_sum,
+    logit_max_stack,
     rotary_tables,
     run_head,
     run_layers,
@@ -49,6 +50,7 @@ from moe_models.mamba import Mamba2Mixer
 from moe_models.mla import MultiLatentAttention
 from moe_models.module_kinds import module_kinds as kinds_of
 from moe_models.parallel_plan import parallel_plan as plan_of
+from moe_models.qk_clip import has_logit_max
 
 if TYPE_CHECKING:
     from moe_parallel.plan import ParallelPlan
@@ -69,6 +71,10 @@ class ModelOutput:
     # over the layers (MTP depths' included), without dsa_indexer_loss_coeff; None unless the indexers train (training
     # mode, grad on)
     indexer_loss: torch.Tensor | None = None
+    # fp32 [L_attn, N] without gradient, asked for by ``forward(attention_logit_max=True)`` (None otherwise): each
+    # softmax attention's largest pre-softmax logit per (local, under tp) query head over the batch, decoder layers
+    # then MTP depths (moe_models.qk_clip)
+    attention_logit_max: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -143,29 +149,36 @@ class DecoderLayer(nn.Module):
         sin_SF: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
+        attention_logit_max: bool = False,
     ) -> tuple[torch.Tensor, RoutingResult | None] | tuple[torch.Tensor, RoutingResult | None, torch.Tensor | None]:
         """``(x, routing)``, with a third item when the attention trains a DSA indexer (``dsa_indexer_loss_coeff``
-        set): its indexer loss (None in eval mode or under no_grad). ``positions_S``: the positions of the sequences
-        this layer computes (None: all); ``document_ids_BS``: the whole sequences' document ids (packed rows; None:
-        one document per row). Attention takes them whole; a MoE mlp takes those of the tokens it computes (padding
-        then weighs in no routing statistic)."""
-        indexer_loss: list[torch.Tensor | None] = []
+        set): its indexer loss (None in eval mode or under no_grad); with ``attention_logit_max`` the third item is
+        instead the softmax attention's max logit per query head (None for a layer without one; moe_models.qk_clip).
+        ``positions_S``: the positions of the sequences this layer computes (None: all); ``document_ids_BS``: the
+        whole sequences' document ids (packed rows; None: one document per row). Attention takes them whole; a MoE
+        mlp takes those of the tokens it computes (padding then weighs in no routing statistic)."""
+        side: list[torch.Tensor | None] = [None] if attention_logit_max else []
         if self.attention is not None:
             # without documents both calls are exactly those of unpacked rows
             attend = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
+            asks = attention_logit_max and has_logit_max(self.attention)
+            if asks:
+                attend["logit_max"] = True
             if self.mla_nope:  # exact: x cos + rotate(x) sin is x
                 cos_SF, sin_SF = torch.ones_like(cos_SF), torch.zeros_like(sin_SF)
             attended = self.attention(self.input_norm(x_BSH), cos_SF, sin_SF, positions_S, **attend)
-            if isinstance(attended, tuple):  # MLA training its DSA indexer: (out, indexer loss), passed on last
-                attended, *indexer_loss = attended
+            if asks:  # (out, max logit per head)
+                attended, side[0] = attended
+            elif isinstance(attended, tuple):  # MLA training its DSA indexer: (out, indexer loss), passed on last
+                attended, *side = attended
             x_BSH = x_BSH + attended
         if self.mlp is None:
-            return x_BSH, None, *indexer_loss
+            return x_BSH, None, *side
         route = {}
         if document_ids_BS is not None and self.is_moe:
             route = {"document_ids_BS": at_positions(document_ids_BS, positions_S)}
         mlp_out, routing = self.mlp(self.post_attention_norm(x_BSH), **route)
-        return x_BSH + mlp_out, routing, *indexer_loss
+        return x_BSH + mlp_out, routing, *side
 
 
 class MTPLayer(nn.Module):
@@ -190,12 +203,14 @@ class MTPLayer(nn.Module):
         sin_SF: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
+        attention_logit_max: bool = False,
     ) -> tuple[torch.Tensor, RoutingResult | None] | tuple[torch.Tensor, RoutingResult | None, torch.Tensor | None]:
         """As :meth:`DecoderLayer.forward`."""
         x_BSH = self.eh_proj(torch.cat([self.enorm(next_embed_BSH), self.hnorm(hidden_BSH)], dim=-1))
-        if document_ids_BS is None:
-            return self.layer(x_BSH, cos_SF, sin_SF, positions_S)
-        return self.layer(x_BSH, cos_SF, sin_SF, positions_S, document_ids_BS=document_ids_BS)
+        extra = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
+        if attention_logit_max:
+            extra["attention_logit_max"] = True
+        return self.layer(x_BSH, cos_SF, sin_SF, positions_S, **extra)
 
 
 class MoETransformer(nn.Module):
@@ -259,6 +274,7 @@ class MoETransformer(nn.Module):
         input_ids_BS: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
+        attention_logit_max: bool = False,
     ) -> ModelOutput:
         """Logits (and MTP logits) of the sequences ``input_ids_BS`` at ``positions_S`` (int64, ascending; None: every
         position). Attention sees the keys of the positions computed, causally by position: a context-parallel rank
@@ -266,14 +282,20 @@ class MoETransformer(nn.Module):
 
         ``document_ids_BS`` (int64, the shape of ``input_ids_BS``: every position, also under context parallelism):
         packed rows (:mod:`moe_models.documents`). A token then attends to its own document alone, its rotary
-        position is its position in the document, and MoE routing statistics leave out the padding (id -1)."""
+        position is its position in the document, and MoE routing statistics leave out the padding (id -1).
+
+        ``attention_logit_max``: also compute :attr:`ModelOutput.attention_logit_max` (QK-clip; one more ``q k^T``
+        per softmax attention layer)."""
         x_BSH = self.embed_tokens(at_positions(input_ids_BS, positions_S))
         cos_SF, sin_SF = rotary_tables(self.config, input_ids_BS, positions_S, document_ids_BS, x_BSH.device)
         routings: list[RoutingResult | None] = []
         indexer_losses: list[torch.Tensor] = []
-        x_BSH = run_layers(self.layers, x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses)
+        maxima: list[torch.Tensor] | None = [] if attention_logit_max else None
+        x_BSH = run_layers(
+            self.layers, x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses, maxima
+        )
         logits_BSV, mtp_logits = run_head(
-            self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses
+            self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses, maxima
         )
         kept = [r for r in routings if r is not None]
         return ModelOutput(
@@ -282,6 +304,7 @@ class MoETransformer(nn.Module):
             tokens_per_expert(kept, self.config, x_BSH),
             mtp_logits,
             indexer_loss_sum(indexer_losses),
+            None if maxima is None else logit_max_stack(maxima, x_BSH),
         )
 
 

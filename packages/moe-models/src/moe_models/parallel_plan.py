@@ -351,9 +351,11 @@ def parallel_plan(model: MoETransformer, seq_len: int | None = None) -> Parallel
         # every attention: under context parallelism its core attention sees the keys and values of every cp rank;
         # a linear-attention layer chains the states of the segments before its own
         context_parallel=tuple(
-            f"{prefix}.attention.core_attention"
+            f"{prefix}.attention.{core}"
             for prefix, layer in layers + depths
             if layer.attention is not None and not layer.is_recurrent
+            # QK-clip's maxima see every key too (moe_models.qk_clip; DSA attention reports none)
+            for core in ("core_attention",) + (() if getattr(layer.attention, "indexer", None) else ("logit_max",))
         )
         + tuple(  # DeepSeek Sparse Attention: the indexer's ranking needs every rank's index keys too
             f"{prefix}.attention.indexer.top_k"

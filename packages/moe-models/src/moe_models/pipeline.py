@@ -21,6 +21,7 @@ from moe_models.flops import stage_costs
 from moe_models.forward import (
     aux_loss_sum,
     indexer_loss_sum,
+    logit_max_stack,
     rotary_tables,
     run_head,
     run_layers,
@@ -71,7 +72,8 @@ class ModelStage(nn.Module):
     (packed rows: the whole sequences' document ids, as ``MoETransformer.forward`` takes them); the MoE layers' results
     go to ``routing``. Returns the hidden states, or on the last stage the logits (a tuple with the MTP depths' logits
     after them when the model has MTP, and last the DSA indexer loss, :attr:`ModelOutput.indexer_loss`, when the
-    indexers train: ``dsa_indexer_loss_coeff`` set; zero in eval mode or under no_grad).
+    indexers train: ``dsa_indexer_loss_coeff`` set; zero in eval mode or under no_grad). ``attention_logit_max``
+    (QK-clip, one stage only): the output's last item is then :attr:`ModelOutput.attention_logit_max`.
     """
 
     def __init__(self, model: MoETransformer, index: int, layers: tuple[int, ...], first: bool, last: bool) -> None:
@@ -114,20 +116,23 @@ class ModelStage(nn.Module):
         routing: StageRouting | None = None,
         positions_BS: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
+        attention_logit_max: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if attention_logit_max and not (self.first and self.last):
+            raise ValueError("attention_logit_max: the QK-clip maxima are not carried between pipeline stages")
         positions_S = None if positions_BS is None else positions_BS[0]
         x_BSH = self.embed_tokens(x) if self.first else x
         cos_SF, sin_SF = rotary_tables(self.config, input_ids_BS, positions_S, document_ids_BS, x_BSH.device)
         routings: list[RoutingResult | None] = []
         indexer_losses: list[torch.Tensor] = []
+        maxima: list[torch.Tensor] | None = [] if attention_logit_max else None
         x_BSH = run_layers(
-            self.layers.values(), x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses
+            self.layers.values(), x_BSH, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses, maxima
         )
         out: torch.Tensor | tuple[torch.Tensor, ...] = x_BSH
         if self.last:
-            logits_BSV, mtp_logits = run_head(
-                self, x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS, indexer_losses
-            )
+            head_inputs = (x_BSH, input_ids_BS, cos_SF, sin_SF, routings, positions_S, document_ids_BS)
+            logits_BSV, mtp_logits = run_head(self, *head_inputs, indexer_losses, maxima)
             out = (logits_BSV, *mtp_logits) if mtp_logits else logits_BSV
             if self.config.dsa_indexer_loss_coeff:  # one stage (pipeline_plan refuses more): the indexer loss last
                 indexer_loss = indexer_loss_sum(indexer_losses)
@@ -136,6 +141,8 @@ class ModelStage(nn.Module):
                     *mtp_logits,
                     x_BSH.new_zeros((), dtype=torch.float32) if indexer_loss is None else indexer_loss,
                 )
+            if maxima is not None:
+                out = (*(out if isinstance(out, tuple) else (out,)), logit_max_stack(maxima, x_BSH))
         if routing is not None:
             routing.add(self.index, [r for r in routings if r is not None], self.config, x_BSH)
         return out

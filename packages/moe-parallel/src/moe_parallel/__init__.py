@@ -18,6 +18,7 @@ from moe_parallel.fsdp import apply_fsdp
 from moe_parallel.grads import GradientSync, local_grad, replica_count
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, ParallelLayout
 from moe_parallel.materialize import ParameterSource, local_box, materialize
+from moe_parallel.matrices import HiddenSplit, hidden_matrix_splits
 from moe_parallel.mesh import ParallelMeshes, build_meshes
 from moe_parallel.parallel_model import ParallelModel
 from moe_parallel.parallelize import check_plan, parallelize
@@ -29,13 +30,14 @@ from moe_parallel.staged import StagedModel, parallelize_stages
 from moe_parallel.suggest import check_layout
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, full_value, vocab_parallel_loss
 
-__version__ = "0.8.0"
+__version__ = "0.8.1"
 
 __all__ = [
     "ATTENTION_DIMS",
     "EXPERT_DIMS",
     "DistributedContext",
     "GradientSync",
+    "HiddenSplit",
     "LayoutError",
     "MoEBlockParts",
     "MoEBlockPlan",
@@ -61,6 +63,7 @@ __all__ = [
     "expert_checkpoint_pieces",
     "full_value",
     "gather_sequence",
+    "hidden_matrix_splits",
     "init_distributed",
     "local_box",
     "load_balanced_positions",

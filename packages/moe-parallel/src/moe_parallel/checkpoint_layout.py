@@ -31,7 +31,7 @@ from moe_experts import GroupedExperts
 from moe_parallel.parallelize import ParallelModel
 
 # parameter -> dim of the FFN units (None: whole on every etp rank); LoRA adapters split as the weight they adapt
-_UNIT_DIM = {
+EXPERT_UNIT_DIM = {
     "w_gate_up_EH2F": 2,
     "b_gate_up_E2F": 1,
     "w_down_EFH": 1,
@@ -84,7 +84,7 @@ def _find(parallel: ParallelModel, fqn: str) -> tuple[GroupedExperts, str] | Non
     for path in plan.experts_paths():
         prefix = f"{path}." if path else ""
         name = fqn[len(prefix) :]
-        if fqn.startswith(prefix) and name in _UNIT_DIM:
+        if fqn.startswith(prefix) and name in EXPERT_UNIT_DIM:
             experts = parallel.model.get_submodule(path)
             if isinstance(experts, GroupedExperts) and _parameter(experts, name) is not None:
                 return experts, name
@@ -133,7 +133,7 @@ def _describe(parallel: ParallelModel, fqn: str, tensor: torch.Tensor) -> _Layou
         raise ValueError(f"{fqn}: the tensor's mesh or placements are not the parameter's")
     act = experts.activation
     gated = act.gated and name in _FIRST_PROJECTION
-    unit_dim = _UNIT_DIM[name]
+    unit_dim = EXPERT_UNIT_DIM[name]
     meshes = parallel.meshes
     ep = 1 if meshes is None else meshes.layout.ep
     etp, edp = experts.etp_size, 1 if meshes is None else meshes.layout.edp

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "master")
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "master", "momentum_buffer")  # the last: moe_train.muon's
 # the most elements whose fp32 working copies (gradient, both moments, the weight, the denominator) one foreach
 # launch in step() holds at once: bounds the transient memory of low-precision states and parameters (a larger
 # tensor is updated alone)
@@ -113,17 +113,21 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
-            # torch's foreach kernels take one device and dtype per list; the parameter's dtype decides the rest
-            buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for p in params:
-                buckets.setdefault((_local(p).device, p.dtype), []).append(p)
-            for bucket in buckets.values():
-                for chunk in _chunks(bucket):
-                    self._update(chunk, group)
+            self._step_group(group)
         return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        """One param group's update, chunk by chunk."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if any(p.grad.is_sparse for p in params):
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        # torch's foreach kernels take one device and dtype per list; the parameter's dtype decides the rest
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in params:
+            buckets.setdefault((_local(p).device, p.dtype), []).append(p)
+        for bucket in buckets.values():
+            for chunk in _chunks(bucket):
+                self._update(chunk, group)
 
     def _update(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
         """torch.optim.adam._multi_tensor_adam (decoupled weight decay, not capturable), in fp32 on local shards."""

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from moe_models import ModelConfig
+from moe_models.qk_clip import qk_clip_refusals
 from moe_parallel import ParallelConfig
 from moe_precision import PrecisionConfig
 from moe_train.dtypes import DTYPE_KEYS, short_name
@@ -135,6 +136,14 @@ class TrainConfig:
     muon_use_nesterov: bool = True  # Megatron --muon-use-nesterov
     muon_num_ns_steps: int = 5  # Megatron --muon-num-ns-steps
     muon_adjust_lr_fn: str = "match_rms_adamw"  # torch.optim.Muon's adjust_lr_fn: original | match_rms_adamw
+    # Newton-Schulz's dtype: auto (bf16 on GPU as torch and Megatron-Core, fp32 on CPU) | bf16 | fp32
+    muon_ns_dtype: str = "auto"
+    # QK-clip (Kimi K2's MuonClip, Megatron --qk-clip; moe_train.qk_clip): after each optimizer step, rescale the q/k
+    # projections of every attention head whose largest logit over the step's batch exceeds qk_clip_threshold;
+    # qk_clip_alpha is the query's share of the factor (Megatron --qk-clip-alpha; 0.5: Kimi K2's square roots)
+    qk_clip: bool = False
+    qk_clip_threshold: float = 100.0  # Megatron --qk-clip-threshold
+    qk_clip_alpha: float = 0.5
     # a step whose loss or gradient norm is not finite stops the run; up to this many such steps are skipped instead
     # (no update) first
     skip_nonfinite_steps: int = 0
@@ -414,6 +423,7 @@ def validate(cfg: ExperimentConfig) -> None:
     _validate_peft(cfg.peft)
     _validate_muon(cfg)
     _validate_dsa_training(cfg)
+    _validate_qk_clip(cfg)
     if cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"run.device={cfg.run.device!r}: choose auto, cpu or cuda")
     if cfg.run.dtype not in ("auto", "fp32", "bf16"):
@@ -436,9 +446,35 @@ def _validate_dsa_training(cfg: ExperimentConfig) -> None:
         )
 
 
+def _validate_qk_clip(cfg: ExperimentConfig) -> None:
+    """train.qk_clip's keys, and what keeps a rescale of the q/k projections from bounding the logits
+    (moe_models.qk_clip.qk_clip_refusals) or from reaching every head (pipeline stages, LoRA's frozen base)."""
+    train = cfg.train
+    if not train.qk_clip:
+        return
+    if not train.qk_clip_threshold > 0:
+        raise ConfigError(f"train.qk_clip_threshold={train.qk_clip_threshold}: must be positive, e.g. 100")
+    if not 0 < train.qk_clip_alpha < 1:
+        raise ConfigError(f"train.qk_clip_alpha={train.qk_clip_alpha}: must be in (0, 1), e.g. 0.5")
+    for name, why in qk_clip_refusals(cfg.model).items():
+        raise ConfigError(
+            f"model.{name}={getattr(cfg.model, name)!r}: train.qk_clip cannot bound the logits ({why}); "
+            f"change model.{name} or set train.qk_clip false"
+        )
+    if cfg.parallel.pp != 1:
+        raise ConfigError(
+            f"parallel.pp={cfg.parallel.pp}: train.qk_clip does not carry the logit maxima between pipeline stages "
+            "(so far); set parallel.pp 1 or train.qk_clip false"
+        )
+    if cfg.peft.method != "none":
+        raise ConfigError(
+            f"peft.method={cfg.peft.method!r}: train.qk_clip rescales the base q/k projections LoRA freezes; set "
+            "peft.method none or train.qk_clip false"
+        )
+
+
 def _validate_muon(cfg: ExperimentConfig) -> None:
-    """train.optimizer and Muon's keys; what this first Muon does not do yet (one process or plain data parallelism
-    only, fp32 parameters and states, no LoRA) is refused naming the key to change."""
+    """train.optimizer and Muon's keys; what Muon does not do yet (bf16 parameters) is refused naming the key."""
     train = cfg.train
     if train.optimizer not in ("adamw", "muon"):
         raise ConfigError(f"train.optimizer={train.optimizer!r}: choose adamw or muon")
@@ -450,30 +486,13 @@ def _validate_muon(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"train.muon_num_ns_steps={train.muon_num_ns_steps}: must be in [1, 100), e.g. 5")
     if train.muon_adjust_lr_fn not in ("original", "match_rms_adamw"):
         raise ConfigError(f"train.muon_adjust_lr_fn={train.muon_adjust_lr_fn!r}: choose original or match_rms_adamw")
-    # fp32 parameters have no master copy, so master_weights_dtype does not matter; bf16 ones would need bf16 states
-    # or fp32 masters, which this first Muon does not keep
-    for key in ("optimizer_states_dtype", "params_dtype"):
-        if getattr(train, key) != "fp32":
-            raise ConfigError(f"train.{key}={getattr(train, key)!r}: train.optimizer muon runs in fp32 only; set fp32")
-    parallel = cfg.parallel
-    for key in ("tp", "cp", "pp", "ep"):
-        if getattr(parallel, key) != 1:
-            raise ConfigError(
-                f"parallel.{key}={getattr(parallel, key)}: train.optimizer muon runs in one process or plain data "
-                f"parallelism only (so far); set parallel.{key} 1 or train.optimizer adamw"
-            )
-    if parallel.etp not in (None, 1):
+    if train.muon_ns_dtype not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.muon_ns_dtype={train.muon_ns_dtype!r}: choose auto, bf16 or fp32")
+    # Muon's matrices keep no master copy (so far): bf16 parameters would take its updates rounded
+    if train.params_dtype != "fp32":
         raise ConfigError(
-            f"parallel.etp={parallel.etp}: train.optimizer muon does not split experts (so far); set parallel.etp 1"
-        )
-    if parallel.dp_shard > 1:
-        raise ConfigError(
-            f"parallel.dp_shard={parallel.dp_shard}: train.optimizer muon does not orthogonalise FSDP shards (so far); "
-            "set parallel.dp_shard 1 (parallel.dp_replicate for data parallelism) or train.optimizer adamw"
-        )
-    if cfg.peft.method != "none":
-        raise ConfigError(
-            f"peft.method={cfg.peft.method!r}: train.optimizer muon does not train LoRA adapters (so far); set none"
+            f"train.params_dtype={train.params_dtype!r}: train.optimizer muon updates fp32 parameters only (so far); "
+            "set fp32 (train.optimizer_states_dtype bf16 halves its momentum)"
         )
 
 

@@ -19,8 +19,9 @@ from moe_parallel import all_reduce_mean, full_value, local_grad
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
 from moe_train.metrics import peak_tflops
 from moe_train.optim import lr_at, set_lr
+from moe_train.qk_clip import QKClip
 from moe_train.setup import Setup
-from moe_train.step_metrics import PendingMetrics
+from moe_train.step_metrics import DeviceInterval, PendingMetrics
 
 
 class NextTokenLoss:
@@ -87,6 +88,9 @@ class TrainLoop:
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.routing = StageRouting()
         self.loss = NextTokenLoss(cfg.model.mtp_loss_scaling_factor, self.positions, cfg.model.dsa_indexer_loss_coeff)
+        self.qk_clip = None  # the step's forwards report their attention logit maxima, the update is clipped
+        if cfg.train.qk_clip:
+            self.qk_clip = QKClip.for_run(parallel, optimizer, cfg.train.qk_clip_threshold, cfg.train.qk_clip_alpha)
         # the DSA dense warm-up trains the indexers alone (moe_train.trainer froze the rest): no expert bias update
         self.updates_expert_bias = cfg.model.moe_router_enable_expert_bias and not cfg.model.dsa_indexer_dense_warmup
         # the ranks of one data-parallel replica (tp, pp, cp) read the same sequences: this rank's first row
@@ -150,12 +154,15 @@ class TrainLoop:
         # packed documents label some tokens only (and a different number in each micro-batch): a per-token loss
         self.loss.reset(self.ctx.device, None if documents is None else self.labelled_per_share(step))
         extra = {} if documents is None else {"document_ids_BS": documents}
+        loss_fn = self.loss
+        if self.qk_clip is not None:
+            extra["attention_logit_max"], loss_fn = True, self.qk_clip.track(self.loss)
         with self.autocast, parallel.loss_context():
             parallel.forward_backward(
                 inputs,
                 labels,
                 accum,
-                self.loss,
+                loss_fn,
                 self.hidden_dtype,
                 positions_S=self.positions,
                 routing=self.routing,
@@ -182,19 +189,25 @@ class TrainLoop:
             lambda: (self.global_mean(losses[0]), float(grad_norm)),
             str(last_saved) if last_saved else None,
         )
+        update = DeviceInterval(self.ctx.device)
         if not self.guard.skipping:
-            optimizer.step()
-            if self.updates_expert_bias:
-                # counts the forwards returned, so a recomputed layer is not counted twice; summed over every rank's
-                # tokens (the routers' stats_group) so all ranks apply the same update
-                for router, counts_E in zip(self.routers, load_LE, strict=True):
-                    router.update_expert_bias(counts_E)
+            with update:
+                optimizer.step()
+                if self.qk_clip is not None:
+                    self.qk_clip.clip_(step + 1)
+                if self.updates_expert_bias:
+                    # counts the forwards returned, so a recomputed layer is not counted twice; summed over every
+                    # rank's tokens (the routers' stats_group) so all ranks apply the same update
+                    for router, counts_E in zip(self.routers, load_LE, strict=True):
+                        router.update_expert_bias(counts_E)
         else:
             optimizer.zero_grad(set_to_none=True)
         self.steps_done = step + 1
         elapsed = time.perf_counter() - started
-        self.metrics.add(step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE)
+        self.metrics.add(step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE, update)
         records = self.metrics.records() if write_metrics or not_finite or stop_asked else []
+        if self.qk_clip is not None:
+            self.qk_clip.annotate(records)
         if records and not self.guard.skipping and self.evaluates(step + 1):
             records[-1]["val_loss"] = self.evaluate()
         return StepResult(step + 1, records, stop_asked, error)

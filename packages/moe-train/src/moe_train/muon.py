@@ -1,23 +1,30 @@
-"""Muon for the matrices of a MoE model, AdamW for the rest, in one optimizer (one process or plain data parallelism).
+"""Muon for the matrices of a MoE model, AdamW for the rest, in one optimizer, under every parallel layout.
 
-:class:`MuonWithAdamW` is one ``torch.optim.Optimizer`` whose param groups carry a ``rule``:
+:class:`MuonWithAdamW` is one :class:`~moe_train.adamw.PrecisionAwareAdamW` whose param groups carry a ``rule``:
 
-- ``"muon"``: torch.optim.Muon's update (momentum as an EMA, optional Nesterov, Newton-Schulz orthogonalisation in
-  bf16 with torch's quintic coefficients, decoupled weight decay ``p *= 1 - lr * wd``, the lr adjusted by the matrix
-  shape: ``original`` = sqrt(max(1, A / B)), ``match_rms_adamw`` = 0.2 * sqrt(max(A, B)), Moonlight's RMS matching).
+- ``"muon"``: torch.optim.Muon's update (momentum as an EMA, optional Nesterov, Newton-Schulz orthogonalisation with
+  torch's quintic coefficients, decoupled weight decay ``p *= 1 - lr * wd``, the lr adjusted by the matrix shape:
+  ``original`` = sqrt(max(1, A / B)), ``match_rms_adamw`` = 0.2 * sqrt(max(A, B)), Moonlight's RMS matching).
+  Newton-Schulz runs in bf16 on GPUs (as torch and Megatron-Core) and in fp32 on CPU unless ``ns_dtype`` says.
   A grouped-experts weight ``[E, K, M]`` is E matrices: each expert's ``[K, M]`` slice is orthogonalised on its own
   (the E slices in one batched matmul) and its lr adjusted by ``(K, M)``. For ``w_gate_up_EH2F`` an expert's whole
   ``[H, 2F]`` slice (gate and up columns together) is one matrix, as the fused parameter is, not gate and up apart.
-- ``"adamw"``: torch.optim.AdamW's update (torch's own functional ``adam`` with decoupled weight decay), fp32 states.
+- ``"adamw"``: PrecisionAwareAdamW's update (torch.optim.AdamW's, foreach), its states in ``states_dtype``.
 
-Parameters may be DTensors (plain data parallelism, ``dp_replicate`` with ``dp_shard`` 1: dense matrices replicated,
-routed experts split along the expert dimension over the expert-data-parallel ranks): the update runs on the local
-tensors, which hold whole matrices (AdamW is elementwise, so any split suits it). A Muon matrix whose local piece is cut
-(FSDP over dp_shard > 1, TP) is refused by :func:`moe_train.optim.build_muon`: each shard would be orthogonalised on
-its own, which trains, just worse.
+Muon's update of a matrix is a function of the whole matrix, so a matrix a layout splits is orthogonalised as the
+matrix it stands for (:class:`WholeMatrices`), never shard by shard (which trains, just worse): the momentum and the
+Nesterov blend are elementwise on the rank's piece; that piece is gathered into whole matrices (the DTensor
+placements that cut a matrix dimension: FSDP2's shards, tensor parallelism's; then an expert-tensor-parallel slice,
+which :func:`moe_parallel.hidden_matrix_splits` names); the ranks that then hold the same matrices take turns, one
+orthogonalising each parameter and handing the result to the others (a sum in which theirs are zeros); each keeps
+its piece. A grouped-experts weight keeps its split along the experts: under expert parallelism a rank
+orthogonalises its own experts, with no communication. The update then equals one process's (the gathered matrices
+are the same numbers; an etp-gathered gate/up projection has its columns in another order, which orthogonalisation
+commutes with).
 
-State per parameter: ``momentum_buffer`` (Muon, shaped like the parameter); ``step``, ``exp_avg``, ``exp_avg_sq``
-(AdamW), so DCP checkpoints save and load them like the AdamW optimizer's. :func:`muon_param_groups` decides which
+State per parameter: ``momentum_buffer`` (Muon, shaped like the parameter, in ``states_dtype``: fp32, or bf16 updated
+in fp32 and stored rounded); ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW), DTensors like their parameters, so DCP
+checkpoints save and load them like the AdamW optimizer's, onto any layout. :func:`muon_param_groups` decides which
 parameter takes which rule; :func:`grouping_message` is the line the trainer prints at start-up.
 """
 
@@ -28,9 +35,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.optim.adam import adam as torch_adam
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from moe_parallel import HiddenSplit
+from moe_train.adamw import STATE_DTYPES, PrecisionAwareAdamW
 
 RULES = ("muon", "adamw")
 ADJUST_LR = ("original", "match_rms_adamw")
@@ -48,12 +59,65 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def splits_matrices(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a DTensor whose local piece cuts its matrices (the last two dimensions): FSDP over
-    dp_shard > 1, TP. Grouped experts split along the expert dimension only (plain data parallelism shards them over
-    the expert-data-parallel ranks that way) keep each expert's matrix whole on one rank, so Muon on the local piece
-    is Muon on the whole."""
-    return isinstance(param, DTensor) and param._local_tensor.shape[-2:] != param.shape[-2:]
+def _splits_dim(placement: Placement, dim: int) -> bool:
+    return isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim
+
+
+class WholeMatrices:
+    """How one parameter's local update becomes whole matrices and back (module docstring): the DTensor placements
+    that cut a matrix dimension are gathered (a grouped-experts weight keeps its split along the experts, so a rank
+    orthogonalises its own experts), then a :class:`~moe_parallel.HiddenSplit` (an etp slice) is gathered. The ranks
+    that then hold the same matrices (``spread``: the groups along which they were gathered or replicated) share the
+    work: one of them orthogonalises, the others receive its result."""
+
+    def __init__(self, param: torch.Tensor, split: HiddenSplit | None) -> None:
+        self.param, self.split = param, split
+        self.spread: list[tuple[dist.ProcessGroup, int, int]] = []  # (group, this rank's index in it, its size)
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            keep_experts = param.ndim == 3
+            self.whole = [p if keep_experts and _splits_dim(p, 0) else Replicate() for p in param.placements]
+            for dim, placement in enumerate(self.whole):
+                if isinstance(placement, Replicate) and mesh.size(dim) > 1:
+                    self.spread.append((mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim)))
+        if split is not None:
+            self.spread.append((split.group, dist.get_rank(split.group), dist.get_world_size(split.group)))
+        self.ranks, self.index = 1, 0  # how many ranks share the work, and this rank's place among them
+        for _, index, size in self.spread:
+            self.ranks, self.index = self.ranks * size, self.index * size + index
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole matrices of which ``local`` (shaped like the parameter's local tensor) holds this rank's piece."""
+        param, whole = self.param, local
+        if isinstance(param, DTensor):
+            spec = (param.device_mesh, param.placements)
+            whole = DTensor.from_local(local, *spec, run_check=False, shape=param.shape, stride=param.stride())
+            whole = whole.redistribute(param.device_mesh, self.whole).to_local()
+        if self.split is not None:
+            pieces = [torch.empty_like(whole) for _ in range(dist.get_world_size(self.split.group))]
+            dist.all_gather(pieces, whole.contiguous(), group=self.split.group)
+            whole = torch.cat(pieces, dim=self.split.dim)
+        return whole
+
+    def scatter(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``whole`` (as :meth:`gather` returned it): local slicing, no communication."""
+        param, piece = self.param, whole
+        if self.split is not None:
+            size, rank = dist.get_world_size(self.split.group), dist.get_rank(self.split.group)
+            piece = piece.chunk(size, dim=self.split.dim)[rank]
+        if isinstance(param, DTensor):
+            mesh, shape = param.device_mesh, {"shape": param.shape, "stride": param.stride()}
+            piece = DTensor.from_local(piece, mesh, self.whole, run_check=False, **shape)
+            piece = piece.redistribute(mesh, param.placements).to_local()
+        return piece
+
+    def share(self, result: torch.Tensor) -> torch.Tensor:
+        """``result`` (the orthogonalised matrices on the rank that computed them, zeros on the others) on every rank
+        of :attr:`spread`: one sum per group (exact: the other terms are zeros)."""
+        for group, _, size in self.spread:
+            if size > 1:
+                dist.all_reduce(result, group=group)
+        return result
 
 
 def uses_muon(name: str, param: torch.Tensor, module: nn.Module | None) -> bool:
@@ -97,6 +161,12 @@ def muon_param_groups(model: nn.Module, muon: dict[str, Any], adamw: dict[str, A
     return [g for g in groups if g["params"]]
 
 
+def muon_parameters(model: nn.Module) -> set[int]:
+    """``id`` of each trainable parameter of ``model`` that Muon updates (:func:`muon_param_groups`' rule)."""
+    groups = muon_param_groups(model, {}, {})
+    return {id(p) for g in groups if g["rule"] == "muon" for p in g["params"]}
+
+
 def grouping_message(optimizer: torch.optim.Optimizer) -> str:
     """One line: how many tensors and parameters each rule updates (printed at start-up)."""
     tensors: dict[str, int] = {}
@@ -109,12 +179,17 @@ def grouping_message(optimizer: torch.optim.Optimizer) -> str:
 
 
 def newton_schulz(
-    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    update: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The orthogonalised ``update`` (``[K, M]`` or a batch ``[E, K, M]``, each matrix on its own), in bf16:
-    torch.optim.Muon's iteration, the 2-D case with its very operations (so the result is bitwise torch's)."""
+    """The orthogonalised ``update`` (``[K, M]`` or a batch ``[E, K, M]``, each matrix on its own), computed in
+    ``dtype``: torch.optim.Muon's iteration, the 2-D case with its very operations (so that in bf16 the result is
+    bitwise torch's)."""
     a, b, c = coefficients
-    x = update.to(dtype=torch.bfloat16, copy=True)
+    x = update.to(dtype=dtype, copy=True)
     tall = update.size(-2) > update.size(-1)
     if tall:
         x = x.mT
@@ -133,6 +208,14 @@ def newton_schulz(
     return x.mT if tall else x
 
 
+def ns_dtype(group: dict[str, Any], update: torch.Tensor) -> torch.dtype:
+    """The dtype Newton-Schulz runs in: the group's ``ns_dtype``, or by default bf16 on an accelerator (as torch and
+    Megatron-Core do) and fp32 on CPU (whose bf16 matrix products are slow, and where runs are compared exactly)."""
+    if group["ns_dtype"] is not None:
+        return group["ns_dtype"]
+    return torch.float32 if update.device.type == "cpu" else torch.bfloat16
+
+
 def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
     """torch.optim.Muon's lr adjustment for a ``[rows, cols]`` matrix."""
     if adjust_lr == "match_rms_adamw":
@@ -140,7 +223,7 @@ def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
     return lr * math.sqrt(max(1, rows / cols))
 
 
-class MuonWithAdamW(torch.optim.Optimizer):
+class MuonWithAdamW(PrecisionAwareAdamW):
     """Muon for the groups whose ``rule`` is ``"muon"`` and AdamW for those whose rule is ``"adamw"`` (module
     docstring). Defaults are torch.optim.Muon's and torch.optim.AdamW's; ``lr`` may be changed per group between
     steps (the schedule sets one lr for every group)."""
@@ -157,9 +240,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_eps: float = NS_EPS,
         adjust_lr: str = "original",
+        ns_dtype: torch.dtype | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        states_dtype: torch.dtype = torch.float32,
+        hidden_splits: dict[int, HiddenSplit] | None = None,
+        whole_matrices: bool = True,
     ) -> None:
+        if states_dtype not in STATE_DTYPES:
+            raise ValueError(f"states_dtype={states_dtype}: choose torch.float32 or torch.bfloat16")
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr={adjust_lr!r}: choose {' or '.join(ADJUST_LR)}")
         defaults = {
@@ -172,35 +261,34 @@ class MuonWithAdamW(torch.optim.Optimizer):
             "ns_steps": ns_steps,
             "ns_eps": ns_eps,
             "adjust_lr": adjust_lr,
+            "ns_dtype": ns_dtype,
             "betas": tuple(betas),
             "eps": eps,
         }
-        super().__init__(params, defaults)
+        # PrecisionAwareAdamW's attributes (its __init__ would set AdamW's defaults only); no master copies: Muon's
+        # parameters are fp32
+        self.states_dtype, self.master_weights = states_dtype, False
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        # id(param) -> its etp split (moe_parallel.hidden_matrix_splits); whole_matrices False: each rank
+        # orthogonalises the pieces it holds, as a sharding-unaware Muon would (a control for tests, never right)
+        self.hidden_splits, self.whole_matrices = hidden_splits or {}, whole_matrices
+        self._whole: dict[int, WholeMatrices | None] = {}
         for group in self.param_groups:
             if group["rule"] not in RULES:
                 raise ValueError(f"param group rule={group['rule']!r}: choose {' or '.join(RULES)}")
             if group["rule"] == "muon" and any(p.ndim not in (2, 3) for p in group["params"]):
                 raise ValueError("Muon updates matrices [K, M] and grouped experts [E, K, M] only")
+        self._muon = {id(p) for g in self.param_groups if g["rule"] == "muon" for p in g["params"]}
 
-    def _init_param_state(self, param: torch.Tensor, rule: str) -> dict[str, torch.Tensor]:
+    def _init_param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A Muon matrix's momentum buffer, or the AdamW state of the others (PrecisionAwareAdamW's), in
+        ``states_dtype``."""
+        if id(param) not in self._muon:
+            return super()._init_param_state(param)
         state = self.state[param]
-        if rule == "muon":
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            return state
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key not in state:
-                state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param, dtype=self.states_dtype)
         return state
-
-    @torch.no_grad()
-    def init_state(self) -> None:
-        """Every parameter's state as zeros (what a checkpoint is loaded into), without an update."""
-        for group in self.param_groups:
-            for param in group["params"]:
-                self._init_param_state(param, group["rule"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -209,46 +297,52 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            if group["rule"] == "adamw":
+                self._step_group(group)
+                continue
             params = [p for p in group["params"] if p.grad is not None]
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("MuonWithAdamW does not support sparse gradients")
-            if group["rule"] == "muon":
-                for param in params:
-                    self._muon_update(param, group)
-            elif params:
-                self._adamw_update(params, group)
+            for turn, param in enumerate(params):
+                self._muon_update(param, group, turn)
         return loss
 
-    def _muon_update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        """torch.optim.Muon's ``_single_tensor_muon`` for one matrix or one grouped-experts weight."""
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """PrecisionAwareAdamW's (AdamW states kept in ``states_dtype``), and the momentum buffers put back in it."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "momentum_buffer" in state:
+                state["momentum_buffer"] = state["momentum_buffer"].to(self.states_dtype)
+
+    def _whole_matrices(self, param: torch.Tensor) -> WholeMatrices | None:
+        """How ``param``'s update is gathered into whole matrices; None where it is whole already (a plain tensor)."""
+        if id(param) not in self._whole:
+            split = self.hidden_splits.get(id(param))
+            distributed = self.whole_matrices and (isinstance(param, DTensor) or split is not None)
+            self._whole[id(param)] = WholeMatrices(param, split) if distributed else None
+        return self._whole[id(param)]
+
+    def _muon_update(self, param: torch.Tensor, group: dict[str, Any], turn: int) -> None:
+        """torch.optim.Muon's ``_single_tensor_muon`` for one matrix or one grouped-experts weight, its matrices
+        orthogonalised whole (:class:`WholeMatrices`); ``turn`` picks which of the ranks sharing them computes."""
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
         grad, momentum = _local(param.grad), group["momentum"]
-        buf = _local(self._init_param_state(param, "muon")["momentum_buffer"])
+        stored = _local(self._init_param_state(param)["momentum_buffer"])
+        buf = stored if stored.dtype == grad.dtype else stored.to(grad.dtype)  # bf16 momentum: updated in fp32
         buf.lerp_(grad, 1 - momentum)
+        if buf is not stored:
+            stored.copy_(buf)
         update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-        update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["ns_eps"])
-        rows, cols = param.shape[-2:]
+        layout = self._whole_matrices(param)
+        whole = update if layout is None else layout.gather(update)
+        dtype = ns_dtype(group, whole)
+        if layout is None or turn % layout.ranks == layout.index:
+            ortho = newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], dtype)
+            # a collective reads storage in order: a tall matrix's result is a transposed view
+            ortho = ortho if layout is None else ortho.contiguous()
+        else:
+            ortho = torch.zeros_like(whole, dtype=dtype)
+        rows, cols = whole.shape[-2:]
+        if layout is not None:
+            ortho = layout.scatter(layout.share(ortho))
         weight = _local(param)
         weight.mul_(1 - lr * group["weight_decay"])
-        weight.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], rows, cols))
-
-    def _adamw_update(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
-        """torch.optim.AdamW's update (torch's functional Adam with decoupled weight decay, its default kernel)."""
-        states = [self._init_param_state(p, "adamw") for p in params]
-        beta1, beta2 = group["betas"]
-        torch_adam(
-            [_local(p) for p in params],
-            [_local(p.grad) for p in params],
-            [_local(s["exp_avg"]) for s in states],
-            [_local(s["exp_avg_sq"]) for s in states],
-            [],
-            [s["step"] for s in states],
-            decoupled_weight_decay=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-        )
+        weight.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr"], rows, cols))

@@ -10,38 +10,44 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe_parallel import HiddenSplit
 from moe_train.adamw import PrecisionAwareAdamW
-from moe_train.config import ConfigError, TrainConfig
+from moe_train.config import TrainConfig
 from moe_train.dtypes import torch_dtype
-from moe_train.muon import MuonWithAdamW, muon_param_groups, splits_matrices
+from moe_train.muon import MuonWithAdamW, muon_param_groups
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> PrecisionAwareAdamW | MuonWithAdamW:
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, hidden_splits: dict[int, HiddenSplit] | None = None
+) -> PrecisionAwareAdamW | MuonWithAdamW:
     """The optimizer ``train.optimizer`` names over ``model``'s trainable parameters: AdamW (below) or Muon with
-    AdamW for the parameters Muon does not take (:func:`build_muon`)."""
+    AdamW for the parameters Muon does not take (:func:`build_muon`; ``hidden_splits``: the layout's
+    :func:`moe_parallel.hidden_matrix_splits`)."""
     if cfg.optimizer == "muon":
-        return build_muon(model, cfg)
+        return build_muon(model, cfg, hidden_splits)
     return build_adamw(model, cfg)
 
 
-def build_muon(model: nn.Module, cfg: TrainConfig) -> MuonWithAdamW:
-    """:class:`moe_train.muon.MuonWithAdamW` with ``cfg``'s Muon and AdamW hyperparameters, one lr for both."""
+def build_muon(
+    model: nn.Module, cfg: TrainConfig, hidden_splits: dict[int, HiddenSplit] | None = None
+) -> MuonWithAdamW:
+    """:class:`moe_train.muon.MuonWithAdamW` with ``cfg``'s Muon and AdamW hyperparameters, one lr for both; each
+    matrix orthogonalised whole however the layout splits it (DTensor placements, and ``hidden_splits``)."""
     muon = {
         "momentum": cfg.muon_momentum,
         "nesterov": cfg.muon_use_nesterov,
         "ns_steps": cfg.muon_num_ns_steps,
         "adjust_lr": cfg.muon_adjust_lr_fn,
+        "ns_dtype": None if cfg.muon_ns_dtype == "auto" else torch_dtype(cfg.muon_ns_dtype),
         "weight_decay": cfg.weight_decay,
     }
     adamw = {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}
-    groups = muon_param_groups(model, muon, adamw)
-    if any(splits_matrices(p) for g in groups if g["rule"] == "muon" for p in g["params"]):
-        # the config allows the default dp_shard -1, which shards over every rank of a multi-process run
-        raise ConfigError(
-            "parallel.dp_shard: train.optimizer muon does not orthogonalise sharded matrices (so far); "
-            "set parallel.dp_shard 1 (parallel.dp_replicate for data parallelism) or train.optimizer adamw"
-        )
-    return MuonWithAdamW(groups, lr=cfg.lr)
+    return MuonWithAdamW(
+        muon_param_groups(model, muon, adamw),
+        lr=cfg.lr,
+        states_dtype=torch_dtype(cfg.optimizer_states_dtype),
+        hidden_splits=hidden_splits,
+    )
 
 
 def build_adamw(model: nn.Module, cfg: TrainConfig) -> PrecisionAwareAdamW:

@@ -60,6 +60,7 @@ from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, FLATTENED_DIMS
 from moe_parallel.schedules import inflight_microbatches
 from moe_train.config import ConfigError, ExperimentConfig, PeftConfig, RunConfig
 from moe_train.dtypes import dtype_bytes
+from moe_train.muon import muon_parameters
 from moe_train.setup import checked_meta_model, default_micro_batch_size, micro_batching
 
 NON_EXPERT = "non-expert"  # attention, norms, dense MLPs, routers, shared experts, embedding, head
@@ -78,6 +79,7 @@ class RankKind:
     pp_rank: int | None = None  # with pipeline parallelism, the pipeline rank (its stages) these ranks are
     # elements of trainable parameters on each of these ranks (peft.method=lora: the adapters'); None: every one
     trainable: int | None = None
+    muon: int = 0  # of the trainable elements, those train.optimizer muon updates (moe_train.muon.uses_muon)
 
     def param_count(self, part: str | None = None) -> int:
         return sum(n for (p, _), n in self.params.items() if part in (None, p))
@@ -96,6 +98,7 @@ class PlanReport:
     expected_params: int  # moe_models.count_parameters: total + MTP layers (+ adapter_params)
     param_tensors: int = 0  # parameter tensors every rank holds (each, even an empty shard, gets optimizer state)
     trainable_tensors: int | None = None  # of those, the trainable ones (None: every one)
+    muon_tensors: int = 0  # of the trainable ones, those train.optimizer muon updates
     adapter_params: int = 0  # peft.method=lora: the adapters' parameters, counted on the whole model
     # pipeline parallelism: moe_parallel.stage_map's rows, each pipeline rank's micro-batches in flight (None: unknown)
     # and the step's micro-batch count
@@ -189,6 +192,7 @@ def _rank_kinds(
     buffers: dict[torch.dtype, torch.Tensor],
     pp_of_rank: torch.Tensor | None = None,
     trainable: torch.Tensor | None = None,
+    muon: torch.Tensor | None = None,  # elements Muon would update, per rank
 ) -> list[RankKind]:
     columns = [*params, *buffers]
     if not columns:
@@ -196,6 +200,7 @@ def _rank_kinds(
     # ranks of different pipeline ranks are different kinds even when their sizes agree: they run other layers
     extra = [] if pp_of_rank is None else [pp_of_rank]
     extra += [] if trainable is None else [trainable]
+    extra += [torch.zeros(world_size, dtype=torch.long) if muon is None else muon]
     table = torch.stack([*params.values(), *buffers.values(), *extra], dim=1)  # rank x (part, dtype)
     rows, kind_of_rank = torch.unique(table, dim=0, return_inverse=True)
     kinds = []
@@ -204,8 +209,9 @@ def _rank_kinds(
         sizes = dict(zip(columns, row[: len(columns)], strict=True))
         rest = row[len(columns) :]
         pp_rank = None if pp_of_rank is None else rest[0]
-        mine = None if trainable is None else rest[-1]
-        kinds.append(RankKind(ranks, {k: sizes[k] for k in params}, {k: sizes[k] for k in buffers}, pp_rank, mine))
+        mine = None if trainable is None else rest[-2]
+        held = ({k: sizes[k] for k in params}, {k: sizes[k] for k in buffers})
+        kinds.append(RankKind(ranks, *held, pp_rank, mine, muon=rest[-1]))
     return sorted(kinds, key=lambda kind: kind.ranks[0])
 
 
@@ -249,11 +255,14 @@ def plan_report(
         distinct = dict.fromkeys(PARTS, 0)
         param_tensors = 0
         trainable = torch.zeros(world_size, dtype=torch.long)
-        trainable_tensors = 0
+        muon = torch.zeros(world_size, dtype=torch.long)
+        trainable_tensors = muon_tensors = 0
         for split, pp_rank in views:
             replicas = split.sync.replicas  # parameter id -> ranks holding each distinct piece of it
             mask = (pp_of_rank == pp_rank).long()  # the ranks holding these stages
             held = split.model
+            takes_muon = muon_parameters(held)
+            muon_tensors = max(muon_tensors, len(takes_muon))
             for name, param in held.named_parameters():
                 name = split.global_name(name)
                 part = ROUTED_EXPERTS if name.startswith(expert_prefixes) else NON_EXPERT
@@ -264,6 +273,8 @@ def plan_report(
                 distinct[part] += int(per_rank.sum()) // replicas[id(param)]
                 if param.requires_grad:
                     trainable += per_rank
+                if id(param) in takes_muon:
+                    muon += per_rank
             param_tensors = max(param_tensors, sum(1 for _ in held.parameters()))
             trainable_tensors = max(trainable_tensors, sum(1 for p in held.parameters() if p.requires_grad))
             for buffer in held.buffers():
@@ -277,11 +288,12 @@ def plan_report(
         layout=layout,
         family=model_config.family,
         num_experts=model_config.num_moe_experts,
-        kinds=_rank_kinds(world_size, params, buffers, pp_of_rank, trainable if lora else None),
+        kinds=_rank_kinds(world_size, params, buffers, pp_of_rank, trainable if lora else None, muon),
         distinct_params=distinct,
         expected_params=counted.total + counted.mtp + (adapter_params if lora else 0),
         param_tensors=param_tensors,
         trainable_tensors=trainable_tensors if lora else None,
+        muon_tensors=muon_tensors,
         adapter_params=adapter_params if lora else 0,
         stages=stages,
     )
@@ -382,16 +394,9 @@ def format_stage_map(report: PlanReport) -> list[str]:
         f"stages, {report.microbatches} micro-batches a step; stages split by cost (training FLOPs per token):"
     ]
     rows = [["stage", "pp rank", "layers", "also holds", "cost"]]
-    rows += [
-        [
-            str(r["stage"]),
-            str(r["pp_rank"]),
-            _layer_ranges(r["layers"]),
-            ", ".join(r["modules"]) or "-",
-            f"{r['cost']:.2f}",
-        ]
-        for r in stages
-    ]
+    for r in stages:
+        rows.append([str(r["stage"]), str(r["pp_rank"]), _layer_ranges(r["layers"]), ", ".join(r["modules"]) or "-"])
+        rows[-1].append(f"{r['cost']:.2f}")
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     if report.inflight is not None:
@@ -417,6 +422,7 @@ class MemoryOptions:
     activation_bytes: int = 2
     optimizer_state_bytes: int = 4
     master_weights_bytes: int = 4
+    optimizer: str = "adamw"  # muon: Muon's matrices keep one momentum buffer instead of AdamW's two moments
     dispatcher: str = "alltoall"
     device: str = "cuda"
     recompute: frozenset[str] = frozenset()
@@ -462,6 +468,7 @@ def plan_memory_options(cfg: ExperimentConfig, layout: ParallelLayout) -> Memory
         activation_bytes=activation,
         optimizer_state_bytes=dtype_bytes(train.optimizer_states_dtype),
         master_weights_bytes={"none": 0}.get(train.master_weights_dtype, 4),
+        optimizer=train.optimizer,
         dispatcher=cfg.parallel.moe_token_dispatcher_type,
         device="cpu" if on_cpu else "cuda",
         offload_min_tensor_bytes=run.offload_min_tensor_bytes,
@@ -476,6 +483,8 @@ def memory_estimates(
     layout, shape = report.layout, model_shape(model_config)
     out = []
     for kind in report.kinds:
+        muon = options.optimizer == "muon"
+        momentum = {"momentum_only_numel": kind.muon, "momentum_only_tensors": report.muon_tensors} if muon else {}
         numel, n_bytes = kind.param_count(), kind.param_bytes()
         param_bytes = n_bytes // numel if numel and n_bytes % numel == 0 else 4
         params = LocalParameters(
@@ -483,6 +492,7 @@ def memory_estimates(
             tensors=report.param_tensors,
             buffer_bytes=sum(n * dtype.itemsize for dtype, n in kind.buffers.items()),
             expert_numel=kind.param_count(ROUTED_EXPERTS),
+            **momentum,
         )
         run = run_shape(
             model_config,
@@ -508,7 +518,9 @@ def memory_estimates(
             pipeline=share,
         )
         if kind.trainable is not None:  # a frozen base: gradients, AdamW states and master copies of adapters only
-            states, master = optimizer_state_bytes(kind.trainable, report.trainable_tensors or 0, run)
+            states, master = optimizer_state_bytes(
+                kind.trainable, report.trainable_tensors or 0, run, *momentum.values()
+            )
             estimate = dataclasses.replace(
                 estimate, gradients=kind.trainable * param_bytes, optimizer_states=states, master_weights=master
             )
@@ -548,7 +560,8 @@ def format_memory(
     settings = [
         f"micro-batch {o.micro_batch} x {o.seq_len} tokens",
         f"activations {_bytes_name(o.activation_bytes)}",
-        f"AdamW states {_bytes_name(o.optimizer_state_bytes)}",
+        ("Muon momentum + AdamW states " if o.optimizer == "muon" else "AdamW states ")
+        + _bytes_name(o.optimizer_state_bytes),
         f"{o.dispatcher} dispatcher",
     ]
     if o.recompute:

@@ -198,7 +198,8 @@ def print_notes(notes: list[str]) -> None:
 
 
 def check_compatible(cfg: ExperimentConfig, meta: dict[str, Any], found: CheckpointInfo) -> None:
-    """A checkpoint resumes only into the same model, and only before the last step."""
+    """A checkpoint resumes only into the same model, with the optimizer that wrote it, and only before the last
+    step."""
     saved = meta.get("config", {}).get("model", {})
     current = dataclasses.asdict(cfg.model)
     differing = sorted(
@@ -214,6 +215,13 @@ def check_compatible(cfg: ExperimentConfig, meta: dict[str, Any], found: Checkpo
             "checkpoint's model settings (its meta.json) or start a new run"
         )
     check_base(cfg, meta, found.path)  # adapters resume onto the base they were trained on
+    # Muon's matrices hold a momentum buffer where AdamW's hold two moments and a step: neither loads the other's
+    optimizer = meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
+    if optimizer != cfg.train.optimizer:
+        raise ConfigError(
+            f"train.optimizer={cfg.train.optimizer!r}: {found.path} was written by train.optimizer {optimizer}, whose "
+            f"states this one cannot load; resume with train.optimizer {optimizer} or start a new run"
+        )
     if found.step >= cfg.train.steps:
         raise ConfigError(
             f"run.resume={cfg.run.resume!r}: {found.path} is at step {found.step} and train.steps={cfg.train.steps}: "

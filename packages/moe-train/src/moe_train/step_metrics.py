@@ -6,6 +6,7 @@ for the device (torchtitan reduces its metrics on log steps only, for the same r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +15,44 @@ import torch
 from moe_parallel import all_reduce_mean
 
 
+class DeviceInterval:
+    """The seconds a block of work took as the device sees it (``with interval: ...``): CUDA events on a GPU, read back
+    only with the records (so timing the optimizer never makes the step wait for the device), the host clock on CPU.
+    Unentered, it measured nothing (0 s: a skipped step's update)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._events: tuple[Any, Any] | None = None
+        self._host = 0.0
+
+    def __enter__(self) -> DeviceInterval:
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._host = -time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._host += time.perf_counter()
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._host
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
 @dataclass(frozen=True)
 class _Pending:
     step: int
     lr: float
     step_time_s: float
     skipped: bool
+    optimizer: DeviceInterval  # the optimizer's update (with the expert-bias update)
     values: torch.Tensor  # [loss, aux_loss, mtp_loss, indexer_loss, grad_norm]: this rank's part
     load_LE: torch.Tensor  # this rank's routers' kept (token, expert) pairs, rows of the whole model's routers
 
@@ -60,10 +93,12 @@ class PendingMetrics:
         losses: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         grad_norm: torch.Tensor,
         load_LE: torch.Tensor,
+        optimizer: DeviceInterval,
     ) -> None:
-        """Step ``step``'s values (the LM, balancing, MTP and DSA indexer losses as this rank's micro-batch means)."""
+        """Step ``step``'s values (the LM, balancing, MTP and DSA indexer losses as this rank's micro-batch means) and
+        the time its optimizer update took."""
         values = torch.stack([*(v.float().reshape(()) for v in losses), grad_norm.float().reshape(())])
-        self.pending.append(_Pending(step, lr, step_time_s, skipped, values, load_LE.detach().float()))
+        self.pending.append(_Pending(step, lr, step_time_s, skipped, optimizer, values, load_LE.detach().float()))
 
     def records(self) -> list[dict[str, Any]]:
         """The pending steps' records, in order; none pending afterwards. A collective: every rank calls it."""
@@ -96,6 +131,8 @@ class PendingMetrics:
                 "tflops_per_gpu": tflops,
                 "mfu": tflops / self.peak,
                 "step_time_s": pending.step_time_s,
+                # this rank's (rank 0's in the file) optimizer update: its share of the step is the optimizer's cost
+                "optimizer_step_s": pending.optimizer.seconds(),
                 "expert_load_max_over_mean": imbalance,
                 "dropped_fraction": 1.0 - kept,  # (token, expert) pairs dropped by a capacity factor, all layers
             }

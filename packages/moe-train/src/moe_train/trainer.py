@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import torch
 
 from moe_memory import MemoryPolicy
+from moe_parallel import hidden_matrix_splits
 from moe_precision import PrecisionConfig
 from moe_train.checkpoint import CheckpointWriter, load_checkpoint, package_versions
 from moe_train.config import ConfigError, ExperimentConfig
@@ -145,7 +146,8 @@ def _run(setup: Setup) -> TrainSummary:
     model = setup.model
     if cfg.model.dsa_indexer_dense_warmup:
         freeze_all_but_indexers(model)
-    optimizer = build_optimizer(model, cfg.train)  # over the parameters that require a gradient
+    # over the parameters that require a gradient; Muon gathers the matrices the layout splits
+    optimizer = build_optimizer(model, cfg.train, hidden_matrix_splits(setup.parallel))
     writer = CheckpointWriter(
         checkpoint_dir(cfg),
         keep_last=cfg.run.keep_last,
