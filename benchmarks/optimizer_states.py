@@ -25,20 +25,16 @@ default), never over the committed full-run results.
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
-import time
-from html import escape
 from pathlib import Path
 
 import torch
+from _curves import MICRO, curves_svg, train_run  # benchmarks/_curves.py, beside this script
 from _harness import cli, header, parse, write  # benchmarks/_harness.py, beside this script
 
 from moe_train.adamw import optimizer_state_bytes
-from moe_train.config import load_config
 from moe_train.optim import build_optimizer
-from moe_train.plots import HEIGHT, PAD, WIDTH
-from moe_train.trainer import prepare, train
+from moe_train.setup import Setup
 
 TARGET_REL_DIFF = 0.01
 TARGETED = ("bf16_states",)  # the target is on bf16 moments; the bf16-parameter run is reported alongside
@@ -54,100 +50,26 @@ VARIANTS = {
         "train.master_weights_dtype": "fp32",
     },
 }
-# a model small enough for --quick (the test suite's micro model)
-MICRO = {
-    "model.hidden_size": "32",
-    "model.num_layers": "1",
-    "model.num_attention_heads": "2",
-    "model.num_query_groups": "1",
-    "model.kv_channels": "16",
-    "model.num_moe_experts": "4",
-    "model.moe_ffn_hidden_size": "32",
-    "data.seq_len": "32",
-    "train.global_batch_size": "4",
-    "train.warmup_steps": "2",
-}
-COLOURS = ("#1f77b4", "#7f7f7f", "#d62728", "#2ca02c")
 
 
-def run(name: str, overrides: dict[str, str], out_dir: Path) -> dict:
-    cfg = load_config("tiny", {**overrides, **VARIANTS[name], "run.output_dir": str(out_dir / name)})
-    setup = prepare(cfg, world_size=1)
-    probe = build_optimizer(setup.model, cfg.train)  # the state bytes the run's optimizer will hold
+def state_bytes(setup: Setup) -> dict:
+    """The state bytes the run's optimizer will hold, and its parameters' dtypes."""
+    probe = build_optimizer(setup.model, setup.cfg.train)
     probe.init_state()
-    state_bytes = optimizer_state_bytes(probe)
-    del probe
-    start = time.perf_counter()
-    summary = train(setup)
-    wall = time.perf_counter() - start
-    records = [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records]
     return {
-        "settings": VARIANTS[name],
-        "losses": losses,
-        "final_loss_last_step": losses[-1],
-        "final_loss_mean_last_10": statistics.fmean(losses[-10:]),
-        "final_loss_mean_last_50": statistics.fmean(losses[-50:]),
-        "optimizer_state_bytes": state_bytes,
+        "optimizer_state_bytes": optimizer_state_bytes(probe),
         "parameter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in setup.model.parameters()}),
-        "wall_time_s": wall,
-        "median_tokens_per_s": summary.median_tokens_per_s,
     }
 
 
-def trailing_mean(values: list[float], window: int) -> list[float]:
-    """Mean of each value and up to ``window - 1`` before it."""
-    return [statistics.fmean(values[max(i + 1 - window, 0) : i + 1]) for i in range(len(values))]
-
-
-def curves_svg(curves: dict[str, list[float]], title: str, window: int = 10, first_step: int = 30) -> str:
-    """Loss curves (per-step losses, one per run) on one pair of axes in moe_train.plots' size and style, with a
-    legend: each as its ``window``-step trailing mean from step ``first_step`` on, where the runs part (the first
-    steps' steep fall would squeeze the rest into a few pixels; the raw losses are in the JSON)."""
-    steps = max(len(ys) for ys in curves.values())
-    first_step = min(first_step, steps)
-    shown = {name: trailing_mean(ys, window)[first_step - 1 :] for name, ys in curves.items()}
-    y0 = min(min(ys) for ys in shown.values())
-    y1 = max(max(ys) for ys in shown.values())
-    y1 = y1 if y1 > y0 else y0 + 1
-
-    def px(x: float) -> float:
-        return PAD + (x - first_step) / max(steps - first_step, 1) * (WIDTH - 2 * PAD)
-
-    def py(y: float) -> float:
-        return HEIGHT - PAD - (y - y0) / (y1 - y0) * (HEIGHT - 2 * PAD)
-
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif">',
-        '<rect width="100%" height="100%" fill="white"/>',
-        f'<text x="{WIDTH / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>',
-        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD}" stroke="black"/>',
-        f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{HEIGHT - PAD}" stroke="black"/>',
-    ]
-    for v in (y0, (y0 + y1) / 2, y1):
-        parts.append(f'<text x="{PAD - 6}" y="{py(v) + 4:.1f}" text-anchor="end" font-size="11">{v:.2f}</text>')
-    for v in (first_step, steps):
-        parts.append(f'<text x="{px(v):.1f}" y="{HEIGHT - PAD + 16}" text-anchor="middle" font-size="11">{v}</text>')
-    parts.append(f'<text x="{WIDTH / 2}" y="{HEIGHT - 10}" text-anchor="middle" font-size="12">step</text>')
-    parts.append(
-        f'<text x="14" y="{HEIGHT / 2}" text-anchor="middle" font-size="12" transform="rotate(-90 14 {HEIGHT / 2})">'
-        f"loss, mean of last {window} steps (nats/byte)</text>"
-    )
-    for i, (name, ys) in enumerate(shown.items()):
-        colour = COLOURS[i % len(COLOURS)]
-        points = " ".join(f"{px(s):.1f},{py(y):.1f}" for s, y in enumerate(ys, start=first_step))
-        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/>')
-        y = PAD + 14 * i
-        parts.append(f'<line x1="{WIDTH - PAD - 200}" y1="{y}" x2="{WIDTH - PAD - 180}" y2="{y}" stroke="{colour}"/>')
-        label = f"{name}: {curves[name][-1]:.4f} at the end ({statistics.fmean(curves[name][-10:]):.4f} last 10)"
-        parts.append(f'<text x="{WIDTH - PAD - 175}" y="{y + 4}" font-size="10">{escape(label)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+def run(name: str, overrides: dict[str, str], out_dir: Path) -> dict:
+    result = train_run("tiny", {**overrides, **VARIANTS[name]}, out_dir / name, state_bytes)
+    return {"settings": VARIANTS[name], **result}
 
 
 def svg(report: dict) -> str:
     title = f"tiny preset, {report['inputs']['steps']} steps: AdamW state dtypes"
-    return curves_svg({n: r["losses"] for n, r in report["runs"].items()}, title)
+    return curves_svg({n: [r["losses"]] for n, r in report["runs"].items()}, title)
 
 
 def main() -> None:

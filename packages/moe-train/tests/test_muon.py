@@ -189,6 +189,7 @@ def test_a_muon_run_trains_and_resumes_bitwise(
         ({**MUON, "train.muon_momentum": "1.0"}, "train.muon_momentum=1.0: must be in [0, 1)"),
         ({**MUON, "train.params_dtype": "bf16"}, "train.params_dtype='bf16': train.optimizer muon updates fp32"),
         ({**MUON, "train.muon_ns_dtype": "fp16"}, "train.muon_ns_dtype='fp16': choose auto, bf16 or fp32"),
+        ({**MUON, "train.muon_ns_coefficients": "[3.0, -4.0]"}, "train.muon_ns_coefficients=[3.0, -4.0]: give"),
     ],
 )
 def test_refusals_are_one_line_exit_2(micro_overrides: dict[str, str], refused_in_one_line, extra, expected) -> None:

@@ -20,19 +20,6 @@ from moe_train.resume import find_resume_point
 from moe_train.setup import prepare
 from moe_train.trainer import train
 
-# the micro model of conftest.py (a module-scoped run cannot take its function-scoped fixture)
-MICRO = {
-    "model.hidden_size": "32",
-    "model.num_layers": "1",
-    "model.num_attention_heads": "2",
-    "model.num_query_groups": "1",
-    "model.kv_channels": "16",
-    "model.num_moe_experts": "4",
-    "model.moe_ffn_hidden_size": "32",
-    "data.seq_len": "32",
-    "train.global_batch_size": "4",
-    "train.warmup_steps": "2",
-}
 LORA = {"peft.method": "lora", "peft.rank": "8", "peft.alpha": "16", "train.lr": "1e-2", "run.log_interval": "1"}
 
 
@@ -47,10 +34,10 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path):
+def run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path, micro_model: dict[str, str]):
     """An 8-step LoRA run of the micro model, with the base weights it started from."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    overrides = {**MICRO, "data.cache_dir": str(data_cache)}
+    overrides = {**micro_model, "data.cache_dir": str(data_cache)}
     cfg = _cfg(overrides, out, 8, **{"run.checkpoint_interval": "4"})
     setup = prepare(cfg, 1)
     before = {n: p.detach().clone() for n, p in setup.model.named_parameters()}

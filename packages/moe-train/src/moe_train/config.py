@@ -18,7 +18,6 @@ from typing import Any
 import yaml
 
 from moe_models import ModelConfig
-from moe_models.qk_clip import qk_clip_refusals
 from moe_parallel import ParallelConfig
 from moe_precision import PrecisionConfig
 from moe_train.dtypes import DTYPE_KEYS, short_name
@@ -138,6 +137,8 @@ class TrainConfig:
     muon_adjust_lr_fn: str = "match_rms_adamw"  # torch.optim.Muon's adjust_lr_fn: original | match_rms_adamw
     # Newton-Schulz's dtype: auto (bf16 on GPU as torch and Megatron-Core, fp32 on CPU) | bf16 | fp32
     muon_ns_dtype: str = "auto"
+    # Newton-Schulz's quintic (a, b, c): torch.optim.Muon's ns_coefficients, Keller Jordan's by default
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
     # QK-clip (Kimi K2's MuonClip, Megatron --qk-clip; moe_train.qk_clip): after each optimizer step, rescale the q/k
     # projections of every attention head whose largest logit over the step's batch exceeds qk_clip_threshold;
     # qk_clip_alpha is the query's share of the factor (Megatron --qk-clip-alpha; 0.5: Kimi K2's square roots)
@@ -421,79 +422,13 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"train.{key}={getattr(cfg.train, key)!r}: choose {' or '.join(choices)}")
     _validate_data(cfg)
     _validate_peft(cfg.peft)
-    _validate_muon(cfg)
-    _validate_dsa_training(cfg)
-    _validate_qk_clip(cfg)
+    from moe_train.training_checks import check_training
+
+    check_training(cfg)
     if cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"run.device={cfg.run.device!r}: choose auto, cpu or cuda")
     if cfg.run.dtype not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.dtype={cfg.run.dtype!r}: choose auto, fp32 or bf16")
-
-
-def _validate_dsa_training(cfg: ExperimentConfig) -> None:
-    """The DSA indexer loss is exact in one model replica only yet: its target sums every attention head (split over
-    tp) over every key (split over cp), and it does not cross pipeline stages; the dense warm-up freezes the base."""
-    coeff, parallel = cfg.model.dsa_indexer_loss_coeff, cfg.parallel
-    for name in ("tp", "cp", "pp"):
-        if coeff and getattr(parallel, name) > 1:
-            raise ConfigError(
-                f"parallel.{name}={getattr(parallel, name)}: the DSA indexer loss (model.dsa_indexer_loss_coeff="
-                f"{coeff}) is computed within one tp/cp/pp rank only yet; set --parallel.{name} 1 (dp/ep split fine)"
-            )
-    if cfg.model.dsa_indexer_dense_warmup and cfg.peft.method != "none":
-        raise ConfigError(
-            f"peft.method={cfg.peft.method!r}: the DSA dense warm-up trains the indexers alone; set peft.method none"
-        )
-
-
-def _validate_qk_clip(cfg: ExperimentConfig) -> None:
-    """train.qk_clip's keys, and what keeps a rescale of the q/k projections from bounding the logits
-    (moe_models.qk_clip.qk_clip_refusals) or from reaching every head (pipeline stages, LoRA's frozen base)."""
-    train = cfg.train
-    if not train.qk_clip:
-        return
-    if not train.qk_clip_threshold > 0:
-        raise ConfigError(f"train.qk_clip_threshold={train.qk_clip_threshold}: must be positive, e.g. 100")
-    if not 0 < train.qk_clip_alpha < 1:
-        raise ConfigError(f"train.qk_clip_alpha={train.qk_clip_alpha}: must be in (0, 1), e.g. 0.5")
-    for name, why in qk_clip_refusals(cfg.model).items():
-        raise ConfigError(
-            f"model.{name}={getattr(cfg.model, name)!r}: train.qk_clip cannot bound the logits ({why}); "
-            f"change model.{name} or set train.qk_clip false"
-        )
-    if cfg.parallel.pp != 1:
-        raise ConfigError(
-            f"parallel.pp={cfg.parallel.pp}: train.qk_clip does not carry the logit maxima between pipeline stages "
-            "(so far); set parallel.pp 1 or train.qk_clip false"
-        )
-    if cfg.peft.method != "none":
-        raise ConfigError(
-            f"peft.method={cfg.peft.method!r}: train.qk_clip rescales the base q/k projections LoRA freezes; set "
-            "peft.method none or train.qk_clip false"
-        )
-
-
-def _validate_muon(cfg: ExperimentConfig) -> None:
-    """train.optimizer and Muon's keys; what Muon does not do yet (bf16 parameters) is refused naming the key."""
-    train = cfg.train
-    if train.optimizer not in ("adamw", "muon"):
-        raise ConfigError(f"train.optimizer={train.optimizer!r}: choose adamw or muon")
-    if train.optimizer == "adamw":
-        return
-    if not 0 <= train.muon_momentum < 1:
-        raise ConfigError(f"train.muon_momentum={train.muon_momentum}: must be in [0, 1), e.g. 0.95")
-    if not 1 <= train.muon_num_ns_steps < 100:
-        raise ConfigError(f"train.muon_num_ns_steps={train.muon_num_ns_steps}: must be in [1, 100), e.g. 5")
-    if train.muon_adjust_lr_fn not in ("original", "match_rms_adamw"):
-        raise ConfigError(f"train.muon_adjust_lr_fn={train.muon_adjust_lr_fn!r}: choose original or match_rms_adamw")
-    if train.muon_ns_dtype not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.muon_ns_dtype={train.muon_ns_dtype!r}: choose auto, bf16 or fp32")
-    # Muon's matrices keep no master copy (so far): bf16 parameters would take its updates rounded
-    if train.params_dtype != "fp32":
-        raise ConfigError(
-            f"train.params_dtype={train.params_dtype!r}: train.optimizer muon updates fp32 parameters only (so far); "
-            "set fp32 (train.optimizer_states_dtype bf16 halves its momentum)"
-        )
 
 
 def _validate_peft(peft: PeftConfig) -> None:

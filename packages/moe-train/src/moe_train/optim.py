@@ -37,6 +37,7 @@ def build_muon(
         "momentum": cfg.muon_momentum,
         "nesterov": cfg.muon_use_nesterov,
         "ns_steps": cfg.muon_num_ns_steps,
+        "ns_coefficients": tuple(cfg.muon_ns_coefficients),
         "adjust_lr": cfg.muon_adjust_lr_fn,
         "ns_dtype": None if cfg.muon_ns_dtype == "auto" else torch_dtype(cfg.muon_ns_dtype),
         "weight_decay": cfg.weight_decay,
