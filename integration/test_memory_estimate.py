@@ -46,6 +46,16 @@ CASES = {
     ),
     # Muon: its matrices keep one momentum buffer each (no moments, no step), AdamW the rest
     "deepseek-v3 ep=2, Muon": ("tiny-deepseek-v3", {"parallel.ep": "2", "train.optimizer": "muon"}),
+    "qwen3-moe tp=2, Muon, bf16 parameters, bf16 momentum, fp32 master weights": (
+        "tiny-qwen3-moe",
+        {
+            "parallel.tp": "2",
+            "train.optimizer": "muon",
+            "train.params_dtype": "bf16",
+            "train.optimizer_states_dtype": "bf16",
+            "train.master_weights_dtype": "fp32",
+        },
+    ),
     # context parallelism: half the positions a rank, the keys and values of all of them in attention
     "qwen3-moe cp=2": ("tiny-qwen3-moe", {"parallel.cp": "2"}),
     "gpt-oss cp=2 (sinks, sliding windows)": ("tiny-gpt-oss", {"parallel.cp": "2"}),

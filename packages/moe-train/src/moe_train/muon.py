@@ -23,7 +23,8 @@ are the same numbers; an etp-gathered gate/up projection has its columns in anot
 commutes with).
 
 State per parameter: ``momentum_buffer`` (Muon, shaped like the parameter, in ``states_dtype``: fp32, or bf16 updated
-in fp32 and stored rounded); ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW), DTensors like their parameters, so DCP
+in fp32 and stored rounded); ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW); ``master``, an fp32 copy of a bf16
+parameter (either rule) that the update is applied to, when ``master_weights``; DTensors like their parameters, so DCP
 checkpoints save and load them like the AdamW optimizer's, onto any layout. :func:`muon_param_groups` decides which
 parameter takes which rule; :func:`grouping_message` is the line the trainer prints at start-up.
 """
@@ -244,6 +245,7 @@ class MuonWithAdamW(PrecisionAwareAdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         states_dtype: torch.dtype = torch.float32,
+        master_weights: bool = True,
         hidden_splits: dict[int, HiddenSplit] | None = None,
         whole_matrices: bool = True,
     ) -> None:
@@ -265,9 +267,8 @@ class MuonWithAdamW(PrecisionAwareAdamW):
             "betas": tuple(betas),
             "eps": eps,
         }
-        # PrecisionAwareAdamW's attributes (its __init__ would set AdamW's defaults only); no master copies: Muon's
-        # parameters are fp32
-        self.states_dtype, self.master_weights = states_dtype, False
+        # PrecisionAwareAdamW's attributes (its __init__ would set AdamW's defaults only)
+        self.states_dtype, self.master_weights = states_dtype, master_weights
         torch.optim.Optimizer.__init__(self, params, defaults)
         # id(param) -> its etp split (moe_parallel.hidden_matrix_splits); whole_matrices False: each rank
         # orthogonalises the pieces it holds, as a sharding-unaware Muon would (a control for tests, never right)
@@ -288,6 +289,9 @@ class MuonWithAdamW(PrecisionAwareAdamW):
         state = self.state[param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param, dtype=self.states_dtype)
+        if self.keeps_master(param) and "master" not in state:
+            state["master"] = torch.empty_like(param, dtype=torch.float32)
+            _local(state["master"]).copy_(_local(param.detach()))
         return state
 
     @torch.no_grad()
@@ -324,8 +328,9 @@ class MuonWithAdamW(PrecisionAwareAdamW):
         """torch.optim.Muon's ``_single_tensor_muon`` for one matrix or one grouped-experts weight, its matrices
         orthogonalised whole (:class:`WholeMatrices`); ``turn`` picks which of the ranks sharing them computes."""
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-        grad, momentum = _local(param.grad), group["momentum"]
-        stored = _local(self._init_param_state(param)["momentum_buffer"])
+        grad, momentum = _local(param.grad).float(), group["momentum"]  # bf16 parameters: fp32 arithmetic
+        state = self._init_param_state(param)
+        stored = _local(state["momentum_buffer"])
         buf = stored if stored.dtype == grad.dtype else stored.to(grad.dtype)  # bf16 momentum: updated in fp32
         buf.lerp_(grad, 1 - momentum)
         if buf is not stored:
@@ -343,6 +348,12 @@ class MuonWithAdamW(PrecisionAwareAdamW):
         rows, cols = whole.shape[-2:]
         if layout is not None:
             ortho = layout.scatter(layout.share(ortho))
-        weight = _local(param)
+        # the fp32 master copy where one is kept, else the parameter (a bf16 one updated in fp32, stored rounded)
+        stored_weight = _local(state.get("master", param))
+        weight = stored_weight.float()
         weight.mul_(1 - lr * group["weight_decay"])
         weight.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr"], rows, cols))
+        if weight is not stored_weight:
+            stored_weight.copy_(weight)
+        if "master" in state:
+            _local(param).copy_(stored_weight)

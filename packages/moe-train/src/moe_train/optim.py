@@ -47,6 +47,7 @@ def build_muon(
         muon_param_groups(model, muon, adamw),
         lr=cfg.lr,
         states_dtype=torch_dtype(cfg.optimizer_states_dtype),
+        master_weights=cfg.master_weights_dtype == "fp32",
         hidden_splits=hidden_splits,
     )
 

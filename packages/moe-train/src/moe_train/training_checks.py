@@ -58,7 +58,7 @@ def _check_qk_clip(cfg: ExperimentConfig) -> None:
 
 
 def _check_muon(cfg: ExperimentConfig) -> None:
-    """train.optimizer and Muon's keys; what Muon does not do yet (bf16 parameters) is refused naming the key."""
+    """train.optimizer and Muon's keys."""
     train = cfg.train
     if train.optimizer not in ("adamw", "muon"):
         raise ConfigError(f"train.optimizer={train.optimizer!r}: choose adamw or muon")
@@ -76,10 +76,4 @@ def _check_muon(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"train.muon_ns_coefficients={train.muon_ns_coefficients}: give the quintic's three (a, b, c), e.g. "
             "[3.4445, -4.775, 2.0315]"
-        )
-    # Muon's matrices keep no master copy (so far): bf16 parameters would take its updates rounded
-    if train.params_dtype != "fp32":
-        raise ConfigError(
-            f"train.params_dtype={train.params_dtype!r}: train.optimizer muon updates fp32 parameters only (so far); "
-            "set fp32 (train.optimizer_states_dtype bf16 halves its momentum)"
         )
