@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import moe_train.muon
 from moe_models import build_model
 from moe_train import cli
 from moe_train.adamw import optimizer_state_bytes
@@ -275,3 +276,29 @@ def test_bf16_parameters_follow_an_fp32_master_copy(master: bool) -> None:
         if master:
             assert torch.equal(ours.state[p]["master"], q.detach())
             assert torch.equal(p.detach(), q.detach().bfloat16())
+
+
+def test_same_shaped_matrices_are_orthogonalised_in_one_batch() -> None:
+    # three [48, 16] matrices and two [4, 24, 40] expert weights: two batched iterations, each matrix as it would be
+    # alone (the single-matrix path is torch.optim.Muon's, above); fp32, so the batch changes no rounding that matters
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(48, 16)] * 3 + [(4, 24, 40)] * 2
+    batched = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in batched]
+    hyper = {"lr": 0.02, "ns_dtype": torch.float32}
+    ours = MuonWithAdamW([{"params": batched, "rule": "muon"}], **hyper)
+    one_each = [MuonWithAdamW([{"params": [p], "rule": "muon"}], **hyper) for p in alone]
+    calls = []
+    original = moe_train.muon.newton_schulz
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe_train.muon, "newton_schulz", lambda x, *a: calls.append(x.shape) or original(x, *a))
+        for _ in range(STEPS):
+            for p, q in zip(batched, alone, strict=True):
+                p.grad = torch.randn(p.shape, generator=gen)
+                q.grad = p.grad.clone()
+            ours.step()
+            for optimizer in one_each:
+                optimizer.step()
+    assert calls[:2] == [(3, 48, 16), (8, 24, 40)]  # one call per shape, the experts' E matrices of both weights
+    for p, q in zip(batched, alone, strict=True):
+        assert _rel(p.detach(), q.detach()) < 1e-6

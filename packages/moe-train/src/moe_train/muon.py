@@ -305,8 +305,17 @@ class MuonWithAdamW(PrecisionAwareAdamW):
                 self._step_group(group)
                 continue
             params = [p for p in group["params"] if p.grad is not None]
-            for turn, param in enumerate(params):
+            split = [p for p in params if self._whole_matrices(p) is not None]
+            for turn, param in enumerate(split):  # every rank of a layout holds the same split parameters
                 self._muon_update(param, group, turn)
+            # whole matrices of one shape (a layer's projections, each layer's experts) in one batched iteration
+            same_shape: dict[tuple, list[torch.Tensor]] = {}
+            for param in params:
+                if self._whole_matrices(param) is None:
+                    local = _local(param)
+                    same_shape.setdefault((tuple(local.shape), local.device), []).append(param)
+            for batch in same_shape.values():
+                self._batched_update(batch, group)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -324,10 +333,9 @@ class MuonWithAdamW(PrecisionAwareAdamW):
             self._whole[id(param)] = WholeMatrices(param, split) if distributed else None
         return self._whole[id(param)]
 
-    def _muon_update(self, param: torch.Tensor, group: dict[str, Any], turn: int) -> None:
-        """torch.optim.Muon's ``_single_tensor_muon`` for one matrix or one grouped-experts weight, its matrices
-        orthogonalised whole (:class:`WholeMatrices`); ``turn`` picks which of the ranks sharing them computes."""
-        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+    def _momentum(self, param: torch.Tensor, group: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        """``param``'s state and the update to orthogonalise (its local piece, fp32): torch.optim.Muon's momentum EMA,
+        and the Nesterov blend with the gradient."""
         grad, momentum = _local(param.grad).float(), group["momentum"]  # bf16 parameters: fp32 arithmetic
         state = self._init_param_state(param)
         stored = _local(state["momentum_buffer"])
@@ -335,20 +343,14 @@ class MuonWithAdamW(PrecisionAwareAdamW):
         buf.lerp_(grad, 1 - momentum)
         if buf is not stored:
             stored.copy_(buf)
-        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-        layout = self._whole_matrices(param)
-        whole = update if layout is None else layout.gather(update)
-        dtype = ns_dtype(group, whole)
-        if layout is None or turn % layout.ranks == layout.index:
-            ortho = newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], dtype)
-            # a collective reads storage in order: a tall matrix's result is a transposed view
-            ortho = ortho if layout is None else ortho.contiguous()
-        else:
-            ortho = torch.zeros_like(whole, dtype=dtype)
-        rows, cols = whole.shape[-2:]
-        if layout is not None:
-            ortho = layout.scatter(layout.share(ortho))
-        # the fp32 master copy where one is kept, else the parameter (a bf16 one updated in fp32, stored rounded)
+        return state, grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _apply(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], ortho: torch.Tensor) -> None:
+        """Decoupled weight decay and the orthogonalised update ``ortho`` (the rank's piece; its lr adjusted by the
+        whole matrices' shape, ``state["matrix"]``) on the fp32 master copy where one is kept, else on the parameter
+        (a bf16 one updated in fp32 and stored rounded)."""
+        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+        rows, cols = state.pop("matrix")
         stored_weight = _local(state.get("master", param))
         weight = stored_weight.float()
         weight.mul_(1 - lr * group["weight_decay"])
@@ -357,3 +359,31 @@ class MuonWithAdamW(PrecisionAwareAdamW):
             stored_weight.copy_(weight)
         if "master" in state:
             _local(param).copy_(stored_weight)
+
+    def _muon_update(self, param: torch.Tensor, group: dict[str, Any], turn: int) -> None:
+        """One split parameter's update, its matrices orthogonalised whole (:class:`WholeMatrices`); ``turn`` picks
+        which of the ranks sharing them computes."""
+        state, update = self._momentum(param, group)
+        layout = self._whole_matrices(param)
+        whole = layout.gather(update)
+        dtype = ns_dtype(group, whole)
+        if turn % layout.ranks == layout.index:
+            ortho = newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], dtype)
+            ortho = ortho.contiguous()  # a collective reads storage in order: a tall result is a transposed view
+        else:
+            ortho = torch.zeros_like(whole, dtype=dtype)
+        state["matrix"] = whole.shape[-2:]
+        self._apply(param, state, group, layout.scatter(layout.share(ortho)))
+
+    def _batched_update(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """Whole parameters of one shape: their updates orthogonalised in one batched Newton-Schulz (one parameter
+        alone: the 2-D case torch.optim.Muon runs, bitwise in bf16)."""
+        states, updates = zip(*(self._momentum(p, group) for p in params), strict=True)
+        stacked = updates[0] if len(updates) == 1 else torch.stack(updates).flatten(0, -3)
+        dtype = ns_dtype(group, stacked)
+        ortho = newton_schulz(stacked, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], dtype)
+        shape = _local(params[0]).shape  # whole_matrices False: a DTensor's local piece, as if whole
+        ortho = ortho.reshape(len(params), *shape)
+        for param, state, piece in zip(params, states, ortho, strict=True):
+            state["matrix"] = shape[-2:]
+            self._apply(param, state, group, piece)
