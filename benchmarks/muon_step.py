@@ -7,8 +7,8 @@ tokens, fp32 on CPU, one process. Both optimizers are moe-train's own (``moe_tra
 - ``muon_vs_adamw``: the two ``optimizer.step()`` calls head to head (interleaved, taking turns at going first); the
   per-repetition ratio Muon / AdamW, median and range;
 - ``share``: each step against the model's forward + backward on the micro-batch, head to head: the optimizer's share
-  of a one-micro-batch training step, median(step) / (median(forward + backward) + median(step)). A run accumulating
-  more micro-batches per step divides it accordingly;
+  of a one-micro-batch training step, median(step) / (median(forward + backward) + median(step)), and of the
+  preset's own step (its global batch of 16 sequences: 4 micro-batches, each a forward + backward, then one update);
 - ``state_bytes``: what each optimizer holds (``moe_train.adamw.optimizer_state_bytes``) after a step.
 
 Newton-Schulz runs in fp32 on CPU (``train.muon_ns_dtype auto``); on a GPU it runs in bf16 and the ratios differ.
@@ -42,6 +42,7 @@ def main() -> None:
     overrides = {**(MICRO if args.quick else {}), "run.device": "cpu", "run.dtype": "fp32"}
     configs = {name: load_config("tiny", {**overrides, "train.optimizer": name}) for name in ("adamw", "muon")}
     cfg = configs["adamw"]
+    accumulation = cfg.train.global_batch_size // batch  # micro-batches in one of the preset's steps
     base = build_model(cfg.model, seed=0)
     ids = torch.randint(0, cfg.model.vocab_size, (batch, cfg.data.seq_len))
 
@@ -64,6 +65,7 @@ def main() -> None:
         step_s, pass_s = head_to_head(steps[name], lambda: forward_backward(probe), reps, warmup)
         step, whole = spread(step_s)["median"], spread(pass_s)["median"]
         shares[name] = {"step_s": spread(step_s), "forward_backward_s": spread(pass_s), "share": step / (whole + step)}
+        shares[name]["share_of_preset_step"] = step / (accumulation * whole + step)
     state_bytes = {name: optimizer_state_bytes(opt) for name, opt in optimizers.items()}
     totals = {name: sum(b.values()) for name, b in state_bytes.items()}
     muon_params = sum(p.numel() for g in optimizers["muon"].param_groups if g["rule"] == "muon" for p in g["params"])
@@ -75,6 +77,7 @@ def main() -> None:
             "preset": "tiny",
             "overrides": overrides,
             "micro_batch": [batch, cfg.data.seq_len],
+            "micro_batches_per_step": accumulation,
             "reps": reps,
             "params": sum(p.numel() for p in base.parameters()),
             "muon_params": muon_params,
@@ -90,7 +93,9 @@ def main() -> None:
     print(
         f"Muon step / AdamW step {report['muon_vs_adamw']['median']:.2f}x "
         f"(range {report['muon_vs_adamw']['min']:.2f}-{report['muon_vs_adamw']['max']:.2f}); share of a "
-        f"one-micro-batch step: AdamW {shares['adamw']['share']:.1%}, Muon {shares['muon']['share']:.1%}; "
+        f"one-micro-batch step: AdamW {shares['adamw']['share']:.1%}, Muon {shares['muon']['share']:.1%}; of the "
+        f"preset's step: AdamW {shares['adamw']['share_of_preset_step']:.1%}, "
+        f"Muon {shares['muon']['share_of_preset_step']:.1%}; "
         f"state bytes Muon / AdamW {report['state_bytes_muon_vs_adamw']:.2f}"
     )
     write(args.out, report)
