@@ -9,7 +9,9 @@ and on the GPT-OSS proxy (learned sinks; sliding windows of 8 tokens, so that wi
 also on GPT-OSS and on a model with tied embeddings. The GLM-4.5 proxy (partial rotary, q/k norms and biases, sigmoid
 routing with an expert bias, a shared expert, MTP) runs cp=2, tp=2 x ep=2 and pp=2 the same way, the Llama 4 proxy
 (chunked attention whose chunks cross the cp chunks, NoPE layers, probabilities on the experts' input) cp=2 and ep=2,
-and the OLMoE proxy (q/k norms across heads) tp=2.
+and the OLMoE proxy (q/k norms across heads) tp=2. Every layout also trains DeepSeek-V3's proxy with Muon
+(``train.optimizer muon``), against one process's Muon run: each matrix must be orthogonalised whole however the layout
+splits it; a control orthogonalising FSDP shards apart must differ.
 
 Every other run uses micro-batches of 2 sequences, so the single process accumulates 4 of them per step and each
 layout as many as its data-parallel size leaves (a pipeline schedule runs those same micro-batches): the
@@ -328,20 +330,29 @@ def _muon_references() -> dict[str, tuple[str, dict[str, str]]]:
     }
 
 
+def _muon_reference(layout: str) -> str:
+    """The one-process Muon run (``_muon_references``) that ``layout`` is compared with."""
+    if layout in PIPELINE_LAYOUTS:
+        return f"muon {MUON_PRESET} 4 layers"
+    return f"muon {MUON_PRESET}" + (" context" if layout in MUON_CONTEXT_LAYOUTS else "")
+
+
+def _muon_layout(layout: str) -> tuple[int, dict[str, str]]:
+    """``layout``'s world size and parallel.* overrides."""
+    if layout in MUON_CONTEXT_LAYOUTS:
+        return CONTEXT_LAYOUTS[layout][:2]
+    return {**LAYOUTS, **PIPELINE_LAYOUTS}[layout]
+
+
 def _muon_cases(world: int) -> list[dict]:
     """The Muon runs on ``world`` ranks (one per layout), and the shard-by-shard control."""
     references = _muon_references()
     cases = []
-    for layout, (size, extra) in {**LAYOUTS, **PIPELINE_LAYOUTS}.items():
-        reference = f"muon {MUON_PRESET}" + (" 4 layers" if layout in PIPELINE_LAYOUTS else "")
+    for layout in [*LAYOUTS, *PIPELINE_LAYOUTS, *MUON_CONTEXT_LAYOUTS]:
+        size, extra = _muon_layout(layout)
         if size == world:
-            preset, model = references[reference]
-            cases.append({"name": _case_dir(reference, layout), "preset": preset, "overrides": {**model, **extra}})
-    for layout in MUON_CONTEXT_LAYOUTS:
-        size, extra, _ = CONTEXT_LAYOUTS[layout]
-        if size == world:
-            preset, model = references[f"muon {MUON_PRESET} context"]
-            name = _case_dir(f"muon {MUON_PRESET} context", layout)
+            preset, model = references[_muon_reference(layout)]
+            name = _case_dir(_muon_reference(layout), layout)
             cases.append({"name": name, "preset": preset, "overrides": {**model, **extra}})
     if world == MUON_CONTROL[1]:
         name = _case_dir(f"muon {MUON_PRESET}", MUON_CONTROL[0])
@@ -467,22 +478,14 @@ def test_control_without_gradient_sync_differs(single_process, parallel_runs: di
     assert _max_rel_diff(ours, single_process[PRESETS[0]], "grad_norm") > 10 * TOLERANCE
 
 
-MUON_CASES = [
-    (reference, layout)
-    for layout in [*LAYOUTS, *PIPELINE_LAYOUTS, *MUON_CONTEXT_LAYOUTS]
-    for reference in [
-        f"muon {MUON_PRESET}"
-        + (" 4 layers" if layout in PIPELINE_LAYOUTS else " context" if layout in MUON_CONTEXT_LAYOUTS else "")
-    ]
-]
+MUON_CASES = [(_muon_reference(layout), layout) for layout in [*LAYOUTS, *PIPELINE_LAYOUTS, *MUON_CONTEXT_LAYOUTS]]
 
 
 @pytest.mark.parametrize(("reference", "layout"), MUON_CASES)
 def test_muon_layout_equals_single_process(reference: str, layout: str, single_process, parallel_runs: dict) -> None:
     """Muon's update of a matrix is a function of the whole matrix: gathered where the layout splits it, it must give
     one process's run (the same tolerance as AdamW's)."""
-    world = (CONTEXT_LAYOUTS if reference.endswith(" context") else {**LAYOUTS, **PIPELINE_LAYOUTS})[layout][0]
-    ours = _records(_case(parallel_runs, world, _case_dir(reference, layout)))
+    ours = _records(_case(parallel_runs, _muon_layout(layout)[0], _case_dir(reference, layout)))
     diffs = {key: _max_rel_diff(ours, single_process[reference], key) for key in ("loss", "grad_norm")}
     print(f"{reference} {layout}: max relative difference {diffs}")
     assert all(d < TOLERANCE for d in diffs.values()), diffs
