@@ -20,11 +20,9 @@ import yaml
 from moe_models import ModelConfig
 from moe_parallel import ParallelConfig
 from moe_precision import PrecisionConfig
+from moe_train.config_error import ConfigError
 from moe_train.dtypes import DTYPE_KEYS, short_name
-
-
-class ConfigError(ValueError):
-    """A configuration the user wrote cannot be used; the message names the key and the fix."""
+from moe_train.training_checks import check_training
 
 
 def _field_error_sections() -> dict[type, str]:
@@ -422,8 +420,6 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"train.{key}={getattr(cfg.train, key)!r}: choose {' or '.join(choices)}")
     _validate_data(cfg)
     _validate_peft(cfg.peft)
-    from moe_train.training_checks import check_training
-
     check_training(cfg)
     if cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"run.device={cfg.run.device!r}: choose auto, cpu or cuda")

@@ -3,8 +3,13 @@ training. Checked once by :func:`moe_train.config.validate`, each refusal one li
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from moe_models.qk_clip import qk_clip_refusals
-from moe_train.config import ConfigError, ExperimentConfig
+from moe_train.config_error import ConfigError
+
+if TYPE_CHECKING:
+    from moe_train.config import ExperimentConfig
 
 
 def check_training(cfg: ExperimentConfig) -> None:
