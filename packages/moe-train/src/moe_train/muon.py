@@ -32,7 +32,7 @@ parameter takes which rule; :func:`grouping_message` is the line the trainer pri
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -294,29 +294,24 @@ class MuonWithAdamW(PrecisionAwareAdamW):
             _local(state["master"]).copy_(_local(param.detach()))
         return state
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["rule"] == "adamw":
-                self._step_group(group)
-                continue
-            params = [p for p in group["params"] if p.grad is not None]
-            split = [p for p in params if self._whole_matrices(p) is not None]
-            for turn, param in enumerate(split):  # every rank of a layout holds the same split parameters
-                self._muon_update(param, group, turn)
-            # whole matrices of one shape (a layer's projections, each layer's experts) in one batched iteration
-            same_shape: dict[tuple, list[torch.Tensor]] = {}
-            for param in params:
-                if self._whole_matrices(param) is None:
-                    local = _local(param)
-                    same_shape.setdefault((tuple(local.shape), local.device), []).append(param)
-            for batch in same_shape.values():
-                self._batched_update(batch, group)
-        return loss
+    def _step_group(self, group: dict[str, Any]) -> None:
+        """One param group's update (PrecisionAwareAdamW.step calls it per group): AdamW's for an ``"adamw"`` group;
+        for a ``"muon"`` one, the split parameters one by one (every rank of a layout holds the same, in order), then
+        whole matrices of one shape (a layer's projections, each layer's experts) in one batched iteration."""
+        if group["rule"] == "adamw":
+            super()._step_group(group)
+            return
+        params = [p for p in group["params"] if p.grad is not None]
+        split = [p for p in params if self._whole_matrices(p) is not None]
+        for turn, param in enumerate(split):
+            self._muon_update(param, group, turn)
+        same_shape: dict[tuple, list[torch.Tensor]] = {}
+        for param in params:
+            if self._whole_matrices(param) is None:
+                local = _local(param)
+                same_shape.setdefault((tuple(local.shape), local.device), []).append(param)
+        for batch in same_shape.values():
+            self._batched_update(batch, group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """PrecisionAwareAdamW's (AdamW states kept in ``states_dtype``), and the momentum buffers put back in it."""
