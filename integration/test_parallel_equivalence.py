@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -107,6 +108,46 @@ PIPELINE_LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
     # on the last stage, takes its labels from the whole sequence)
     "pp=2 x cp=2": (4, {"parallel.pp": "2", "parallel.cp": "2"}),
 }
+
+
+# expert-parallel communication overlap (parallel.ep_overlap): each overlapped row against the same layout without
+# overlap (its base), to OVERLAP_TOLERANCE; and the rows whose micro-batches are one process's against it too
+class OverlapRow(NamedTuple):
+    world: int
+    overrides: dict[str, str]
+    base: str | None  # the row it must equal (a row of LAYOUTS or of this table); None: a base row
+    presets: tuple[str, ...]
+    pipelined: bool = False  # on the 4-layer pipeline proxies
+    versus_one_process: bool = True
+
+
+CHUNKED = {"parallel.ep_overlap": "chunked"}
+CAPACITY = {"model.moe_expert_capacity_factor": "1.0", "model.moe_pad_expert_input_to_capacity": "true"}
+EP_ETP = {"parallel.ep": "2", "parallel.etp": "2"}
+# DualPipeV needs 4 micro-batches a step on each of the 2 data-parallel ranks: micro-batches of 1 sequence, which one
+# process's run (of micro-batches of 2) balances otherwise
+PP_EP_DUALPIPE = {
+    "parallel.pp": "2",
+    "parallel.ep": "2",
+    "parallel.pp_schedule": "DualPipeV",
+    "train.micro_batch_size": "1",
+}
+QWEN3, DEEPSEEK = ("tiny-qwen3-moe",), ("tiny-deepseek-v3",)
+OVERLAP_LAYOUTS: dict[str, OverlapRow] = {
+    "ep=2 chunked overlap": OverlapRow(2, {"parallel.ep": "2", **CHUNKED}, "ep=2", PRESETS),
+    # capacity dropping with padding: the drops are decided for the whole micro-batch before it is chunked
+    "ep=2 capacity 1.0": OverlapRow(2, {"parallel.ep": "2", **CAPACITY}, None, QWEN3, versus_one_process=False),
+    "ep=2 capacity 1.0 chunked overlap": OverlapRow(
+        2, {"parallel.ep": "2", **CAPACITY, **CHUNKED}, "ep=2 capacity 1.0", QWEN3, versus_one_process=False
+    ),
+    "ep=2 x etp=2": OverlapRow(4, EP_ETP, None, DEEPSEEK),
+    "ep=2 x etp=2 chunked overlap": OverlapRow(4, {**EP_ETP, **CHUNKED}, "ep=2 x etp=2", DEEPSEEK),
+    "pp=2 x ep=2 DualPipeV": OverlapRow(4, PP_EP_DUALPIPE, None, QWEN3, pipelined=True, versus_one_process=False),
+    "pp=2 x ep=2 DualPipeV chunked overlap": OverlapRow(
+        4, {**PP_EP_DUALPIPE, **CHUNKED}, "pp=2 x ep=2 DualPipeV", QWEN3, pipelined=True, versus_one_process=False
+    ),
+}
+OVERLAP_TOLERANCE = 1e-5
 # the rows that run on these proxies only (the others run on every one of PRESETS)
 PIPELINE_PRESETS = {
     "pp=2 x cp=2": ("tiny-deepseek-v3",),
@@ -402,6 +443,20 @@ def parallel_runs(data_cache: Path, tmp_path_factory: pytest.TempPathFactory, la
             for model in models
             if _runs(model, name)
         ]
+        cases += [
+            {
+                "name": _case_dir(preset, name),
+                "preset": preset,
+                "overrides": {
+                    **_overrides(data_cache),
+                    **(_pipeline_overrides(preset) if pipelined else {}),
+                    **extra,
+                },
+            }
+            for name, (size, extra, _, presets, pipelined, _) in OVERLAP_LAYOUTS.items()
+            if size == world
+            for preset in presets
+        ]
         if world == CONTROL[1]:
             cases.append(
                 {
@@ -469,6 +524,41 @@ def test_context_parallel_equals_single_process(model: str, layout: str, single_
     print(f"{model} {layout}: max relative difference {diffs}")
     assert all(d < TOLERANCE for d in diffs.values()), diffs
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.5
+
+
+OVERLAP_CASES = [
+    (preset, name) for name, row in OVERLAP_LAYOUTS.items() if row.base is not None for preset in row.presets
+]
+
+
+def _overlap_records(parallel_runs: dict, preset: str, layout: str) -> list[dict]:
+    """The metrics of an overlap row, or of the row it is compared with (a layout of LAYOUTS or of this table)."""
+    world = OVERLAP_LAYOUTS[layout].world if layout in OVERLAP_LAYOUTS else LAYOUTS[layout][0]
+    return _records(_case(parallel_runs, world, _case_dir(preset, layout)))
+
+
+@pytest.mark.parametrize(("preset", "layout"), OVERLAP_CASES)
+def test_overlap_equals_the_run_without_it(preset: str, layout: str, parallel_runs: dict) -> None:
+    """parallel.ep_overlap changes the schedule of the all-to-alls, not what they carry: the same losses and gradient
+    norms as the layout without overlap, step by step."""
+    ours = _overlap_records(parallel_runs, preset, layout)
+    base = _overlap_records(parallel_runs, preset, OVERLAP_LAYOUTS[layout].base)
+    diffs = {key: _max_rel_diff(ours, base, key) for key in ("loss", "grad_norm", "aux_loss")}
+    print(f"{preset} {layout}: max relative difference to the run without overlap {diffs}")
+    assert all(d < OVERLAP_TOLERANCE for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize(
+    ("preset", "layout"),
+    [(p, name) for name, row in OVERLAP_LAYOUTS.items() if row.versus_one_process for p in row.presets],
+)
+def test_overlap_layouts_equal_single_process(preset: str, layout: str, single_process, parallel_runs: dict) -> None:
+    """The overlap rows and their new base rows are layouts like the others: one process's run, to TOLERANCE."""
+    ours = _overlap_records(parallel_runs, preset, layout)
+    reference = single_process[preset + (" 4 layers" if OVERLAP_LAYOUTS[layout].pipelined else "")]
+    diffs = {key: _max_rel_diff(ours, reference, key) for key in ("loss", "grad_norm", "aux_loss")}
+    print(f"{preset} {layout}: max relative difference {diffs}")
+    assert all(d < TOLERANCE for d in diffs.values()), diffs
 
 
 def test_control_without_gradient_sync_differs(single_process, parallel_runs: dict) -> None:

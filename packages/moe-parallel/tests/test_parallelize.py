@@ -167,6 +167,20 @@ def test_a_plan_without_context_parallel_attention_refuses_cp() -> None:
             "moe_token_dispatcher_type",
             "moe_token_dispatcher_type='flex': DeepEP does not support etp > 1: use 'alltoall', or etp=1",
         ),
+        (
+            {},
+            {"ep_overlap": "chunked"},
+            "ep_overlap",
+            "ep_overlap='chunked': overlaps expert-parallel all-to-alls, and ep=1 has none: set ep > 1, or ep_overlap "
+            "none",
+        ),
+        (
+            {},
+            {"ep": 2, "ep_overlap": "chunked", "moe_token_dispatcher_type": "allgather"},
+            "ep_overlap",
+            "ep_overlap='chunked': pipelines the alltoall dispatcher's exchanges, not allgather's: set "
+            "moe_token_dispatcher_type alltoall, or ep_overlap none",
+        ),
     ],
 )
 def test_layouts_a_model_cannot_take_name_the_field(changes: dict, parallel: dict, field: str, message: str) -> None:

@@ -54,6 +54,12 @@ def test_yaml_file_with_sections(tmp_path: Path) -> None:
         ({"model.moe_router_topk": "9"}, "model.moe_router_topk=9: must be between 1 and the number of experts (8)"),
         ({"model.num_attention_heads": "3"}, "model.num_attention_heads=3: must be a multiple of num_query_groups (2)"),
         ({"parallel.moe_token_dispatcher_type": "nccl"}, "parallel.moe_token_dispatcher_type='nccl': choose one of"),
+        ({"parallel.ep_overlap": "dualpipe"}, "parallel.ep_overlap='dualpipe': choose one of none, chunked"),
+        ({"parallel.ep_overlap_chunks": "1"}, "parallel.ep_overlap_chunks=1: must be at least 2"),
+        (
+            {"parallel.ep_overlap": "chunked", "precision.dispatch_fp8": "true"},
+            "parallel.ep_overlap=chunked: the FP8 token dispatch (precision.dispatch_fp8) cannot be pipelined yet",
+        ),
         ({"parallel.backend": "mpi"}, "parallel.backend='mpi': choose one of auto, gloo, nccl"),
         ({"parallel.pp_schedule": "1f1b"}, "parallel.pp_schedule='1f1b': choose one of 1F1B, GPipe, Interleaved1F1B"),
         ({"parallel.vpp": "0"}, "parallel.vpp=0: must be at least 1 (or unset)"),

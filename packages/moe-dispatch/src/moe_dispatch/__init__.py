@@ -4,9 +4,16 @@ from moe_dispatch.accounting import bytes_sent, rows_sent
 from moe_dispatch.allgather import AllGatherDispatcher, AllGatherHandle
 from moe_dispatch.alltoall import AllToAllDispatcher, AllToAllHandle
 from moe_dispatch.capacity import capacity_keep_mask, get_capacity
-from moe_dispatch.collectives import all_gather_uneven, all_to_all, reduce_scatter_uneven
+from moe_dispatch.collectives import (
+    all_gather_uneven,
+    all_to_all,
+    finish_all_to_all,
+    reduce_scatter_uneven,
+    start_all_to_all,
+)
 from moe_dispatch.config import RouterConfig, RouterConfigError
 from moe_dispatch.deepep import DeepEPBuffer, DeepEPUnavailableError, FlexDispatcher, FlexHandle, deepep_buffer
+from moe_dispatch.delayed_link import DelayedLink
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight, LocalDispatcher, TokenDispatcher
 from moe_dispatch.ep_base import ExpertParallelDispatcher
 from moe_dispatch.expert_bias import update_expert_bias
@@ -19,6 +26,7 @@ from moe_dispatch.load_balancing import (
     switch_aux_loss,
     z_loss,
 )
+from moe_dispatch.overlap import OVERLAP_MODES, exchange_chunked
 from moe_dispatch.permutation import (
     PermutationMap,
     make_permutation_map,
@@ -37,12 +45,14 @@ __version__ = "0.6.0"
 
 __all__ = [
     "DISPATCHERS",
+    "OVERLAP_MODES",
     "AllGatherDispatcher",
     "AllGatherHandle",
     "AllToAllDispatcher",
     "AllToAllHandle",
     "AuxLossAutoScaler",
     "DeepEPBuffer",
+    "DelayedLink",
     "DeepEPUnavailableError",
     "DispatchHandle",
     "DispatchResult",
@@ -68,6 +78,8 @@ __all__ = [
     "attach_aux_loss",
     "build_dispatcher",
     "deepep_buffer",
+    "exchange_chunked",
+    "finish_all_to_all",
     "bytes_sent",
     "capacity_keep_mask",
     "get_capacity",
@@ -80,6 +92,7 @@ __all__ = [
     "routing_stats",
     "rows_sent",
     "seq_aux_loss",
+    "start_all_to_all",
     "switch_aux_loss",
     "triton_available",
     "unpermute",

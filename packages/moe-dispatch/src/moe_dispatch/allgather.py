@@ -62,11 +62,11 @@ class AllGatherDispatcher(ExpertParallelDispatcher[AllGatherDispatchState, AllGa
         )
 
     def _gather(self, group, x, probs, idx, keep):
-        sizes = tuple(gather_sizes(x.shape[0], group, x.device))
+        sizes = tuple(gather_sizes(x.shape[0], group, x.device, self.link))
         return (
             sizes,
             self.gather_tokens(x, sizes, group),
-            *(all_gather_uneven(t, sizes, group) for t in (probs, idx, keep)),
+            *(all_gather_uneven(t, sizes, group, self.link) for t in (probs, idx, keep)),
         )
 
     def token_dispatch(self, state: AllGatherDispatchState) -> AllGatherDispatchState:
@@ -100,8 +100,8 @@ class AllGatherDispatcher(ExpertParallelDispatcher[AllGatherDispatchState, AllGa
     def token_combine(self, state: InFlight[AllGatherHandle]) -> InFlight[AllGatherHandle]:
         y, h = state.tokens, state.handle
         if h.etp_sizes is not None:
-            y = reduce_scatter_uneven(y, h.etp_sizes, self.etp_group)
-        return InFlight(reduce_scatter_uneven(y, h.ep_sizes, self.ep_group), h)
+            y = reduce_scatter_uneven(y, h.etp_sizes, self.etp_group, self.link)
+        return InFlight(reduce_scatter_uneven(y, h.ep_sizes, self.ep_group, self.link), h)
 
     def combine_postprocess(self, state: InFlight[AllGatherHandle]) -> torch.Tensor:
         return state.tokens

@@ -27,13 +27,26 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import ProcessGroup
 
 from moe_dispatch.accounting import destination_rank_TK
-from moe_dispatch.collectives import all_gather_uneven, all_to_all, exchange_splits, gather_sizes, reduce_scatter_uneven
+from moe_dispatch.collectives import (
+    PendingAllToAll,
+    all_gather_uneven,
+    all_to_all,
+    exchange_splits,
+    finish_all_to_all,
+    gather_sizes,
+    reduce_scatter_uneven,
+    start_all_to_all,
+)
+from moe_dispatch.delayed_link import DelayedLink
 from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight
 from moe_dispatch.ep_base import ExpertParallelDispatcher
+from moe_dispatch.overlap import exchange_chunked
 from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, unpermute
 from moe_dispatch.router import RoutingResult
+from moe_dispatch.wire import WireCodec
 
 
 def first_pair_per_rank_TK(dest_TK: torch.Tensor, keep_TK: torch.Tensor) -> torch.Tensor:
@@ -74,12 +87,49 @@ class AllToAllDispatchState:
     num_tokens: int  # tokens this rank routed
     send_map: PermutationMap
     send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...] | None = None  # set by token_dispatch
+    recv_splits: tuple[int, ...] | None = None  # set by token_dispatch (or by exchange_counts, ahead of it)
     etp_sizes: tuple[int, ...] | None = None  # set by token_dispatch with etp
+    # between start_token_dispatch and finish_token_dispatch: the exchanges of tokens, probs and expert ids in flight
+    in_flight: tuple[PendingAllToAll, ...] | None = None
+
+
+@dataclass(frozen=True)
+class CombineInFlight:
+    """A combine between start_token_combine and finish_token_combine: the buffer its all-to-all fills."""
+
+    tokens: torch.Tensor
+    handle: AllToAllHandle
+    pending: PendingAllToAll
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAllHandle]):
-    """Deduplicated all-to-all over the ep group (all-gather / reduce-scatter over etp)."""
+    """Deduplicated all-to-all over the ep group (all-gather / reduce-scatter over etp).
+
+    ``overlap_chunks > 1``: :meth:`exchange` pipelines that many chunks of the tokens so that their all-to-alls run
+    while other chunks' experts compute (:mod:`moe_dispatch.overlap`); 1 runs dispatch, experts and combine in turn.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        ep_group: ProcessGroup | None = None,
+        etp_group: ProcessGroup | None = None,
+        pad_multiple: int = 1,
+        wire: WireCodec | None = None,
+        link: DelayedLink | None = None,
+        overlap_chunks: int = 1,
+    ) -> None:
+        super().__init__(num_experts, ep_group, etp_group, pad_multiple, wire, link)
+        if overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks={overlap_chunks}: must be at least 1")
+        if overlap_chunks > 1 and wire is not None:
+            raise ValueError(f"overlap_chunks={overlap_chunks}: an encoded dispatch (wire {wire.name!r}) runs in turn")
+        self.overlap_chunks = overlap_chunks
+
+    def exchange(self, x_TH, routing, experts, alongside=None):
+        if self.overlap_chunks == 1:
+            return super().exchange(x_TH, routing, experts, alongside)
+        return exchange_chunked(self, x_TH, routing, experts, self.overlap_chunks, alongside)
 
     def dispatch_preprocess(self, x_TH: torch.Tensor, routing: RoutingResult) -> AllToAllDispatchState:
         idx_TK = routing.expert_idx_TK
@@ -103,19 +153,59 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
 
     def token_dispatch(self, state: AllToAllDispatchState) -> AllToAllDispatchState:
         send_splits = state.send_splits
-        recv_splits = tuple(exchange_splits(send_splits, self.ep_group, state.tokens_RH.device))
+        recv_splits = state.recv_splits
+        if recv_splits is None:
+            recv_splits = tuple(exchange_splits(send_splits, self.ep_group, state.tokens_RH.device, self.link))
         x = self.send_tokens(state.tokens_RH, recv_splits, send_splits, self.ep_group)
         probs, local_idx = (
-            all_to_all(t, recv_splits, send_splits, self.ep_group) for t in (state.probs_RK, state.local_idx_RK)
+            all_to_all(t, recv_splits, send_splits, self.ep_group, self.link)
+            for t in (state.probs_RK, state.local_idx_RK)
         )
+        return self._gather_over_etp(state, x, probs, local_idx, recv_splits)
+
+    def _gather_over_etp(self, state, x, probs, local_idx, recv_splits) -> AllToAllDispatchState:
         etp_sizes = None
         if self.uses_etp:
-            etp_sizes = tuple(gather_sizes(x.shape[0], self.etp_group, x.device))
+            etp_sizes = tuple(gather_sizes(x.shape[0], self.etp_group, x.device, self.link))
             x = self.gather_tokens(x, etp_sizes, self.etp_group)
-            probs, local_idx = (all_gather_uneven(t, etp_sizes, self.etp_group) for t in (probs, local_idx))
+            probs, local_idx = (all_gather_uneven(t, etp_sizes, self.etp_group, self.link) for t in (probs, local_idx))
         return dataclasses.replace(
-            state, tokens_RH=x, probs_RK=probs, local_idx_RK=local_idx, recv_splits=recv_splits, etp_sizes=etp_sizes
+            state,
+            tokens_RH=x,
+            probs_RK=probs,
+            local_idx_RK=local_idx,
+            recv_splits=recv_splits,
+            etp_sizes=etp_sizes,
+            in_flight=None,
         )
+
+    def exchange_counts(self, states: list[AllToAllDispatchState]) -> list[AllToAllDispatchState]:
+        """The receive counts of several dispatches in one exchange, so that none of them waits on the link for its
+        counts behind the others' tokens (:mod:`moe_dispatch.overlap`)."""
+        if not states:
+            return []
+        device = states[0].tokens_RH.device
+        recv = exchange_splits([s.send_splits for s in states], self.ep_group, device, self.link)
+        return [dataclasses.replace(s, recv_splits=tuple(r)) for s, r in zip(states, recv, strict=True)]
+
+    def start_token_dispatch(self, state: AllToAllDispatchState) -> AllToAllDispatchState:
+        """The first half of :meth:`token_dispatch`: start the ep exchange (counts from :meth:`exchange_counts`)
+        and return; the state's rows are not to be read before :meth:`finish_token_dispatch`."""
+        if state.recv_splits is None:
+            raise ValueError("start_token_dispatch needs the receive counts: pass the state through exchange_counts")
+        if self.wire is not None:
+            raise ValueError(f"an encoded dispatch (wire {self.wire.name!r}) has no asynchronous exchange")
+        rows = (state.tokens_RH, state.probs_RK, state.local_idx_RK)
+        started = [start_all_to_all(t, state.recv_splits, state.send_splits, self.ep_group, self.link) for t in rows]
+        (x, probs, idx), pending = zip(*started, strict=True)
+        return dataclasses.replace(state, tokens_RH=x, probs_RK=probs, local_idx_RK=idx, in_flight=tuple(pending))
+
+    def finish_token_dispatch(self, state: AllToAllDispatchState) -> AllToAllDispatchState:
+        """Wait for the exchange :meth:`start_token_dispatch` started (then gather over etp, synchronously)."""
+        assert state.in_flight is not None and state.recv_splits is not None, "finish what start_token_dispatch began"
+        rows = (state.tokens_RH, state.probs_RK, state.local_idx_RK)
+        x, probs, idx = (finish_all_to_all(t, p) for t, p in zip(rows, state.in_flight, strict=True))
+        return self._gather_over_etp(state, x, probs, idx, state.recv_splits)
 
     def dispatch_postprocess(self, state: AllToAllDispatchState) -> DispatchResult[AllToAllHandle]:
         assert state.recv_splits is not None, "dispatch_postprocess needs the state token_dispatch returned"
@@ -136,10 +226,25 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
         return InFlight(unpermute(y_NH, handle.pmap, handle.probs_TK), handle)
 
     def token_combine(self, state: InFlight[AllToAllHandle]) -> InFlight[AllToAllHandle]:
-        h, y = state.handle, state.tokens
-        if h.etp_sizes is not None:
-            y = reduce_scatter_uneven(y, h.etp_sizes, self.etp_group)
-        return InFlight(all_to_all(y, h.send_splits, h.recv_splits, self.ep_group), h)
+        h, y = state.handle, self._reduce_over_etp(state)
+        return InFlight(all_to_all(y, h.send_splits, h.recv_splits, self.ep_group, self.link), h)
+
+    def _reduce_over_etp(self, state: InFlight[AllToAllHandle]) -> torch.Tensor:
+        if state.handle.etp_sizes is None:
+            return state.tokens
+        return reduce_scatter_uneven(state.tokens, state.handle.etp_sizes, self.etp_group, self.link)
+
+    def start_token_combine(self, state: InFlight[AllToAllHandle]) -> CombineInFlight:
+        """The first half of :meth:`token_combine` (the etp reduce-scatter, synchronous, then the ep exchange
+        started); its rows are not to be read before :meth:`finish_token_combine`."""
+        h = state.handle
+        y, pending = start_all_to_all(
+            self._reduce_over_etp(state), h.send_splits, h.recv_splits, self.ep_group, self.link
+        )
+        return CombineInFlight(y, h, pending)
+
+    def finish_token_combine(self, state: CombineInFlight) -> InFlight[AllToAllHandle]:
+        return InFlight(finish_all_to_all(state.tokens, state.pending), state.handle)
 
     def combine_postprocess(self, state: InFlight[AllToAllHandle]) -> torch.Tensor:
         return unpermute(state.tokens, state.handle.send_map)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -43,6 +44,7 @@ class DispatchHandle:
 
 HandleT = TypeVar("HandleT", bound=DispatchHandle)
 StateT = TypeVar("StateT")  # what a dispatcher passes between its dispatch stages
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,22 @@ class TokenDispatcher(ABC, Generic[StateT, HandleT]):
 
     def combine(self, y_NH: torch.Tensor, handle: HandleT) -> torch.Tensor:
         return self.combine_postprocess(self.token_combine(self.combine_preprocess(y_NH, handle)))
+
+    def exchange(
+        self,
+        x_TH: torch.Tensor,
+        routing: RoutingResult,
+        experts: Callable[[DispatchResult[HandleT]], torch.Tensor],
+        alongside: Callable[[], T] | None = None,
+    ) -> tuple[torch.Tensor, T | None]:
+        """Dispatch, ``experts`` (the expert-major rows ``[N, H]`` to their outputs, already weighted by the rows'
+        probabilities: combine sums them unweighted), combine: ``[T, H]``. ``alongside`` (e.g. the shared experts)
+        runs while the tokens travel and its result is returned with the output. A dispatcher that overlaps its
+        communication with computation (:mod:`moe_dispatch.overlap`) pipelines these stages; this one runs them in
+        turn."""
+        side = alongside() if alongside is not None else None
+        dispatched = self.dispatch(x_TH, routing)
+        return self.combine(experts(dispatched), dispatched.probs_applied()), side
 
 
 class LocalDispatcher(TokenDispatcher[InFlight[DispatchHandle], DispatchHandle]):

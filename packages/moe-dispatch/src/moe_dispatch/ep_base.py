@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from moe_dispatch.collectives import all_gather_uneven, all_to_all, group_rank, group_size
+from moe_dispatch.delayed_link import DelayedLink
 from moe_dispatch.dispatcher import HandleT, StateT, TokenDispatcher
 from moe_dispatch.permutation import PermutationMap, make_permutation_map
 from moe_dispatch.wire import WireCodec, all_gather_encoded, all_to_all_encoded
@@ -33,6 +34,7 @@ class ExpertParallelDispatcher(TokenDispatcher[StateT, HandleT]):
         etp_group: ProcessGroup | None = None,
         pad_multiple: int = 1,
         wire: WireCodec | None = None,
+        link: DelayedLink | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialised torch.distributed process group")
@@ -50,6 +52,7 @@ class ExpertParallelDispatcher(TokenDispatcher[StateT, HandleT]):
         self.first_local_expert = self.ep_rank * self.num_local_experts
         self.pad_multiple = pad_multiple
         self.wire = wire  # the tokens' dispatch format (moe_dispatch.wire); None: the compute dtype
+        self.link = link  # a modelled link every collective waits for (moe_dispatch.delayed_link); None: real only
 
     def row_bytes(self, hidden: int, element_size: int) -> int:
         """Bytes a dispatched token row takes on the wire."""
@@ -60,14 +63,14 @@ class ExpertParallelDispatcher(TokenDispatcher[StateT, HandleT]):
     ) -> torch.Tensor:
         """The dispatch's all-to-all of token rows, in the wire format when there is one."""
         if self.wire is None:
-            return all_to_all(x, out_splits, in_splits, group)
-        return all_to_all_encoded(x, out_splits, in_splits, group, self.wire)
+            return all_to_all(x, out_splits, in_splits, group, self.link)
+        return all_to_all_encoded(x, out_splits, in_splits, group, self.wire, self.link)
 
     def gather_tokens(self, x: torch.Tensor, sizes: tuple[int, ...], group: ProcessGroup | None) -> torch.Tensor:
         """The dispatch's all-gather of token rows, in the wire format when there is one."""
         if self.wire is None:
-            return all_gather_uneven(x, sizes, group)
-        return all_gather_encoded(x, sizes, group, self.wire)
+            return all_gather_uneven(x, sizes, group, self.link)
+        return all_gather_encoded(x, sizes, group, self.wire, self.link)
 
     @property
     def uses_etp(self) -> bool:

@@ -17,6 +17,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from moe_dispatch.collectives import _a2a, _all_gather, _reduce_scatter
+from moe_dispatch.delayed_link import DelayedLink
 
 
 @runtime_checkable
@@ -36,35 +37,42 @@ class WireCodec(Protocol):
 
 class _EncodedAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, codec):  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        parts = [_a2a(p, out_splits, in_splits, group) for p in codec.encode(x)]
+    def forward(ctx, x, out_splits, in_splits, group, codec, link):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.link = (out_splits, in_splits), group, link
+        parts = [_a2a(p, out_splits, in_splits, group, link) for p in codec.encode(x)]
         return codec.decode(parts, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None, None
+        return _a2a(grad, in_splits, out_splits, ctx.group, ctx.link), None, None, None, None, None
 
 
 class _EncodedAllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sizes, group, codec):  # type: ignore[override]
-        ctx.sizes, ctx.group = sizes, group
-        return codec.decode([_all_gather(p, sizes, group) for p in codec.encode(x)], x.dtype)
+    def forward(ctx, x, sizes, group, codec, link):  # type: ignore[override]
+        ctx.sizes, ctx.group, ctx.link = sizes, group, link
+        return codec.decode([_all_gather(p, sizes, group, link) for p in codec.encode(x)], x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _reduce_scatter(grad.contiguous(), ctx.sizes, ctx.group), None, None, None
+        return _reduce_scatter(grad.contiguous(), ctx.sizes, ctx.group, ctx.link), None, None, None, None
 
 
 def all_to_all_encoded(
-    x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: ProcessGroup | None, codec: WireCodec
+    x: torch.Tensor,
+    out_splits: Sequence[int],
+    in_splits: Sequence[int],
+    group: ProcessGroup | None,
+    codec: WireCodec,
+    link: DelayedLink | None = None,
 ) -> torch.Tensor:
     """:func:`~moe_dispatch.collectives.all_to_all` of ``x`` sent as ``codec``'s parts, decoded on arrival."""
-    return _EncodedAllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group, codec)
+    return _EncodedAllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group, codec, link)
 
 
-def all_gather_encoded(x: torch.Tensor, sizes: Sequence[int], group: ProcessGroup | None, codec: WireCodec):
+def all_gather_encoded(
+    x: torch.Tensor, sizes: Sequence[int], group: ProcessGroup | None, codec: WireCodec, link: DelayedLink | None = None
+):
     """:func:`~moe_dispatch.collectives.all_gather_uneven` of ``x`` sent as ``codec``'s parts, decoded on arrival."""
-    return _EncodedAllGather.apply(x, [int(s) for s in sizes], group, codec)
+    return _EncodedAllGather.apply(x, [int(s) for s in sizes], group, codec, link)

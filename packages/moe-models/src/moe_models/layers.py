@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_dispatch import LocalDispatcher, RouterConfig, RoutingResult, TopKRouter
+from moe_dispatch import DispatchResult, LocalDispatcher, RouterConfig, RoutingResult, TopKRouter
 from moe_experts import GroupedExperts, SharedExperts, get_activation
 
 
@@ -104,7 +104,6 @@ class MoEBlock(nn.Module):
         then weighs in no routing statistic, balancing loss or capacity, and its routed output is zero;
         ``seq_aux_loss`` balances each document (:meth:`~moe_dispatch.TopKRouter.forward`)."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        shared = self.shared_experts.start(x_TH) if self.shared_experts is not None else None
         if document_ids_BS is None:
             routing = self.router(x_TH, seq_len=x_BSH.shape[1])  # tokens are batch-major; logits in router_dtype
         else:
@@ -114,18 +113,24 @@ class MoEBlock(nn.Module):
                     f"{tuple(x_BSH.shape[:2])}"
                 )
             routing = self.router(x_TH, seq_len=x_BSH.shape[1], document_ids_T=document_ids_BS.reshape(-1))
-        dispatched = self.dispatcher.dispatch(x_TH.to(moe_compute_dtype(x_TH)), routing)
-        # probabilities applied inside the experts' activation: less saved for backward than weighting
-        # the gathered rows in combine
-        counts_E, probs_N = dispatched.tokens_per_expert_E, dispatched.row_probs()
-        if self.probs_on_input:
-            rows_NH = dispatched.tokens_NH * probs_N.unsqueeze(-1).to(dispatched.tokens_NH.dtype)
-            y_NH = self.experts(rows_NH, counts_E)
-        elif dispatched.gather_saves_memory:  # the experts gather the rows and save the smaller source instead
-            y_NH = self.experts(dispatched.source_RH, counts_E, probs_N, row_source_N=dispatched.row_source_N)
-        else:
-            y_NH = self.experts(dispatched.tokens_NH, counts_E, probs_N)
-        out_TH = self.dispatcher.combine(y_NH, dispatched.probs_applied())
+        shared_experts = self.shared_experts
+        # the shared expert runs while the tokens travel (on a side stream on CUDA; see SharedExperts.start)
+        alongside = None if shared_experts is None else (lambda: shared_experts.start(x_TH))
+        out_TH, shared = self.dispatcher.exchange(
+            x_TH.to(moe_compute_dtype(x_TH)), routing, self._routed_experts, alongside
+        )
         if shared is not None:
             out_TH = out_TH + shared.wait()
         return out_TH.view_as(x_BSH), routing
+
+    def _routed_experts(self, dispatched: DispatchResult) -> torch.Tensor:
+        """The expert-major rows' outputs ``[N, H]``, weighted by their probabilities (combine sums them)."""
+        counts_E, probs_N = dispatched.tokens_per_expert_E, dispatched.row_probs()
+        if self.probs_on_input:
+            rows_NH = dispatched.tokens_NH * probs_N.unsqueeze(-1).to(dispatched.tokens_NH.dtype)
+            return self.experts(rows_NH, counts_E)
+        if dispatched.gather_saves_memory:  # the experts gather the rows and save the smaller source instead
+            return self.experts(dispatched.source_RH, counts_E, probs_N, row_source_N=dispatched.row_source_N)
+        # probabilities applied inside the experts' activation: less saved for backward than weighting the gathered
+        # rows in combine
+        return self.experts(dispatched.tokens_NH, counts_E, probs_N)

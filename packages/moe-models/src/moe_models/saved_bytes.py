@@ -352,25 +352,10 @@ def _non_gated_shared_expert_saved_bytes(
 def _moe(
     saves: ForwardSaves, experts: ExpertsShape, model: ModelShape, sizes: RankSizes, run: RunShape, mlp_input: str
 ):
-    """The MoE block (moe_models.layers.MoEBlock): the shared expert, the router, dispatch, the grouped experts and
+    """The MoE block (moe_models.layers.MoEBlock): the router, the shared expert, dispatch, the grouped experts and
     combine, all inside the ``moe`` recompute scope."""
     activation_bytes, tokens, hidden = sizes.activation_bytes, sizes.local_tokens, model.hidden
     path = ("moe",)
-    if model.shared_expert_ffn:
-        shared_sizes = {
-            "input_tensor": mlp_input,
-            "tokens": tokens,
-            "hidden": hidden,
-            "ffn_hidden": model.shared_expert_ffn,
-            "activation_bytes": activation_bytes,
-            "gate": model.shared_expert_gate,
-        }
-        if model.mlp_gated:
-            shared = shared_experts_saved_bytes(**shared_sizes)
-        else:
-            shared = _non_gated_shared_expert_saved_bytes(**shared_sizes)
-        saves.add(shared, path=path)
-        saves.scope("shared_experts", "shared_experts", path, (mlp_input,), ())
     router = router_saved_bytes(
         input_tensor=mlp_input,
         tokens=tokens,
@@ -389,6 +374,22 @@ def _moe(
         capacity=run.capacity_factor is not None,
     )
     saves.add(router, path=path)
+    # the shared expert starts after the router (MoEBlock runs it while the tokens travel)
+    if model.shared_expert_ffn:
+        shared_sizes = {
+            "input_tensor": mlp_input,
+            "tokens": tokens,
+            "hidden": hidden,
+            "ffn_hidden": model.shared_expert_ffn,
+            "activation_bytes": activation_bytes,
+            "gate": model.shared_expert_gate,
+        }
+        if model.mlp_gated:
+            shared = shared_experts_saved_bytes(**shared_sizes)
+        else:
+            shared = _non_gated_shared_expert_saved_bytes(**shared_sizes)
+        saves.add(shared, path=path)
+        saves.scope("shared_experts", "shared_experts", path, (mlp_input,), ())
     rows = routed_rows(
         tokens=tokens,
         num_experts=experts.num_experts,

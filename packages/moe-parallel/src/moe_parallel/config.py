@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_dispatch import OVERLAP_MODES
 from moe_parallel.layout import ParallelLayout
 from moe_parallel.plan import LayoutError
 from moe_parallel.schedules import check_schedule_name
@@ -41,6 +42,10 @@ class ParallelConfig:
     vpp: int | None = None
     pp_first_stage_layers: int | None = None
     pp_last_stage_layers: int | None = None
+    # expert-parallel communication hidden behind computation (moe_dispatch.overlap): none, or chunked (each MoE
+    # layer's tokens in ep_overlap_chunks chunks whose all-to-alls run while other chunks' experts compute)
+    ep_overlap: str = "none"
+    ep_overlap_chunks: int = 4
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
@@ -50,6 +55,12 @@ class ParallelConfig:
                 f"choose one of {', '.join(TOKEN_DISPATCHERS)}",
             )
         check_schedule_name(self.pp_schedule)
+        if self.ep_overlap not in OVERLAP_MODES:
+            raise LayoutError("ep_overlap", self.ep_overlap, f"choose one of {', '.join(OVERLAP_MODES)}")
+        if self.ep_overlap_chunks < 2:
+            raise LayoutError(
+                "ep_overlap_chunks", self.ep_overlap_chunks, "must be at least 2 (1 chunk overlaps nothing)"
+            )
         for name in ("vpp", "pp_first_stage_layers", "pp_last_stage_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -115,11 +115,13 @@ def apply_expert_parallel(
     plan: ParallelPlan,
     dispatcher: str = "alltoall",
     wire: WireCodec | None = None,
+    overlap_chunks: int = 1,
 ) -> None:
     """Split the experts of every MoE block ``plan`` names over the ep x etp ranks, in place (module docstring).
 
     ``dispatcher``: ``alltoall``, ``allgather`` or ``flex`` (DeepEP; no etp). ``wire``: the tokens' dispatch format
-    (e.g. moe-precision's blockwise FP8; ``moe_dispatch.wire``). A no-op when ``ep == etp == 1``.
+    (e.g. moe-precision's blockwise FP8; ``moe_dispatch.wire``). ``overlap_chunks`` (alltoall): each layer's exchange
+    pipelined over that many chunks (``moe_dispatch.overlap``). A no-op when ``ep == etp == 1``.
     """
     layout = meshes.layout
     if layout.ep == 1 and layout.etp == 1:
@@ -142,6 +144,8 @@ def apply_expert_parallel(
                 owner, _, attr = name.rpartition(".")
                 module = block.experts.get_submodule(owner) if owner else block.experts
                 setattr(module, attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        if overlap_chunks > 1:
+            extra["overlap_chunks"] = overlap_chunks
         block.dispatcher = build_dispatcher(
             dispatcher, block.router.config.num_experts, ep_group=ep_group, etp_group=etp_group, wire=wire, **extra
         )

@@ -116,7 +116,8 @@ def split_module(
             before_fsdp(model)
         return ParallelModel(model, None, plan, config)
     layout = meshes.layout
-    apply_expert_parallel(model, meshes, plan, config.moe_token_dispatcher_type, dispatch_wire)
+    chunks = config.ep_overlap_chunks if config.ep_overlap == "chunked" else 1
+    apply_expert_parallel(model, meshes, plan, config.moe_token_dispatcher_type, dispatch_wire, chunks)
     tp_partial: list[str] = []
     if layout.tp > 1:
         by_id = {id(p): n for n, p in model.named_parameters()}

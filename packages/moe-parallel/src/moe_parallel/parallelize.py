@@ -96,6 +96,19 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
                 f"applies to FSDP-sharded parameters and this layout shards no {' or '.join(whole)}; keep it fp32 "
                 "and compute in bf16 with autocast instead",
             )
+    if config.ep_overlap != "none" and layout.ep == 1:
+        raise LayoutError(
+            "ep_overlap",
+            config.ep_overlap,
+            "overlaps expert-parallel all-to-alls, and ep=1 has none: set ep > 1, or ep_overlap none",
+        )
+    if config.ep_overlap == "chunked" and config.moe_token_dispatcher_type != "alltoall":
+        raise LayoutError(
+            "ep_overlap",
+            "chunked",
+            f"pipelines the alltoall dispatcher's exchanges, not {config.moe_token_dispatcher_type}'s: set "
+            "moe_token_dispatcher_type alltoall, or ep_overlap none",
+        )
     if config.moe_token_dispatcher_type == "flex" and layout.etp > 1:
         raise LayoutError(
             "moe_token_dispatcher_type",

@@ -1,5 +1,6 @@
 """The ``train`` settings that concern the optimizer and what trains: Muon's keys, QK-clip's, the DSA indexer's
-training. Checked once by :func:`moe_train.config.validate`, each refusal one line naming the key and the fix."""
+training; and the expert-parallel overlap's clash with the FP8 dispatch. Checked once by
+:func:`moe_train.config.validate`, each refusal one line naming the key and the fix."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ def check_training(cfg: ExperimentConfig) -> None:
     _check_muon(cfg)
     _check_dsa_training(cfg)
     _check_qk_clip(cfg)
+    _check_ep_overlap(cfg)
+
+
+def _check_ep_overlap(cfg: ExperimentConfig) -> None:
+    """The chunked overlap starts each chunk's all-to-all and returns; the FP8 dispatch encodes, exchanges and
+    decodes in one call (moe_dispatch.wire), with no start and finish to pipeline."""
+    if cfg.parallel.ep_overlap == "chunked" and cfg.precision.dispatch_fp8:
+        raise ConfigError(
+            "parallel.ep_overlap=chunked: the FP8 token dispatch (precision.dispatch_fp8) cannot be pipelined yet; set "
+            "parallel.ep_overlap none or precision.dispatch_fp8 false"
+        )
 
 
 def _check_dsa_training(cfg: ExperimentConfig) -> None:

@@ -1,0 +1,181 @@
+"""Expert-parallel communication hidden behind computation: a training step's time without overlap and with the
+chunked in-layer overlap (``parallel.ep_overlap chunked``), on a modelled link.
+
+On one machine gloo's all-to-alls are memory copies, so each rank's dispatchers are given a
+:class:`~moe_dispatch.DelayedLink`: every collective of the MoE layers (forward and backward) completes no earlier
+than a link of latency ``LATENCY_S`` and a bandwidth set so that the step's communication ``T_comm`` is 0.5, 1 and 2
+times its computation ``T_compute`` (the step's time on the real gloo, without the link; both measured here). Per
+ratio, the step without overlap and with it run head to head, interleaved, medians over the repetitions; the hidden
+fraction of each pair is ``(T_none - T_overlap) / T_comm``, with ``T_comm`` the link's modelled time of the step
+without overlap. Each mode's step also splits into compute (``T_compute``) and exposed communication (the rest). The
+real gloo step (no link) is compared the same way, whichever way it goes.
+
+The model: 2 MoE layers of 8 experts (top-2, 1024 wide) on a 256-wide residual stream and a 512-token vocabulary, so
+that the experts, which the overlap hides the all-to-alls behind, are most of the computation; a step is forward and
+backward of 4 sequences of 256 tokens a rank (no optimizer), at ep=2 and ep=4 over gloo ranks of one thread each
+(ep=4 puts 4 ranks on these 2 cores). ``--quick`` (the nox benchmarks session): ep=2, ratio 1, a smaller model, 3
+repetitions.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _harness import cli, head_to_head, header, launch_ranks, parse, ratio_spread, spread, write
+
+from moe_dispatch import AllToAllDispatcher, DelayedLink
+from moe_models import build_model
+from moe_models.presets import preset
+from moe_parallel import ParallelLayout, apply_expert_parallel, build_meshes, moe_blocks
+
+LATENCY_S = 50e-6  # per collective: a fast fabric's order
+RATIOS = (0.5, 1.0, 2.0)
+CHUNKS = 4  # parallel.ep_overlap_chunks' default
+
+
+def _config(quick: bool):
+    sizes = (
+        {"hidden_size": 128, "moe_ffn_hidden_size": 256} if quick else {"hidden_size": 256, "moe_ffn_hidden_size": 1024}
+    )
+    return preset(
+        "tiny-qwen3-moe", vocab_size=512, num_layers=2, num_moe_experts=8, moe_router_topk=2, kv_channels=32, **sizes
+    )
+
+
+def _rank(out: Path, quick: bool, reps: int, chunks: int, ratios: tuple[float, ...]) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = _config(quick)
+    model = build_model(config, seed=0)
+    plan = model.parallel_plan()
+    apply_expert_parallel(model, build_meshes(ParallelLayout(world, ep=world)), plan, "alltoall")
+    dispatchers = [block.dispatcher for block in moe_blocks(model, plan)]
+    assert all(isinstance(d, AllToAllDispatcher) for d in dispatchers)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batch, seq = (2, 128) if quick else (4, 256)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen)
+
+    def use(link: DelayedLink | None, chunks: int) -> None:
+        for d in dispatchers:
+            d.link, d.overlap_chunks = link, chunks
+
+    def step() -> None:
+        dist.barrier()  # the ranks start together: a step's time is not another rank's lateness
+        logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    # the real gloo step, and the computation the link's bandwidth is set against (every rank the slowest's)
+    use(None, 1)
+    step()
+
+    def without_link(chunks: int):
+        def timed():
+            use(None, chunks)
+            step()
+
+        return timed
+
+    real = head_to_head(without_link(1), without_link(chunks), reps, warmup=1)
+    compute = torch.tensor([statistics.median(real[0])])
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+    t_compute = float(compute)
+    counter = DelayedLink()  # no delay: counts the bytes and collectives of a step without overlap
+    use(counter, 1)
+    step()
+    sent = torch.tensor([float(counter.bytes_sent), float(counter.collectives)])
+    dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+    step_bytes, collectives = float(sent[0]), int(sent[1])
+    result = {
+        "rank": rank,
+        "t_compute_s": t_compute,
+        "step_bytes_sent": step_bytes,
+        "step_collectives": collectives,
+        "real_gloo": {
+            "none_s": spread(real[0]),
+            "chunked_s": spread(real[1]),
+            "chunked_over_none": ratio_spread(real[1], real[0]),
+        },
+        "ratios": {},
+    }
+    for ratio in ratios:
+        bandwidth = step_bytes / (ratio * t_compute - collectives * LATENCY_S)
+        link = DelayedLink(LATENCY_S, bandwidth)
+        comm = []
+
+        def none_step(link=link, comm=comm):
+            use(link, 1)
+            link.reset()
+            step()
+            comm.append(link.busy_s)
+
+        def chunked_step(link=link):
+            use(link, chunks)
+            step()
+
+        t_none, t_chunked = head_to_head(none_step, chunked_step, reps, warmup=1)
+        comm = comm[1:]  # the warm-up's
+        hidden = [(a - b) / c for a, b, c in zip(t_none, t_chunked, comm, strict=True)]
+        result["ratios"][str(ratio)] = {
+            "bandwidth_bytes_per_s": bandwidth,
+            "t_comm_s": spread(comm),
+            "none_s": spread(t_none),
+            "chunked_s": spread(t_chunked),
+            "hidden_fraction": spread(hidden),
+            "exposed_comm_none_s": statistics.median(t_none) - t_compute,
+            "exposed_comm_chunked_s": statistics.median(t_chunked) - t_compute,
+        }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = cli(
+        "ep_overlap", __doc__, "ep=2, ratio 1, a smaller model, 3 repetitions (the nox benchmarks session)", ranks=True
+    )
+    parser.add_argument("--reps", type=int, default=None, help="repetitions of each mode (default 9; --quick 3)")
+    parser.add_argument("--chunks", type=int, default=CHUNKS, help=f"parallel.ep_overlap_chunks (default {CHUNKS})")
+    parser.add_argument("--ep", default=None, help="comma-separated ep sizes (default 2,4; --quick 2)")
+    parser.add_argument("--ratios", default=None, help="comma-separated comm/compute ratios (default 0.5,1,2)")
+    args = parse(parser)
+    reps = args.reps or (3 if args.quick else 9)
+    ratios = tuple(float(r) for r in args.ratios.split(",")) if args.ratios else (1.0,) if args.quick else RATIOS
+    eps = tuple(int(e) for e in args.ep.split(",")) if args.ep else (2,) if args.quick else (2, 4)
+    if args.rank_dir is not None:
+        _rank(args.rank_dir, args.quick, reps, args.chunks, ratios)
+        return
+    config = _config(args.quick)
+    report = header(
+        args,
+        what="training step (forward + backward) with parallel.ep_overlap chunked vs none, on a modelled link",
+        baseline="the same step without overlap, interleaved",
+        device="cpu (gloo, one thread a rank)",
+        model={k: getattr(config, k) for k in ("hidden_size", "moe_ffn_hidden_size", "num_moe_experts", "num_layers")},
+        chunks=args.chunks,
+        latency_s=LATENCY_S,
+        reps=reps,
+    )
+    report["ep"] = {}
+    for ep in eps:
+        extra = [*(["--quick"] if args.quick else []), "--reps", str(reps), "--chunks", str(args.chunks)]
+        extra += ["--ratios", ",".join(map(str, ratios))]
+        with tempfile.TemporaryDirectory() as tmp:
+            ranks = launch_ranks(__file__, ep, Path(tmp), *extra, timeout=3600)
+        report["ep"][str(ep)] = {"ranks": ranks}
+        for ratio in ranks[0]["ratios"]:
+            hidden = [r["ratios"][ratio]["hidden_fraction"]["median"] for r in ranks]
+            print(f"ep={ep} comm/compute {ratio}: hidden fraction per rank {[round(h, 3) for h in hidden]}")
+        real = [r["real_gloo"]["chunked_over_none"]["median"] for r in ranks]
+        print(f"ep={ep} real gloo: chunked / none {[round(x, 3) for x in real]}")
+    write(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
