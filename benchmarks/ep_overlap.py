@@ -136,6 +136,28 @@ def _rank(out: Path, quick: bool, reps: int, chunks: int, ratios: tuple[float, .
     dist.destroy_process_group()
 
 
+def _summary(ranks: list[dict]) -> dict:
+    """Over the ranks: the median of their medians, and the lowest and highest repetition of any rank."""
+
+    def over(get) -> dict:
+        stats = [get(r) for r in ranks]
+        return {
+            "median": statistics.median(s["median"] for s in stats),
+            "min": min(s["min"] for s in stats),
+            "max": max(s["max"] for s in stats),
+        }
+
+    keys = ("hidden_fraction", "none_s", "chunked_s", "t_comm_s")
+    ratios = {
+        ratio: {key: over(lambda r, q=ratio, k=key: r["ratios"][q][k]) for key in keys} for ratio in ranks[0]["ratios"]
+    }
+    return {
+        "t_compute_s": statistics.median(r["t_compute_s"] for r in ranks),
+        "ratios": ratios,
+        "real_gloo_chunked_over_none": over(lambda r: r["real_gloo"]["chunked_over_none"]),
+    }
+
+
 def main() -> None:
     parser = cli(
         "ep_overlap", __doc__, "ep=2, ratio 1, a smaller model, 3 repetitions (the nox benchmarks session)", ranks=True
@@ -168,12 +190,12 @@ def main() -> None:
         extra += ["--ratios", ",".join(map(str, ratios))]
         with tempfile.TemporaryDirectory() as tmp:
             ranks = launch_ranks(__file__, ep, Path(tmp), *extra, timeout=3600)
-        report["ep"][str(ep)] = {"ranks": ranks}
-        for ratio in ranks[0]["ratios"]:
-            hidden = [r["ratios"][ratio]["hidden_fraction"]["median"] for r in ranks]
-            print(f"ep={ep} comm/compute {ratio}: hidden fraction per rank {[round(h, 3) for h in hidden]}")
-        real = [r["real_gloo"]["chunked_over_none"]["median"] for r in ranks]
-        print(f"ep={ep} real gloo: chunked / none {[round(x, 3) for x in real]}")
+        report["ep"][str(ep)] = {"ranks": ranks, "summary": _summary(ranks)}
+        for ratio, row in report["ep"][str(ep)]["summary"]["ratios"].items():
+            h = row["hidden_fraction"]
+            print(f"ep={ep} comm/compute {ratio}: hidden fraction {h['median']:.3f} ({h['min']:.3f}-{h['max']:.3f})")
+        real = report["ep"][str(ep)]["summary"]["real_gloo_chunked_over_none"]
+        print(f"ep={ep} real gloo: chunked / none {real['median']:.3f} ({real['min']:.3f}-{real['max']:.3f})")
     write(args.out, report)
 
 

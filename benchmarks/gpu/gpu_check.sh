@@ -5,7 +5,7 @@
 # each under `timeout` (its own budget, cut to what is left of the whole):
 #   probe     benchmarks/gpu/probe.py: versions, the card, every torch/Triton API our code uses (present or missing)
 #   tests     pytest -m gpu over packages/*/tests and integration/ (junit XML in OUTDIR)
-#   suite:*   benchmarks/gpu/suite.py, one process per section (step experts permutation fp8 offload sync)
+#   suite:*   benchmarks/gpu/suite.py, one process per section (step experts permutation fp8 offload sync graphs)
 #   merge     benchmarks/gpu/merge_check.py: OUTDIR/gpu_check.json, the one JSON to read
 # --smoke: the same on the CPU at tiny sizes (suite --smoke, all sections in one process to pay the imports once;
 # the tests step runs only GPU_CHECK_TESTS, by default one gpu-marked module, which skips without CUDA).
@@ -52,7 +52,7 @@ else
 fi
 export PYTHONDONTWRITEBYTECODE=1
 
-SECTIONS=(step experts permutation fp8 offload sync)
+SECTIONS=(step experts permutation fp8 offload sync graphs)
 # each step's own budget in seconds (expected on an H200 in brackets): the whole is cut to --budget
 declare -A OWN=(
   [probe]=60        # [~20: imports every module of ours; one small inductor compile]
@@ -63,6 +63,7 @@ declare -A OWN=(
   [fp8]=45          # [~10]
   [offload]=75      # [~30: 3 variants x 8 x 2 steps of 4 x 4,096 tokens]
   [sync]=60         # [~15: 3 eager steps of a 2-layer proxy under the sync debug mode]
+  [graphs]=60       # [~20 (not yet run): the capture check, 2 layers captured, 9 + 9 steps of 1,024 tokens]
   [suite]=240       # --smoke: every section in one process
 )
 MERGE_RESERVE=20  # kept back for the merge

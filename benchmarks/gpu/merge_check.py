@@ -18,7 +18,7 @@ import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-SECTIONS = ("step", "experts", "permutation", "fp8", "offload", "sync")
+SECTIONS = ("step", "experts", "permutation", "fp8", "offload", "sync", "graphs")
 
 
 def tail(path: Path, lines: int = 20) -> list[str]:

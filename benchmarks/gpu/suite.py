@@ -19,6 +19,11 @@ lent a GPU, run from source on torch >= 2.11 with PYTHONPATH to each package's s
    the dispatcher (``aten._local_scalar_dense`` - ``.item()`` -, ``nonzero``, ``masked_select``, ``unique``,
    ``repeat_interleave`` without ``output_size``, copies from the device to the host). On the CPU (smoke) only the
    dispatcher count applies; ``cuda_sync_warnings`` is "not applicable".
+7. ``graphs``: ``run.cuda_graphs layer`` (``moe_train.cuda_graphs``): the capture-safety check of every scope on a
+   full-width 2-layer proxy configured as a GPU runs it, then a training step (forward + loss + backward, bf16
+   autocast without its weight cache) with every decoder layer replayed from CUDA graphs against the eager step,
+   head to head at 1,024 tokens (where launches weigh), with the largest logit difference. On the CPU (smoke) only
+   the check runs.
 
 Each section is guarded: one that raises records ``{"error", "traceback"}`` in the JSON and the next still runs (the
 exit status is then 1). ``--section NAME`` (repeatable) runs some; ``benchmarks/gpu/gpu_check.sh`` runs each in a
@@ -65,8 +70,10 @@ from moe_models.flops import training_flops_per_token
 from moe_models.presets import preset
 from moe_precision import Recipe
 from moe_precision.gemm import native_recipes, quantized_matmul
+from moe_train.capture_check import CUDA_GRAPH_SCOPES, capture_problems
 from moe_train.compile import compile_decoder_layers
 from moe_train.config import TrainConfig
+from moe_train.cuda_graphs import apply_cuda_graphs
 from moe_train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -368,6 +375,43 @@ def offload(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, w
     return offload_check(device, dtype, reps, smoke=sizes is SMOKE)
 
 
+def graphs(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warmup: int) -> dict:
+    gpu_run = {"moe_expert_backend": "torch", "moe_permute_backend": "triton"}
+    config = dataclasses.replace(preset("qwen3-30b-a3b"), num_layers=2, moe_layer_freq=1, **gpu_run)
+    if sizes is SMOKE:
+        config = dataclasses.replace(preset("tiny-qwen3-moe"), num_layers=sizes.layers, **gpu_run)
+    eager = build_on(config, device)
+    graphed = copy.deepcopy(eager)
+    seq = max(sizes.seq // 4, 16)
+    ids = torch.randint(0, config.vocab_size, (1, seq + 1), device=device)
+    # a graph replays the casts it captured: autocast's cache of cast weights must not outlive a call
+    autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if dtype != torch.float32:
+        autocast = torch.autocast(device.type, dtype=dtype, cache_enabled=False)
+
+    def forward(model: torch.nn.Module) -> torch.Tensor:
+        with autocast:
+            return model(ids[:, :-1]).logits
+
+    out: dict = {"seq": seq, "capture_problems": capture_problems(graphed, CUDA_GRAPH_SCOPES, lambda: forward(graphed))}
+    if device.type != "cuda":
+        out["graphed"] = "not applicable (CUDA graphs need a CUDA device)"
+        return out
+    out["regions"] = apply_cuda_graphs(graphed, ("layer",), lambda: forward(graphed))
+
+    def run(model: torch.nn.Module) -> None:
+        with autocast:
+            loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:], config.mtp_loss_scaling_factor).total
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    eager_t, graphed_t = timed_pair(lambda: run(eager), lambda: run(graphed), device, reps, warmup)
+    with torch.no_grad():
+        out["max_abs_logit_diff"] = float((forward(eager) - forward(graphed)).abs().max())
+    out.update(eager=eager_t, graphed=graphed_t, graphed_speedup=eager_t["median_s"] / graphed_t["median_s"])
+    return out
+
+
 SECTIONS: dict[str, Callable[[Sizes, torch.device, torch.dtype, int, int], dict]] = {
     "step": step,
     "experts": experts,
@@ -375,6 +419,7 @@ SECTIONS: dict[str, Callable[[Sizes, torch.device, torch.dtype, int, int], dict]
     "fp8": fp8,
     "offload": offload,
     "sync": sync_count,
+    "graphs": graphs,
 }
 
 

@@ -27,6 +27,7 @@ SECTION_KEYS = {  # what each section's result must hold (not an error)
     "fp8": {"shape", "native"},
     "offload": {"variants"},
     "sync": {"steps", "per_step_after_warm_up"},
+    "graphs": {"capture_problems", "graphed"},
 }
 
 

@@ -176,6 +176,9 @@ class RunConfig:
     offload_min_tensor_bytes: int = 1 << 20
     # regional torch.compile of each decoder layer (moe_train/compile.py); off until it is faster where it runs
     compile: bool = False
+    # regions replayed from CUDA graphs (moe_train/cuda_graphs.py), Megatron-Core's --cuda-graph-scope names: attn,
+    # moe_router, and layer (whole decoder layers holding a dropless MoE block); [] = none
+    cuda_graphs: list[str] = field(default_factory=list)
 
 
 @dataclass

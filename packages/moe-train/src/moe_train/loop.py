@@ -84,7 +84,13 @@ class TrainLoop:
         self.routers = parallel.routers()
         # under context parallelism the positions of every sequence this rank computes (None: all of them)
         self.positions = parallel.positions(cfg.data.seq_len, ctx.device)
-        self.autocast = torch.autocast(ctx.device.type, dtype=setup.dtype, enabled=setup.dtype != torch.float32)
+        # CUDA graphs replay casts recorded at capture: autocast's cache of cast weights must not outlive a call
+        self.autocast = torch.autocast(
+            ctx.device.type,
+            dtype=setup.dtype,
+            enabled=setup.dtype != torch.float32,
+            cache_enabled=not cfg.run.cuda_graphs,
+        )
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.routing = StageRouting()
         self.loss = NextTokenLoss(cfg.model.mtp_loss_scaling_factor, self.positions, cfg.model.dsa_indexer_loss_coeff)

@@ -29,6 +29,7 @@ from moe_parallel import (
 )
 from moe_train.compile import compile_problem
 from moe_train.config import ConfigError, ExperimentConfig, PeftConfig, RunConfig, TrainConfig, config_error
+from moe_train.cuda_graphs import apply_cuda_graphs, cuda_graphs_problem
 from moe_train.data import PreparedData, prepare_data
 from moe_train.dtypes import torch_dtype
 from moe_train.loggers import check_wandb_available
@@ -224,7 +225,7 @@ def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
             cfg.model, cfg.parallel, world_size, cfg.run, cfg.data.seq_len, cfg.peft
         )
         _check_trainer_layout(cfg, layout)
-        problem = compile_problem(cfg, layout)
+        problem = compile_problem(cfg, layout) or cuda_graphs_problem(cfg, layout, device_type)
         if problem is not None:
             raise ConfigError(problem)
         micro, grad_accum = micro_batching(cfg.train, layout)
@@ -294,6 +295,15 @@ def _build(cfg: ExperimentConfig, checked: RunChecks) -> Setup:
     finally:
         if source is not None:
             source.close()
+    if cfg.run.cuda_graphs:  # one process on CUDA (cuda_graphs_problem): checked, then captured at first use
+        sample = torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len), device=ctx.device)
+        autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False)
+
+        def forward() -> None:
+            with autocast:
+                parallel.model(sample)
+
+        apply_cuda_graphs(parallel.model, tuple(cfg.run.cuda_graphs), forward)
     checkpoint_group = None
     if cfg.run.async_checkpoint and ctx.world_size > 1:
         # background writes talk over a group of their own, never interleaved with the training step's collectives
