@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the builders beside 
 import tables_finetuning  # noqa: F401  (registers its tables)
 import tables_layouts_precision  # noqa: F401  (registers its tables)
 import tables_optimizers  # noqa: F401  (registers its tables)
+import tables_overlap  # noqa: F401  (registers its tables)
 import tables_speed_memory  # noqa: F401  (registers its tables)
 from table_format import FIGURES, ROOT, TABLES
 

@@ -64,7 +64,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_dispatch.__version__ == "0.6.0"
+    assert moe_dispatch.__version__ == "0.7.0"
     assert importlib.metadata.version("moe-dispatch") == moe_dispatch.__version__
 
 

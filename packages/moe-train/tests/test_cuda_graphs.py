@@ -15,8 +15,9 @@ from moe_models import build_model
 from moe_models.presets import preset
 from moe_parallel import ParallelLayout
 from moe_train import cli
+from moe_train.capture_check import flatten_tensors
 from moe_train.config import ConfigError, load_config
-from moe_train.cuda_graphs import _flatten, apply_cuda_graphs, cuda_graphs_problem, regions
+from moe_train.cuda_graphs import apply_cuda_graphs, cuda_graphs_problem, regions
 
 
 def test_off_cuda_the_run_is_refused_in_one_line(
@@ -55,7 +56,7 @@ def test_outputs_are_flattened_and_rebuilt() -> None:
     probs, idx = torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)
     routing = RoutingResult(probs, idx, torch.ones(4), torch.zeros(()), losses={"aux": torch.ones(())})
     value = (torch.ones(2), routing, None, [torch.zeros(1), 3])
-    tensors, rebuild = _flatten(value)
+    tensors, rebuild = flatten_tensors(value)
     assert len(tensors) == 7  # x, the routing's probs, idx, counts, aux loss and its one loss, the list's tensor
     doubled = rebuild([t * 2 for t in tensors])
     assert torch.equal(doubled[0], 2 * value[0]) and doubled[2] is None and doubled[3][1] == 3

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -32,17 +33,32 @@ from moe_train.host_reads import HostRead, HostReads
 CUDA_GRAPH_SCOPES = ("attn", "moe_router", "moe_preprocess", "layer")
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a region's output (tuples, lists, dicts and dataclasses such as RoutingResult walked)."""
+def flatten_tensors(value: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
+    """The tensors of a region's output (tuples, lists, dicts, dataclasses walked; None and other values kept) and
+    what rebuilds the output from such a list."""
     if isinstance(value, torch.Tensor):
-        return [value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
-    elif isinstance(value, dict):
-        value = list(value.values())
+        return [value], lambda ts: ts[0]
+    if is_dataclass(value) and not isinstance(value, type):
+        names = [f.name for f in fields(value)]
+        inner, rebuild = flatten_tensors([getattr(value, n) for n in names])
+        return inner, lambda ts: replace(value, **dict(zip(names, rebuild(ts), strict=True)))
+    if isinstance(value, dict):
+        keys = list(value)
+        inner, rebuild = flatten_tensors([value[k] for k in keys])
+        return inner, lambda ts: dict(zip(keys, rebuild(ts), strict=True))
     if isinstance(value, list | tuple):
-        return [t for item in value for t in _tensors(item)]
-    return []
+        parts = [flatten_tensors(v) for v in value]
+        sizes = [len(p[0]) for p in parts]
+
+        def rebuild_sequence(ts: list[torch.Tensor]) -> Any:
+            out, start = [], 0
+            for (_, rebuild), size in zip(parts, sizes, strict=True):
+                out.append(rebuild(ts[start : start + size]))
+                start += size
+            return type(value)(out)
+
+        return [t for p in parts for t in p[0]], rebuild_sequence
+    return [], lambda ts: value
 
 
 def _fresh(value: Any) -> Any:
@@ -116,7 +132,7 @@ def first_regions(model: nn.Module, scopes: tuple[str, ...], forward: Callable[[
 def host_reads_of(region: Region) -> list[HostRead]:
     """What the region reads back on the host, forward and backward (a sum of its outputs' values backward)."""
     with HostReads() as reads:
-        outputs = [t for t in _tensors(region.run()) if t.requires_grad]
+        outputs = [t for t in flatten_tensors(region.run())[0] if t.requires_grad]
         if outputs:
             torch.stack([t.float().sum() for t in outputs]).sum().backward()
     return reads.reads

@@ -25,7 +25,6 @@ process, gradient accumulation), and is why pipelines are refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 
 from moe_models.layers import MoEBlock
 from moe_models.module_kinds import decoder_layers
-from moe_train.capture_check import CUDA_GRAPH_SCOPES, capture_problems
+from moe_train.capture_check import CUDA_GRAPH_SCOPES, capture_problems, flatten_tensors
 from moe_train.config_error import ConfigError
 
 if TYPE_CHECKING:
@@ -72,34 +71,6 @@ def cuda_graphs_problem(cfg: ExperimentConfig, layout: ParallelLayout, device_ty
     return None
 
 
-def _flatten(value: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], Any]]:
-    """The tensors of a region's output (tuples, lists, dicts, dataclasses walked; None and other values kept) and
-    what rebuilds the output from such a list."""
-    if isinstance(value, torch.Tensor):
-        return [value], lambda ts: ts[0]
-    if is_dataclass(value) and not isinstance(value, type):
-        names = [f.name for f in fields(value)]
-        inner, rebuild = _flatten([getattr(value, n) for n in names])
-        return inner, lambda ts: replace(value, **dict(zip(names, rebuild(ts), strict=True)))
-    if isinstance(value, dict):
-        keys = list(value)
-        inner, rebuild = _flatten([value[k] for k in keys])
-        return inner, lambda ts: dict(zip(keys, rebuild(ts), strict=True))
-    if isinstance(value, list | tuple):
-        parts = [_flatten(v) for v in value]
-        sizes = [len(p[0]) for p in parts]
-
-        def rebuild_sequence(ts: list[torch.Tensor]) -> Any:
-            out, start = [], 0
-            for (_, rebuild), size in zip(parts, sizes, strict=True):
-                out.append(rebuild(ts[start : start + size]))
-                start += size
-            return type(value)(out)
-
-        return [t for p in parts for t in p[0]], rebuild_sequence
-    return [], lambda ts: value
-
-
 class _TensorCall(nn.Module):
     """The region as make_graphed_callables needs it: tensors in, a tuple of tensors out, the other arguments bound.
     The region is a child, so its parameters are the graph's too."""
@@ -108,17 +79,17 @@ class _TensorCall(nn.Module):
         super().__init__()
         self.region = region
         self._eager = eager
-        self._flat_in, self._rebuild_in = _flatten((args, kwargs))
+        self._flat_in, self._rebuild_in = flatten_tensors((args, kwargs))
         self.rebuild_out: Callable[[list[torch.Tensor]], Any] | None = None
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = self._rebuild_in(list(tensors))
-        flat, self.rebuild_out = _flatten(self._eager(*args, **kwargs))
+        flat, self.rebuild_out = flatten_tensors(self._eager(*args, **kwargs))
         return tuple(flat)
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
-    tensors, _ = _flatten((args, kwargs))
+    tensors, _ = flatten_tensors((args, kwargs))
     shapes = tuple((tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in tensors)
     others = repr([(type(v).__name__, v) for v in (*args, *kwargs.items()) if not isinstance(v, torch.Tensor)])
     return shapes, tuple(kwargs), others
@@ -139,7 +110,7 @@ class GraphedForward:
         if key not in self.graphs:
             self.graphs[key] = self._capture(args, kwargs)
         graphed, call = self.graphs[key]
-        tensors, _ = _flatten((args, kwargs))
+        tensors, _ = flatten_tensors((args, kwargs))
         outputs = list(graphed(*tensors))
         assert call.rebuild_out is not None
         # the outputs are the graph's static buffers, overwritten by the next replay: values kept past it (router
@@ -148,7 +119,7 @@ class GraphedForward:
 
     def _capture(self, args: tuple, kwargs: dict) -> tuple[Callable[..., Any], _TensorCall]:
         call = _TensorCall(self.module, self.eager, args, kwargs)
-        samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in _flatten((args, kwargs))[0])
+        samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in flatten_tensors((args, kwargs))[0])
         # the warm-up and capture run the region several times: its buffers (router statistics) are put back after
         buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         graphed = torch.cuda.make_graphed_callables(call, samples, pool=self.pool, allow_unused_input=True)
