@@ -21,6 +21,7 @@ the data's device, as NCCL needs), not differentiated.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,17 +45,21 @@ def _row_bytes(x: torch.Tensor) -> int:
 
 
 class Issued:
-    """A collective in flight: the backend's work, and its completion on the modelled link (None without one)."""
+    """A collective in flight: the backend's work, and its completion on the modelled link (None without one), which
+    also counts the host's time blocked in :meth:`wait`."""
 
-    def __init__(self, work: dist.Work | None, done_at: float | None) -> None:
-        self.work, self.done_at = work, done_at
+    def __init__(self, work: dist.Work | None, done_at: float | None, link: DelayedLink | None = None) -> None:
+        self.work, self.done_at, self.link = work, done_at, link
 
     def wait(self) -> None:
+        started = time.perf_counter()
         if self.work is not None:
             self.work.wait()
             self.work = None  # lets the backend free what it holds for the collective
         if self.done_at is not None:
             DelayedLink.wait_until(self.done_at)
+        if self.link is not None:
+            self.link.waited_s += time.perf_counter() - started
 
 
 def _issue(collective, nbytes: int, link: DelayedLink | None, wait: bool) -> Issued:
@@ -62,7 +67,7 @@ def _issue(collective, nbytes: int, link: DelayedLink | None, wait: bool) -> Iss
     if link is None and wait:
         collective(async_op=False)
         return Issued(None, None)
-    issued = Issued(collective(async_op=True), None if link is None else link.issue(nbytes))
+    issued = Issued(collective(async_op=True), None if link is None else link.issue(nbytes), link)
     if wait:
         issued.wait()
     return issued

@@ -7,7 +7,10 @@ and backward, until ``latency_s + bytes / bandwidth_bytes_per_s`` after the link
 carries one collective at a time, in the order they were issued (a NIC's queue), and a collective that is waited on
 right away costs its whole transfer, while one waited on later costs only what is left of it. The bytes are those this
 rank sends to other ranks (what leaves the device). ``busy_s`` sums the modelled transfer times, the communication
-time ``T_comm`` an overlap's hidden fraction ``(T_none - T_overlap) / T_comm`` is measured against.
+time ``T_comm`` an overlap's hidden fraction ``(T_none - T_overlap) / T_comm`` is measured against, and ``waited_s``
+the host's time blocked waiting for the collectives: the communication the computation did not hide. With its
+defaults (no latency, unbounded bandwidth) a link delays nothing and only counts, which is how a trainer on gloo
+measures the exposed expert-parallel communication of a real step.
 
 The delay is a sleep on the host at ``wait``; the real collective runs as it would. On a GPU it stalls the host, not
 the stream: it models a link on CPU runs only.
@@ -28,6 +31,7 @@ class DelayedLink:
     busy_s: float = 0.0  # modelled transfer time of every collective issued so far
     bytes_sent: int = 0
     collectives: int = 0
+    waited_s: float = 0.0  # the host's time blocked waiting for the collectives (exposed communication)
     _free_at: float = field(default=0.0, repr=False)  # perf_counter time the link finishes its queue
 
     def __post_init__(self) -> None:
@@ -58,4 +62,4 @@ class DelayedLink:
 
     def reset(self) -> None:
         """Forget the counters and the queue (between measured steps)."""
-        self.busy_s, self.bytes_sent, self.collectives, self._free_at = 0.0, 0, 0, 0.0
+        self.busy_s, self.bytes_sent, self.collectives, self._free_at, self.waited_s = 0.0, 0, 0, 0.0, 0.0

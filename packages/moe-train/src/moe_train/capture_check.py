@@ -62,9 +62,11 @@ def flatten_tensors(value: Any) -> tuple[list[torch.Tensor], Callable[[list[torc
 
 
 def _fresh(value: Any) -> Any:
-    """A recorded input detached from the model's graph, a leaf needing grad where the original did."""
+    """A recorded input detached from the model's graph, a leaf that needs grad when floating: the forward is recorded
+    without grad, and in training the activations a region takes need theirs (so the inputs' backward is checked
+    too, the permutation's scatter among them)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
+        return value.detach().clone().requires_grad_(value.is_floating_point())
     if isinstance(value, tuple | list):
         return type(value)(_fresh(v) for v in value)
     if isinstance(value, dict):

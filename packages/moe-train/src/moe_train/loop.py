@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from moe_dispatch import DelayedLink, ExpertParallelDispatcher
 from moe_models import StageRouting, next_token_loss, training_flops_per_token
 from moe_models.loss import IGNORE_INDEX
 from moe_parallel import all_reduce_mean, full_value, local_grad
@@ -22,6 +23,26 @@ from moe_train.optim import lr_at, set_lr
 from moe_train.qk_clip import QKClip
 from moe_train.setup import Setup
 from moe_train.step_metrics import DeviceInterval, PendingMetrics
+
+
+def exposed_ep_communication_clock(parallel, device: torch.device) -> DelayedLink | None:
+    """A link that delays nothing, given to every expert-parallel dispatcher of this rank to count the host's time
+    blocked on their collectives (``ep_comm_wait_s`` in metrics.jsonl): on gloo that is the communication the step
+    did not hide. None on a GPU, where the host does not wait for NCCL, and without expert parallelism."""
+    if device.type != "cpu":
+        return None
+    dispatchers = [
+        module.dispatcher
+        for stage in parallel.stages
+        for module in stage.modules()
+        if isinstance(getattr(module, "dispatcher", None), ExpertParallelDispatcher)
+    ]
+    if not dispatchers:
+        return None
+    clock = DelayedLink()
+    for dispatcher in dispatchers:
+        dispatcher.link = clock
+    return clock
 
 
 class NextTokenLoss:
@@ -91,6 +112,7 @@ class TrainLoop:
             enabled=setup.dtype != torch.float32,
             cache_enabled=not cfg.run.cuda_graphs,
         )
+        self.comm_clock = exposed_ep_communication_clock(parallel, ctx.device)
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.routing = StageRouting()
         self.loss = NextTokenLoss(cfg.model.mtp_loss_scaling_factor, self.positions, cfg.model.dsa_indexer_loss_coeff)
@@ -152,6 +174,8 @@ class TrainLoop:
         a checkpoint or the end follows); they are also returned when the step is not finite or a stop was asked."""
         parallel, optimizer, accum = self.parallel, self.optimizer, self.setup.grad_accum
         started = time.perf_counter()
+        if self.comm_clock is not None:
+            self.comm_clock.reset()
         lr = lr_at(step, self.cfg.train)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
@@ -210,7 +234,8 @@ class TrainLoop:
             optimizer.zero_grad(set_to_none=True)
         self.steps_done = step + 1
         elapsed = time.perf_counter() - started
-        self.metrics.add(step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE, update)
+        waited = None if self.comm_clock is None else self.comm_clock.waited_s
+        self.metrics.add(step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE, update, waited)
         records = self.metrics.records() if write_metrics or not_finite or stop_asked else []
         if self.qk_clip is not None:
             self.qk_clip.annotate(records)

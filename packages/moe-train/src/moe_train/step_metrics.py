@@ -55,6 +55,7 @@ class _Pending:
     optimizer: DeviceInterval  # the optimizer's update (with the expert-bias update)
     values: torch.Tensor  # [loss, aux_loss, mtp_loss, indexer_loss, grad_norm]: this rank's part
     load_LE: torch.Tensor  # this rank's routers' kept (token, expert) pairs, rows of the whole model's routers
+    ep_comm_wait_s: float | None = None  # the host's time blocked on expert-parallel collectives (gloo runs)
 
 
 class PendingMetrics:
@@ -94,11 +95,13 @@ class PendingMetrics:
         grad_norm: torch.Tensor,
         load_LE: torch.Tensor,
         optimizer: DeviceInterval,
+        ep_comm_wait_s: float | None = None,
     ) -> None:
-        """Step ``step``'s values (the LM, balancing, MTP and DSA indexer losses as this rank's micro-batch means) and
-        the time its optimizer update took."""
+        """Step ``step``'s values (the LM, balancing, MTP and DSA indexer losses as this rank's micro-batch means),
+        the time its optimizer update took and, on gloo, the time it waited on expert-parallel collectives."""
         values = torch.stack([*(v.float().reshape(()) for v in losses), grad_norm.float().reshape(())])
-        self.pending.append(_Pending(step, lr, step_time_s, skipped, optimizer, values, load_LE.detach().float()))
+        load = load_LE.detach().float()
+        self.pending.append(_Pending(step, lr, step_time_s, skipped, optimizer, values, load, ep_comm_wait_s))
 
     def records(self) -> list[dict[str, Any]]:
         """The pending steps' records, in order; none pending afterwards. A collective: every rank calls it."""
@@ -136,6 +139,10 @@ class PendingMetrics:
                 "expert_load_max_over_mean": imbalance,
                 "dropped_fraction": 1.0 - kept,  # (token, expert) pairs dropped by a capacity factor, all layers
             }
+            if pending.ep_comm_wait_s is not None:
+                # this rank's host blocked on the dispatchers' collectives: the exposed expert-parallel
+                # communication, the rest of step_time_s being computation and other communication
+                record["ep_comm_wait_s"] = pending.ep_comm_wait_s
             if pending.skipped:
                 record["skipped"] = True
             out.append(record)
