@@ -17,7 +17,8 @@ from moe_parallel import ParallelLayout
 from moe_train import cli
 from moe_train.capture_check import flatten_tensors
 from moe_train.config import ConfigError, load_config
-from moe_train.cuda_graphs import apply_cuda_graphs, cuda_graphs_problem, regions
+from moe_train.cuda_graphs import apply_cuda_graphs, cuda_graphs_problem, graph_run_regions, regions
+from moe_train.trainer import prepare
 
 
 def test_off_cuda_the_run_is_refused_in_one_line(
@@ -76,6 +77,18 @@ def test_a_region_that_reads_back_is_refused_naming_the_op() -> None:
     message = str(err.value)
     assert message.startswith("run.cuda_graphs=layer: layers.0 reads back on the host: ") and "grouped.py:" in message
     assert message.endswith("it cannot be captured, leave layer out"), message
+
+
+def test_a_run_checks_its_one_stage_before_capturing(micro_overrides: dict[str, str]) -> None:
+    """The trainer's path (moe_train.setup): the run's stage, a forward on a random batch under the run's autocast,
+    the check; here it refuses the loop experts before asking CUDA for anything."""
+    cfg = load_config("tiny", {**micro_overrides, "model.moe_expert_backend": "loop", "run.save_checkpoint": "false"})
+    setup = prepare(cfg, 1)
+    with pytest.raises(
+        ConfigError, match=r"^run.cuda_graphs=layer: layers.0 reads back on the host: .* at grouped.py:"
+    ):
+        graph_run_regions(setup.parallel, ("attn", "layer"), (2, cfg.data.seq_len), cfg.model.vocab_size, setup.dtype)
+    assert not Path(micro_overrides["run.output_dir"]).exists()
 
 
 def test_the_scopes_name_their_modules() -> None:

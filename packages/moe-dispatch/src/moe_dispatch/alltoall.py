@@ -24,6 +24,7 @@ whose kept pairs are each token's first pair per rank, so ``permute`` builds the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from moe_dispatch.collectives import (
     start_all_to_all,
 )
 from moe_dispatch.delayed_link import DelayedLink
-from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight
+from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight, T
 from moe_dispatch.ep_base import ExpertParallelDispatcher
 from moe_dispatch.overlap import exchange_chunked
 from moe_dispatch.permutation import PermutationMap, make_permutation_map, permute, unpermute
@@ -126,7 +127,13 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
             raise ValueError(f"overlap_chunks={overlap_chunks}: an encoded dispatch (wire {wire.name!r}) runs in turn")
         self.overlap_chunks = overlap_chunks
 
-    def exchange(self, x_TH, routing, experts, alongside=None):
+    def exchange(
+        self,
+        x_TH: torch.Tensor,
+        routing: RoutingResult,
+        experts: Callable[[DispatchResult[AllToAllHandle]], torch.Tensor],
+        alongside: Callable[[], T] | None = None,
+    ) -> tuple[torch.Tensor, T | None]:
         if self.overlap_chunks == 1:
             return super().exchange(x_TH, routing, experts, alongside)
         return exchange_chunked(self, x_TH, routing, experts, self.overlap_chunks, alongside)

@@ -36,7 +36,7 @@ from moe_train.capture_check import CUDA_GRAPH_SCOPES, capture_problems, flatten
 from moe_train.config_error import ConfigError
 
 if TYPE_CHECKING:
-    from moe_parallel import ParallelLayout
+    from moe_parallel import ParallelLayout, StagedModel
     from moe_train.config import ExperimentConfig
 
 CAPTURED_SCOPES = ("attn", "moe_router", "layer")
@@ -143,6 +143,25 @@ def regions(model: nn.Module, scopes: tuple[str, ...]) -> list[nn.Module]:
         if "moe_router" in scopes and moe:
             found.append(layer.mlp.router)
     return found
+
+
+def graph_run_regions(
+    parallel: StagedModel, scopes: tuple[str, ...], batch: tuple[int, int], vocab_size: int, dtype: torch.dtype
+) -> int:
+    """:func:`apply_cuda_graphs` on a run's one stage (one process: :func:`cuda_graphs_problem`), the check's forward
+    a random ``batch`` ``(micro-batch, seq_len)`` of token ids under the run's autocast (without its weight cache, as
+    the trainer's with graphs on)."""
+    (stage,) = parallel.stages
+    device = next(stage.parameters()).device
+    sample = torch.randint(0, vocab_size, batch, device=device)
+    enabled = dtype != torch.float32
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=False)
+
+    def forward() -> None:
+        with autocast:
+            stage(sample, sample)  # the first and last stage: token ids in, and the whole sequences
+
+    return apply_cuda_graphs(stage, scopes, forward)
 
 
 def apply_cuda_graphs(model: nn.Module, scopes: tuple[str, ...], forward: Callable[[], Any]) -> int:

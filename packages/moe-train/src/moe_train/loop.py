@@ -16,7 +16,7 @@ import torch
 from moe_dispatch import DelayedLink, ExpertParallelDispatcher
 from moe_models import StageRouting, next_token_loss, training_flops_per_token
 from moe_models.loss import IGNORE_INDEX
-from moe_parallel import all_reduce_mean, full_value, local_grad
+from moe_parallel import StagedModel, all_reduce_mean, full_value, local_grad
 from moe_train.faults import NonFiniteError, NonFiniteGuard, StopRequest
 from moe_train.metrics import peak_tflops
 from moe_train.optim import lr_at, set_lr
@@ -25,7 +25,7 @@ from moe_train.setup import Setup
 from moe_train.step_metrics import DeviceInterval, PendingMetrics
 
 
-def exposed_ep_communication_clock(parallel, device: torch.device) -> DelayedLink | None:
+def exposed_ep_communication_clock(parallel: StagedModel, device: torch.device) -> DelayedLink | None:
     """A link that delays nothing, given to every expert-parallel dispatcher of this rank to count the host's time
     blocked on their collectives (``ep_comm_wait_s`` in metrics.jsonl): on gloo that is the communication the step
     did not hide. None on a GPU, where the host does not wait for NCCL, and without expert parallelism."""

@@ -29,7 +29,7 @@ from moe_parallel import (
 )
 from moe_train.compile import compile_problem
 from moe_train.config import ConfigError, ExperimentConfig, PeftConfig, RunConfig, TrainConfig, config_error
-from moe_train.cuda_graphs import apply_cuda_graphs, cuda_graphs_problem
+from moe_train.cuda_graphs import cuda_graphs_problem, graph_run_regions
 from moe_train.data import PreparedData, prepare_data
 from moe_train.dtypes import torch_dtype
 from moe_train.loggers import check_wandb_available
@@ -296,14 +296,7 @@ def _build(cfg: ExperimentConfig, checked: RunChecks) -> Setup:
         if source is not None:
             source.close()
     if cfg.run.cuda_graphs:  # one process on CUDA (cuda_graphs_problem): checked, then captured at first use
-        sample = torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len), device=ctx.device)
-        autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False)
-
-        def forward() -> None:
-            with autocast:
-                parallel.model(sample)
-
-        apply_cuda_graphs(parallel.model, tuple(cfg.run.cuda_graphs), forward)
+        graph_run_regions(parallel, tuple(cfg.run.cuda_graphs), (micro, cfg.data.seq_len), cfg.model.vocab_size, dtype)
     checkpoint_group = None
     if cfg.run.async_checkpoint and ctx.world_size > 1:
         # background writes talk over a group of their own, never interleaved with the training step's collectives
