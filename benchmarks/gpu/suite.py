@@ -138,6 +138,16 @@ def build_on(config: ModelConfig, device: torch.device, seed: int = 0) -> torch.
     return model
 
 
+def train_step(
+    model: torch.nn.Module, ids: torch.Tensor, config: ModelConfig, autocast: contextlib.AbstractContextManager
+) -> None:
+    """Forward (under ``autocast``) + LM loss + backward on ``ids`` ``[B, S + 1]``; gradients dropped after."""
+    with autocast:
+        loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:], config.mtp_loss_scaling_factor).total
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 def step(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warmup: int) -> dict:
     config = dataclasses.replace(preset("qwen3-30b-a3b"), num_layers=sizes.layers, moe_layer_freq=1)
     if sizes is SMOKE:
@@ -150,13 +160,13 @@ def step(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, warm
     ids = torch.randint(0, config.vocab_size, (1, sizes.seq + 1), device=device)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
-    def run(model: torch.nn.Module) -> None:
-        with autocast:
-            loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:], config.mtp_loss_scaling_factor).total
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    eager_t, compiled_t = timed_pair(lambda: run(eager), lambda: run(compiled), device, reps, warmup)
+    eager_t, compiled_t = timed_pair(
+        lambda: train_step(eager, ids, config, autocast),
+        lambda: train_step(compiled, ids, config, autocast),
+        device,
+        reps,
+        warmup,
+    )
     times = {"eager": eager_t, "compiled": compiled_t}
     flops = training_flops_per_token(config, sizes.seq) * sizes.seq
     peak = peak_tflops(device)
@@ -399,13 +409,13 @@ def graphs(sizes: Sizes, device: torch.device, dtype: torch.dtype, reps: int, wa
         return out
     out["regions"] = apply_cuda_graphs(graphed, ("layer",), lambda: forward(graphed))
 
-    def run(model: torch.nn.Module) -> None:
-        with autocast:
-            loss = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:], config.mtp_loss_scaling_factor).total
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    eager_t, graphed_t = timed_pair(lambda: run(eager), lambda: run(graphed), device, reps, warmup)
+    eager_t, graphed_t = timed_pair(
+        lambda: train_step(eager, ids, config, autocast),
+        lambda: train_step(graphed, ids, config, autocast),
+        device,
+        reps,
+        warmup,
+    )
     with torch.no_grad():
         out["max_abs_logit_diff"] = float((forward(eager) - forward(graphed)).abs().max())
     out.update(eager=eager_t, graphed=graphed_t, graphed_speedup=eager_t["median_s"] / graphed_t["median_s"])
