@@ -25,7 +25,7 @@ CONSTANTS = {
     "TINY_PRESETS": "Names of the tiny CPU proxies (moe-train presets of the same names).",
     "PUBLISHED_SIZES": "Published total / active parameter counts of the published presets.",
     "DISPATCHERS": "Dispatcher names build_dispatcher accepts.",
-    "OVERLAP_MODES": "The expert-parallel overlap modes (moe-parallel's ``ep_overlap``): none, chunked.",
+    "OVERLAP_MODES": "The expert-parallel overlap modes (moe-parallel's ``ep_overlap``): none, chunked, microbatch.",
     "SWIGLU_OAI_ALPHA": "GPT-OSS clamped SwiGLU sigmoid scale (1.702).",
     "SWIGLU_OAI_LIMIT": "GPT-OSS clamped SwiGLU clamp limit (7.0).",
 }

@@ -509,6 +509,9 @@ def test_overlap_equals_the_run_without_it(preset: str, layout: str, parallel_ru
     assert all(d < OVERLAP_TOLERANCE for d in diffs.values()), diffs
     # the exposed expert-parallel communication each step records on gloo: some, and less than the step
     assert all(0 < r["ep_comm_wait_s"] < r["step_time_s"] for r in ours + base)
+    # two micro-batches in flight took turns at their all-to-alls in every step (none recorded without them)
+    in_flight = OVERLAP_LAYOUTS[layout].overrides.get("parallel.ep_overlap") == "microbatch"
+    assert all((r.get("ep_overlap_turns", 0) > 0) == in_flight for r in ours)
 
 
 @pytest.mark.parametrize(

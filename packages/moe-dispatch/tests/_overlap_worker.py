@@ -1,4 +1,4 @@
-"""One rank of the chunked-overlap checks in test_overlap_dist.py: ``python _overlap_worker.py OUT_DIR``.
+"""One rank of the overlap checks in test_overlap_dist.py: ``python _overlap_worker.py OUT_DIR``.
 
 Equivalence: every case of ``_dispatch_worker`` (random routings, empty ranks, capacity dropping with pad_to,
 pad_multiple, ep=4, ep=2 x etp=2) goes through ``AllToAllDispatcher.exchange`` pipelined over 2, 3 and 5 chunks
@@ -7,6 +7,11 @@ the unchunked dispatcher is checked: output and gradients of the tokens, probabi
 
 Overlap: with a :class:`~moe_dispatch.DelayedLink` of 40 ms a collective and experts that take 40 ms a chunk
 (sleeping, forward and backward), the step's time without overlap and with 4 chunks, forward and backward apart.
+
+Two micro-batches in flight (:class:`~moe_dispatch.Lanes`): every case's tokens as two micro-batches, the first's
+backward taking turns with the second's forward, against the same two run one after the other: the same outputs and
+gradients to the bit. Timed: micro-batches of sleeping attention, experts and loss around the exchange, the pair
+with lanes against the same pair in turn.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import torch.distributed as dist
 from _dispatch_worker import Layout, cases_for, expert_shard, global_batch, leaf, reference, routing, swiglu_experts
 
 from _rank_scenarios import Scenarios
-from moe_dispatch import DelayedLink, build_dispatcher
+from moe_dispatch import DelayedLink, Lanes, build_dispatcher
 
 CHUNKS = (2, 3, 5)
+TWO_IN_FLIGHT_CHUNKS = (1, 3)  # ep_overlap microbatch's exchanges whole, and in chunks
 SLEEP_S = 0.04  # one chunk's experts, forward or backward (4 chunks' worth a step)
 # a dispatch and combine of the timed step's 64 tokens send about 4 kB (rows, probabilities, expert ids): about
 # 0.16 s on this link, as long as the experts
@@ -115,6 +121,94 @@ def timed_step(layout: Layout, chunks: int) -> dict:
     }
 
 
+def run_two_in_flight(case, layout: Layout, chunks: int) -> dict:
+    """The case's tokens as two micro-batches (the second scaled and shifted), run as F0, (B0 | F1), B1 on a
+    dispatcher with lanes and as F0, B0, F1, B1 on one without, each exchange in ``chunks`` chunks."""
+    rank = dist.get_rank()
+    per_rank, weights, cot = global_batch(case)
+    x, idx, probs, keep = per_rank[rank]
+    _, _, shard = expert_shard(case, layout, weights)
+    results = {}
+    for mode in ("in turn", "lanes"):
+        disp = build_dispatcher(
+            "alltoall", case.num_experts, layout.ep_group, layout.etp_group, case.pad_multiple, overlap_chunks=chunks
+        )
+        disp.lanes = Lanes() if mode == "lanes" else None
+        w = [leaf(t.detach()) for t in shard]
+        inputs = [(leaf(x.detach()), leaf(probs.detach())), (leaf(x.detach() * 0.5 + 1), leaf(probs.detach()))]
+
+        def forward(micro: int, disp=disp, w=w, inputs=inputs) -> torch.Tensor:
+            xm, pm = inputs[micro]
+
+            def experts(dispatched):
+                y = swiglu_experts(dispatched.tokens_NH, dispatched.tokens_per_expert_E, *w)
+                return y * dispatched.row_probs().unsqueeze(1)
+
+            out, _ = disp.exchange(xm, routing(idx, pm, keep, case.num_experts, case.capacity), experts)
+            return (out * cot[rank]).sum()
+
+        loss0 = forward(0)
+        if disp.lanes is None:
+            loss0.backward()
+            loss1 = forward(1)
+        else:
+            loss1 = disp.lanes.run(loss0.backward, lambda forward=forward: forward(1))
+        loss1.backward()
+        results[mode] = {
+            "losses": [loss0.detach(), loss1.detach()],
+            "grads": [t.grad for pair in inputs for t in pair] + [t.grad for t in w],
+            "switches": 0 if disp.lanes is None else disp.lanes.switches,
+        }
+    return results
+
+
+class _Sleep(torch.autograd.Function):
+    """Computation that leaves the CPU free: ``seconds`` in the forward and in the backward."""
+
+    @staticmethod
+    def forward(ctx, rows, seconds):  # type: ignore[override]
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return rows.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def timed_two_in_flight(layout: Layout, lanes: bool) -> dict:
+    """Seconds of B0 and F1 of two micro-batches of attention, exchange (experts) and loss, SLEEP_S each, on a link
+    that takes about as long per exchange; and the link's modelled communication in those seconds."""
+    link = DelayedLink(latency_s=LATENCY_S, bandwidth_bytes_per_s=40_000.0)  # 25-45 ms an exchange
+    disp = build_dispatcher("alltoall", 4, layout.ep_group, link=link)
+    disp.lanes = Lanes() if lanes else None
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(64)])
+    probs = torch.full((64, 2), 0.5)
+
+    def forward(seed: int) -> torch.Tensor:
+        x = leaf(torch.randn(64, 8, generator=torch.Generator().manual_seed(seed)))
+        h = _Sleep.apply(x, SLEEP_S)  # attention
+
+        def experts(dispatched):
+            return _Sleep.apply(dispatched.tokens_NH * dispatched.row_probs().unsqueeze(1), SLEEP_S)
+
+        out, _ = disp.exchange(h, routing(idx, leaf(probs), None, 4, None), experts)
+        return _Sleep.apply(out, SLEEP_S).sum()  # the loss
+
+    loss0 = forward(0)
+    dist.barrier()
+    link.reset()
+    begin = time.perf_counter()
+    if disp.lanes is None:
+        loss0.backward()
+        forward(1)
+    else:
+        disp.lanes.run(loss0.backward, lambda: forward(1))
+    return {"seconds": time.perf_counter() - begin, "comm_s": link.busy_s}
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo")
     cases = [(case, ep, etp) for case, ep, etp, in_flight in cases_for(dist.get_world_size()) if not in_flight]
@@ -123,9 +217,16 @@ def main(out_dir: Path) -> None:
     for case, ep, etp in cases:
         for chunks in CHUNKS:
             scenarios.run(f"{case.name} chunks={chunks}", run_chunked, case, layouts[(ep, etp)], chunks)
+    for case, ep, etp in cases:
+        for chunks in TWO_IN_FLIGHT_CHUNKS:
+            scenarios.run(
+                f"{case.name} two in flight chunks={chunks}", run_two_in_flight, case, layouts[(ep, etp)], chunks
+            )
     if dist.get_world_size() == 2:
         for chunks in (1, 4):
             scenarios.run(f"timed chunks={chunks}", timed_step, layouts[(2, 1)], chunks)
+        for lanes in (False, True):
+            scenarios.run(f"timed two in flight lanes={lanes}", timed_two_in_flight, layouts[(2, 1)], lanes)
     scenarios.finish()
 
 

@@ -1,5 +1,6 @@
-"""The chunked expert-parallel overlap (moe_dispatch.overlap) on 2 and 4 gloo ranks: the same outputs and gradients as
-one process on every dispatcher case, and communication hidden behind computation on a modelled link.
+"""The expert-parallel overlaps on 2 and 4 gloo ranks: the chunked exchange (moe_dispatch.overlap) gives the same
+outputs and gradients as one process on every dispatcher case, two micro-batches in flight (moe_dispatch.lanes) the
+same as the two in turn, and both hide communication behind computation on a modelled link.
 
 Each world size is launched once per module (``_overlap_worker.py`` runs every case, each a scenario of its own).
 """
@@ -64,3 +65,36 @@ def test_chunked_exchange_hides_communication(world2, part: str) -> None:
     hidden = _hidden(world2, part)
     print(f"{part}: hidden fraction per rank {hidden}")
     assert all(h > 0.4 for h in hidden), hidden
+
+
+TWO_IN_FLIGHT = [
+    (world, f"{case.name} two in flight chunks={chunks}")
+    for world, size in (("world2", 2), ("world4", 4))
+    for case, _, _, in_flight in cases_for(size)
+    if not in_flight
+    for chunks in worker.TWO_IN_FLIGHT_CHUNKS
+]
+
+
+@pytest.mark.parametrize(("world", "case"), TWO_IN_FLIGHT)
+def test_two_micro_batches_in_flight_equal_the_two_in_turn(request, world: str, case: str) -> None:
+    """The second micro-batch's forward runs inside the first's backward, taking turns at the all-to-alls: the
+    same losses and gradients (tokens, probabilities, accumulated expert weights) to the bit."""
+    for rank, run in enumerate(request.getfixturevalue(world)[case]):
+        in_turn, lanes = run["in turn"], run["lanes"]
+        for got, ref in zip(lanes["losses"] + lanes["grads"], in_turn["losses"] + in_turn["grads"], strict=True):
+            assert torch.equal(got, ref), f"{case} rank {rank}"
+        # whole exchanges: B0 hands the turn at its combine's and its dispatch's gradient exchanges, F1 at its
+        # dispatch and its combine; B0 has then ended, and F1 finishes alone. In chunks, more turns
+        chunks = int(case.rpartition("=")[2])
+        turns = lanes["switches"]
+        assert turns == 4 if chunks == 1 else turns > 4, f"{case} rank {rank}: {turns} switches"
+
+
+def test_two_micro_batches_in_flight_hide_communication(world2) -> None:
+    """B0 and F1 each compute three sleeps around two exchanges that take about a sleep on the link: taking turns,
+    each exchange travels while the other micro-batch computes. Hidden fraction (T_in_turn - T_lanes) / T_comm."""
+    in_turn, lanes = world2["timed two in flight lanes=False"], world2["timed two in flight lanes=True"]
+    hidden = [(a["seconds"] - b["seconds"]) / a["comm_s"] for a, b in zip(in_turn, lanes, strict=True)]
+    print(f"two in flight: hidden fraction per rank {hidden}; in turn {in_turn}, lanes {lanes}")
+    assert all(h > 0.6 for h in hidden), hidden

@@ -21,8 +21,10 @@ PUBLIC_NAMES = [
     "FlexDispatcher",
     "FlexHandle",
     "InFlight",
+    "Lanes",
     "LocalDispatcher",
     "OVERLAP_MODES",
+    "OtherLaneFailed",
     "PermutationMap",
     "RouterConfig",
     "RouterConfigError",
@@ -64,7 +66,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_dispatch.__version__ == "0.7.0"
+    assert moe_dispatch.__version__ == "0.8.0"
     assert importlib.metadata.version("moe-dispatch") == moe_dispatch.__version__
 
 

@@ -178,8 +178,21 @@ def test_a_plan_without_context_parallel_attention_refuses_cp() -> None:
             {},
             {"ep": 2, "ep_overlap": "chunked", "moe_token_dispatcher_type": "allgather"},
             "ep_overlap",
-            "ep_overlap='chunked': pipelines the alltoall dispatcher's exchanges, not allgather's: set "
+            "ep_overlap='chunked': overlaps the alltoall dispatcher's exchanges, not allgather's: set "
             "moe_token_dispatcher_type alltoall, or ep_overlap none",
+        ),
+        (
+            {},
+            {"ep": 2, "ep_overlap": "microbatch", "moe_token_dispatcher_type": "flex"},
+            "ep_overlap",
+            "ep_overlap='microbatch': overlaps the alltoall dispatcher's exchanges, not flex's",
+        ),
+        (
+            {},
+            {"ep": 2, "pp": 2, "ep_overlap": "microbatch"},
+            "ep_overlap",
+            "ep_overlap='microbatch': overlaps a pipeline's micro-batches in DualPipeV's paired forward-backward "
+            "actions, which 1F1B has none of: set pp_schedule DualPipeV, or ep_overlap chunked",
         ),
     ],
 )

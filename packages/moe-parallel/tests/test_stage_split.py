@@ -93,3 +93,7 @@ def test_microbatch_counts_the_schedules_refuse() -> None:
     assert "multiple of 2" in microbatch_rule(interleaved, layout, 9)
     assert microbatch_rule(interleaved, layout, 8) is None
     assert microbatch_rule(ParallelConfig(), ParallelLayout(4), 1) is None
+    # one micro-batch's backward overlaps the next one's forward: two at least, without pp too
+    two_in_flight = ParallelConfig(ep=2, ep_overlap="microbatch")
+    assert "it needs 2" in microbatch_rule(two_in_flight, ParallelLayout(4, ep=2), 1)
+    assert microbatch_rule(two_in_flight, ParallelLayout(4, ep=2), 2) is None

@@ -54,11 +54,30 @@ def test_yaml_file_with_sections(tmp_path: Path) -> None:
         ({"model.moe_router_topk": "9"}, "model.moe_router_topk=9: must be between 1 and the number of experts (8)"),
         ({"model.num_attention_heads": "3"}, "model.num_attention_heads=3: must be a multiple of num_query_groups (2)"),
         ({"parallel.moe_token_dispatcher_type": "nccl"}, "parallel.moe_token_dispatcher_type='nccl': choose one of"),
-        ({"parallel.ep_overlap": "dualpipe"}, "parallel.ep_overlap='dualpipe': choose one of none, chunked"),
-        ({"parallel.ep_overlap_chunks": "1"}, "parallel.ep_overlap_chunks=1: must be at least 2"),
+        (
+            {"parallel.ep_overlap": "dualpipe"},
+            "parallel.ep_overlap='dualpipe': choose one of none, chunked, microbatch",
+        ),
+        ({"parallel.ep_overlap_chunks": "0"}, "parallel.ep_overlap_chunks=0: must be at least 1"),
+        (
+            {"parallel.ep_overlap": "chunked", "parallel.ep_overlap_chunks": "1"},
+            "parallel.ep_overlap_chunks=1: must be at least 2 with ep_overlap chunked",
+        ),
         (
             {"parallel.ep_overlap": "chunked", "precision.dispatch_fp8": "true"},
-            "parallel.ep_overlap=chunked: the FP8 token dispatch (precision.dispatch_fp8) cannot be pipelined yet",
+            "parallel.ep_overlap=chunked: the FP8 token dispatch (precision.dispatch_fp8) cannot be overlapped yet",
+        ),
+        (
+            {"parallel.ep_overlap": "microbatch", "precision.dispatch_fp8": "true"},
+            "parallel.ep_overlap=microbatch: the FP8 token dispatch (precision.dispatch_fp8) cannot be overlapped yet",
+        ),
+        (
+            {"parallel.ep_overlap": "microbatch", "run.recompute_modules": "moe_act"},
+            "parallel.ep_overlap=microbatch: run.recompute_modules moe_act keeps one forward's saved tensors at a time",
+        ),
+        (
+            {"parallel.ep_overlap": "microbatch", "run.offload_modules": "expert_fc1"},
+            "parallel.ep_overlap=microbatch: run.offload_modules=['expert_fc1'] keeps one forward's saved tensors",
         ),
         ({"parallel.backend": "mpi"}, "parallel.backend='mpi': choose one of auto, gloo, nccl"),
         ({"parallel.pp_schedule": "1f1b"}, "parallel.pp_schedule='1f1b': choose one of 1F1B, GPipe, Interleaved1F1B"),

@@ -18,6 +18,7 @@ from moe_dispatch.dispatcher import DispatchHandle, DispatchResult, InFlight, Lo
 from moe_dispatch.ep_base import ExpertParallelDispatcher
 from moe_dispatch.expert_bias import update_expert_bias
 from moe_dispatch.factory import DISPATCHERS, build_dispatcher
+from moe_dispatch.lanes import Lanes, OtherLaneFailed
 from moe_dispatch.load_balancing import (
     AuxLossAutoScaler,
     attach_aux_loss,
@@ -41,7 +42,7 @@ from moe_dispatch.scores import group_limited_topk
 from moe_dispatch.stats import routing_stats
 from moe_dispatch.wire import WireCodec, all_gather_encoded, all_to_all_encoded
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 __all__ = [
     "DISPATCHERS",
@@ -60,7 +61,9 @@ __all__ = [
     "FlexDispatcher",
     "FlexHandle",
     "InFlight",
+    "Lanes",
     "LocalDispatcher",
+    "OtherLaneFailed",
     "PermutationMap",
     "RouterConfig",
     "RouterConfigError",

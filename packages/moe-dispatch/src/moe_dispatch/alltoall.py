@@ -108,6 +108,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
 
     ``overlap_chunks > 1``: :meth:`exchange` pipelines that many chunks of the tokens so that their all-to-alls run
     while other chunks' experts compute (:mod:`moe_dispatch.overlap`); 1 runs dispatch, experts and combine in turn.
+    With ``lanes`` set, every all-to-all is started, the turn handed to the other micro-batch in flight, and
+    finished when the turn comes back (:mod:`moe_dispatch.lanes`).
     """
 
     def __init__(
@@ -134,7 +136,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
         experts: Callable[[DispatchResult[AllToAllHandle]], torch.Tensor],
         alongside: Callable[[], T] | None = None,
     ) -> tuple[torch.Tensor, T | None]:
-        if self.overlap_chunks == 1:
+        if self.overlap_chunks == 1 and self.lanes is None:
             return super().exchange(x_TH, routing, experts, alongside)
         return exchange_chunked(self, x_TH, routing, experts, self.overlap_chunks, alongside)
 
@@ -203,8 +205,14 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
         if self.wire is not None:
             raise ValueError(f"an encoded dispatch (wire {self.wire.name!r}) has no asynchronous exchange")
         rows = (state.tokens_RH, state.probs_RK, state.local_idx_RK)
-        started = [start_all_to_all(t, state.recv_splits, state.send_splits, self.ep_group, self.link) for t in rows]
+        # the tokens' gradient exchange hands the turn to the other micro-batch in flight, once per dispatch
+        lanes = (self.lanes, None, None)
+        started = [
+            start_all_to_all(t, state.recv_splits, state.send_splits, self.ep_group, self.link, lane)
+            for t, lane in zip(rows, lanes, strict=True)
+        ]
         (x, probs, idx), pending = zip(*started, strict=True)
+        self._let_other_lane_run()
         return dataclasses.replace(state, tokens_RH=x, probs_RK=probs, local_idx_RK=idx, in_flight=tuple(pending))
 
     def finish_token_dispatch(self, state: AllToAllDispatchState) -> AllToAllDispatchState:
@@ -246,9 +254,14 @@ class AllToAllDispatcher(ExpertParallelDispatcher[AllToAllDispatchState, AllToAl
         started); its rows are not to be read before :meth:`finish_token_combine`."""
         h = state.handle
         y, pending = start_all_to_all(
-            self._reduce_over_etp(state), h.send_splits, h.recv_splits, self.ep_group, self.link
+            self._reduce_over_etp(state), h.send_splits, h.recv_splits, self.ep_group, self.link, self.lanes
         )
+        self._let_other_lane_run()
         return CombineInFlight(y, h, pending)
+
+    def _let_other_lane_run(self) -> None:
+        if self.lanes is not None:  # another micro-batch computes while this exchange travels
+            self.lanes.switch()
 
     def finish_token_combine(self, state: CombineInFlight) -> InFlight[AllToAllHandle]:
         return InFlight(finish_all_to_all(state.tokens, state.pending), state.handle)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from moe_dispatch.delayed_link import DelayedLink
+from moe_dispatch.lanes import Lanes
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -160,6 +161,7 @@ class PendingAllToAll:
     in_splits: list[int]
     group: ProcessGroup | None
     link: DelayedLink | None
+    lanes: Lanes | None = None  # handed the turn once the gradients' reverse exchange has started
     forward: Issued | None = None
     backward: Issued | None = None
     grad_in: torch.Tensor | None = None  # the buffer the gradients' reverse exchange fills
@@ -198,6 +200,8 @@ class _FinishAllToAll(torch.autograd.Function):
         pending.grad_in, pending.backward = _issue_a2a(
             grad, pending.in_splits, pending.out_splits, pending.group, pending.link, wait=False
         )
+        if pending.lanes is not None:  # another micro-batch's forward computes while the gradients travel
+            pending.lanes.switch()
         return grad, None
 
 
@@ -207,10 +211,12 @@ def start_all_to_all(
     in_splits: Sequence[int],
     group: ProcessGroup | None,
     link: DelayedLink | None = None,
+    lanes: Lanes | None = None,
 ) -> tuple[torch.Tensor, PendingAllToAll]:
     """Start :func:`all_to_all` of ``x`` and return at once: the output buffer (not to be read before
-    :func:`finish_all_to_all`) and the exchange in flight."""
-    pending = PendingAllToAll([int(s) for s in out_splits], [int(s) for s in in_splits], group, link)
+    :func:`finish_all_to_all`) and the exchange in flight. ``lanes``: the backward hands them the turn once the
+    gradients' exchange has started (:mod:`moe_dispatch.lanes`); the caller does so in the forward."""
+    pending = PendingAllToAll([int(s) for s in out_splits], [int(s) for s in in_splits], group, link, lanes)
     return _StartAllToAll.apply(x, pending), pending
 
 

@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 from moe_dispatch.collectives import all_gather_uneven, all_to_all, group_rank, group_size
 from moe_dispatch.delayed_link import DelayedLink
 from moe_dispatch.dispatcher import HandleT, StateT, TokenDispatcher
+from moe_dispatch.lanes import Lanes
 from moe_dispatch.permutation import PermutationMap, make_permutation_map
 from moe_dispatch.wire import WireCodec, all_gather_encoded, all_to_all_encoded
 
@@ -53,6 +54,9 @@ class ExpertParallelDispatcher(TokenDispatcher[StateT, HandleT]):
         self.pad_multiple = pad_multiple
         self.wire = wire  # the tokens' dispatch format (moe_dispatch.wire); None: the compute dtype
         self.link = link  # a modelled link every collective waits for (moe_dispatch.delayed_link); None: real only
+        # two micro-batches in flight take turns at this dispatcher's all-to-alls (moe_dispatch.lanes); set by
+        # moe_parallel for ep_overlap microbatch, None otherwise
+        self.lanes: Lanes | None = None
 
     def row_bytes(self, hidden: int, element_size: int) -> int:
         """Bytes a dispatched token row takes on the wire."""

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from moe_dispatch.alltoall import AllToAllDispatcher, AllToAllHandle
 
 T = TypeVar("T")
-OVERLAP_MODES = ("none", "chunked")
+OVERLAP_MODES = ("none", "chunked", "microbatch")  # microbatch: moe_dispatch.lanes
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:

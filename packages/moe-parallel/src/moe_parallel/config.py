@@ -42,8 +42,11 @@ class ParallelConfig:
     vpp: int | None = None
     pp_first_stage_layers: int | None = None
     pp_last_stage_layers: int | None = None
-    # expert-parallel communication hidden behind computation (moe_dispatch.overlap): none, or chunked (each MoE
-    # layer's tokens in ep_overlap_chunks chunks whose all-to-alls run while other chunks' experts compute)
+    # expert-parallel communication hidden behind computation: none; chunked (moe_dispatch.overlap: each MoE
+    # layer's tokens in ep_overlap_chunks chunks whose all-to-alls run while other chunks' experts compute); or
+    # microbatch (moe_dispatch.lanes: one micro-batch's backward and the next one's forward take turns at their
+    # all-to-alls, without pp or in DualPipeV's paired actions; each exchange also in ep_overlap_chunks chunks, 1:
+    # whole)
     ep_overlap: str = "none"
     ep_overlap_chunks: int = 4
 
@@ -57,9 +60,13 @@ class ParallelConfig:
         check_schedule_name(self.pp_schedule)
         if self.ep_overlap not in OVERLAP_MODES:
             raise LayoutError("ep_overlap", self.ep_overlap, f"choose one of {', '.join(OVERLAP_MODES)}")
-        if self.ep_overlap_chunks < 2:
+        if self.ep_overlap_chunks < 1:
+            raise LayoutError("ep_overlap_chunks", self.ep_overlap_chunks, "must be at least 1")
+        if self.ep_overlap == "chunked" and self.ep_overlap_chunks < 2:
             raise LayoutError(
-                "ep_overlap_chunks", self.ep_overlap_chunks, "must be at least 2 (1 chunk overlaps nothing)"
+                "ep_overlap_chunks",
+                self.ep_overlap_chunks,
+                "must be at least 2 with ep_overlap chunked (1 overlaps nothing)",
             )
         for name in ("vpp", "pp_first_stage_layers", "pp_last_stage_layers"):
             value = getattr(self, name)

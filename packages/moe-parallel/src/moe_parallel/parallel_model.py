@@ -116,7 +116,7 @@ def split_module(
             before_fsdp(model)
         return ParallelModel(model, None, plan, config)
     layout = meshes.layout
-    chunks = config.ep_overlap_chunks if config.ep_overlap == "chunked" else 1
+    chunks = 1 if config.ep_overlap == "none" else config.ep_overlap_chunks
     apply_expert_parallel(model, meshes, plan, config.moe_token_dispatcher_type, dispatch_wire, chunks)
     tp_partial: list[str] = []
     if layout.tp > 1:

@@ -102,12 +102,19 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
             config.ep_overlap,
             "overlaps expert-parallel all-to-alls, and ep=1 has none: set ep > 1, or ep_overlap none",
         )
-    if config.ep_overlap == "chunked" and config.moe_token_dispatcher_type != "alltoall":
+    if config.ep_overlap != "none" and config.moe_token_dispatcher_type != "alltoall":
         raise LayoutError(
             "ep_overlap",
-            "chunked",
-            f"pipelines the alltoall dispatcher's exchanges, not {config.moe_token_dispatcher_type}'s: set "
+            config.ep_overlap,
+            f"overlaps the alltoall dispatcher's exchanges, not {config.moe_token_dispatcher_type}'s: set "
             "moe_token_dispatcher_type alltoall, or ep_overlap none",
+        )
+    if config.ep_overlap == "microbatch" and layout.pp > 1 and config.pp_schedule != "DualPipeV":
+        raise LayoutError(
+            "ep_overlap",
+            "microbatch",
+            f"overlaps a pipeline's micro-batches in DualPipeV's paired forward-backward actions, which "
+            f"{config.pp_schedule} has none of: set pp_schedule DualPipeV, or ep_overlap chunked",
         )
     if config.moe_token_dispatcher_type == "flex" and layout.etp > 1:
         raise LayoutError(

@@ -61,6 +61,8 @@ def check_pipeline(plan: ParallelPlan, config: ParallelConfig, layout: ParallelL
 def microbatch_rule(config: ParallelConfig, layout: ParallelLayout, microbatches: int) -> str | None:
     """Why ``microbatches`` per step cannot run under the configured schedule, or None."""
     if layout.pp == 1:
+        if config.ep_overlap == "microbatch" and microbatches < 2:
+            return "ep_overlap=microbatch overlaps one micro-batch's backward with the next one's forward: it needs 2"
         return None
     if microbatches < layout.pp:
         return f"pp_schedule={config.pp_schedule} at pp={layout.pp} needs at least {layout.pp} micro-batches a step"

@@ -31,14 +31,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_dispatch import WireCodec
+from moe_dispatch import Lanes, WireCodec
 from moe_parallel.config import ParallelConfig
-from moe_parallel.fsdp import detached_units, keep_gathered_after_forward, reshard, with_deferred_reduction
+from moe_parallel.expert_parallel import moe_blocks
+from moe_parallel.fsdp import (
+    detached_units,
+    fsdp_roots,
+    keep_gathered_after_forward,
+    reduce_accumulated,
+    reshard,
+    with_deferred_reduction,
+)
 from moe_parallel.grads import GradientSync, local_grad
 from moe_parallel.materialize import ParameterSource, materialize
 from moe_parallel.mesh import ParallelMeshes
 from moe_parallel.parallel_model import ParallelModel, context_positions, split_module
 from moe_parallel.pipeline import stage_split
+from moe_parallel.pipeline_overlap import overlapped_forward_backward
 from moe_parallel.plan import MoEBlockPlan, ParallelPlan, PipelinePlan
 from moe_parallel.schedules import rank_stages, schedule_classes, stage_rank, stages_per_rank, style
 from moe_parallel.tensor_parallel import vocab_parallel_loss
@@ -80,8 +89,11 @@ class StagedModel:
         meshes: ParallelMeshes | None,
         plan: PipelinePlan,
         config: ParallelConfig,
+        lanes: Lanes | None = None,
     ) -> None:
         self.stages, self.stage_indices, self.parts, self.split = stages, stage_indices, parts, split
+        # ep_overlap microbatch: the two micro-batches in flight the dispatchers hand turns between
+        self.lanes = lanes
         self.meshes, self.config, self.pipeline = meshes, config, plan
         self.model = nn.ModuleList(stages)
         self.num_stages = len(split)
@@ -105,6 +117,8 @@ class StagedModel:
         self._split_backward = self.pp > 1 and style(config.pp_schedule) == "v"
         # the FSDP roots torch's stages do not handle (see parallelize_stages): reduced once, after each step
         self._detached_units = [u for stage in stages for u in detached_units(stage)] if self._split_backward else []
+        # kept gathered from the forward to the step's end (parallelize_stages): released after an evaluation
+        self._kept_gathered = self._split_backward or (lanes is not None and self.pp == 1)
 
     # ----- what the rank holds
     @property
@@ -232,11 +246,21 @@ class StagedModel:
         local_ids_BS, kwargs = _at_positions(input_ids_BS, positions_S, kwargs)
         if self.pp == 1:
             (stage,) = self.stages
-            for micro in range(microbatches):
+
+            def forward(micro: int) -> torch.Tensor:
                 ids_BS, local_BS, labels_micro_BS, micro_kwargs = _micro_batch(
                     microbatches, micro, input_ids_BS, local_ids_BS, labels_BS, kwargs
                 )
-                loss_fn(stage(local_BS, input_ids_BS=ids_BS, **micro_kwargs), labels_micro_BS).backward()
+                return loss_fn(stage(local_BS, input_ids_BS=ids_BS, **micro_kwargs), labels_micro_BS)
+
+            if self.lanes is None:
+                for micro in range(microbatches):
+                    forward(micro).backward()
+                return
+            roots = fsdp_roots(stage)
+            with_deferred_reduction(
+                roots, lambda: _two_in_flight(self.lanes, forward, microbatches, lambda: reduce_accumulated(roots))
+            )
             return
         micro, seq_len = input_ids_BS.shape[0] // microbatches, local_ids_BS.shape[1]
         key = (microbatches, micro, seq_len, dtype, id(loss_fn))
@@ -245,6 +269,10 @@ class StagedModel:
             cls = schedule_classes()[self.config.pp_schedule]
             single = style(self.config.pp_schedule) == "single"
             self._schedule = cls(stages[0] if single else stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+            if self.lanes is not None:  # DualPipeV (check_plan): its paired forward-backward actions overlapped
+                from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+                self._schedule.register_custom_function(OVERLAP_F_B, overlapped_forward_backward(self.lanes))
             self._schedule_key = key
         args = (local_ids_BS,) if self.is_first else ()
         target = labels_BS if self.is_last else None
@@ -297,7 +325,7 @@ class StagedModel:
             out = stage(x, input_ids_BS=input_ids_BS, **kwargs)
             if index + 1 < self.num_stages and index + 1 not in held:
                 dist.send(out.contiguous(), self._pipeline_peer(index + 1), group=self.pp_group)
-        if self._split_backward:  # kept gathered after their forward (parallelize_stages): release them now
+        if self._kept_gathered:  # kept gathered after their forward (parallelize_stages): release them now
             for stage in self.stages:
                 reshard(stage)
         return out if self.is_last else None
@@ -306,6 +334,21 @@ class StagedModel:
         """The global rank of this rank's pipeline group holding ``stage``."""
         ranks = dist.get_process_group_ranks(self.pp_group)
         return ranks[stage_rank(self.config.pp_schedule, self.pp, stage)]
+
+
+def _two_in_flight(
+    lanes: Lanes, forward: Callable[[int], torch.Tensor], microbatches: int, reduce: Callable[[], None]
+) -> None:
+    """Micro-batch ``m``'s backward and ``m + 1``'s forward taking turns at their all-to-alls
+    (:mod:`moe_dispatch.lanes`): F0, (B0 | F1), (B1 | F2), ..., B(n-1). FSDP units stay gathered and reduce
+    nothing inside a pair, where one micro-batch's forward runs in the middle of the other's backward through the
+    same units: ``reduce()`` reduces each backward's gradients after its pair, as the plain loop's FSDP does in
+    its backward, and the caller the last one."""
+    loss = forward(0)
+    for micro in range(1, microbatches):
+        loss = lanes.run(loss.backward, lambda micro=micro: forward(micro))
+        reduce()
+    loss.backward()
 
 
 def _at_positions(
@@ -370,4 +413,13 @@ def parallelize_stages(
         # ones autograd saw, only if FSDP keeps them gathered from the forward to the gradient reduction
         for stage in stages:
             keep_gathered_after_forward(stage)
-    return StagedModel(stages, indices, parts, split, meshes, plan.pipeline, config)
+    lanes = Lanes() if config.ep_overlap == "microbatch" and meshes is not None else None
+    if lanes is not None:
+        for part in parts:
+            for block in moe_blocks(part.model, part.plan):
+                block.dispatcher.lanes = lanes
+        if pp == 1:
+            # one micro-batch's forward runs inside another's backward, in the same FSDP units: no unit may gather,
+            # release or reduce in between (the step's first forward gathers, the step's end reduces)
+            keep_gathered_after_forward(stages[0])
+    return StagedModel(stages, indices, parts, split, meshes, plan.pipeline, config, lanes)

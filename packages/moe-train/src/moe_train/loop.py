@@ -176,6 +176,8 @@ class TrainLoop:
         started = time.perf_counter()
         if self.comm_clock is not None:
             self.comm_clock.reset()
+        lanes = parallel.lanes
+        turns_before = None if lanes is None else lanes.switches
         lr = lr_at(step, self.cfg.train)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
@@ -198,6 +200,7 @@ class TrainLoop:
                 routing=self.routing,
                 **extra,
             )
+        turns = None if lanes is None else lanes.switches - turns_before
         held = parallel.stage_indices
         aux_sum = sum((self.routing.aux_loss[i] for i in held), torch.zeros((), device=self.ctx.device))
         load_LE = torch.cat([self.routing.tokens_per_expert_LE[i] for i in held])
@@ -235,7 +238,7 @@ class TrainLoop:
         self.steps_done = step + 1
         elapsed = time.perf_counter() - started
         waited = None if self.comm_clock is None else self.comm_clock.waited_s
-        self.metrics.add(step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE, update, waited)
+        self.metrics.add(step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE, update, waited, turns)
         records = self.metrics.records() if write_metrics or not_finite or stop_asked else []
         if self.qk_clip is not None:
             self.qk_clip.annotate(records)

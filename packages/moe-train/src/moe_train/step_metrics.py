@@ -56,6 +56,7 @@ class _Pending:
     values: torch.Tensor  # [loss, aux_loss, mtp_loss, indexer_loss, grad_norm]: this rank's part
     load_LE: torch.Tensor  # this rank's routers' kept (token, expert) pairs, rows of the whole model's routers
     ep_comm_wait_s: float | None = None  # the host's time blocked on expert-parallel collectives (gloo runs)
+    ep_overlap_turns: int | None = None  # turns the micro-batches in flight took (ep_overlap microbatch)
 
 
 class PendingMetrics:
@@ -96,12 +97,16 @@ class PendingMetrics:
         load_LE: torch.Tensor,
         optimizer: DeviceInterval,
         ep_comm_wait_s: float | None = None,
+        ep_overlap_turns: int | None = None,
     ) -> None:
         """Step ``step``'s values (the LM, balancing, MTP and DSA indexer losses as this rank's micro-batch means),
-        the time its optimizer update took and, on gloo, the time it waited on expert-parallel collectives."""
+        the time its optimizer update took, on gloo the time it waited on expert-parallel collectives, and with
+        ``ep_overlap microbatch`` the turns its micro-batches in flight took at their all-to-alls."""
         values = torch.stack([*(v.float().reshape(()) for v in losses), grad_norm.float().reshape(())])
         load = load_LE.detach().float()
-        self.pending.append(_Pending(step, lr, step_time_s, skipped, optimizer, values, load, ep_comm_wait_s))
+        self.pending.append(
+            _Pending(step, lr, step_time_s, skipped, optimizer, values, load, ep_comm_wait_s, ep_overlap_turns)
+        )
 
     def records(self) -> list[dict[str, Any]]:
         """The pending steps' records, in order; none pending afterwards. A collective: every rank calls it."""
@@ -143,6 +148,8 @@ class PendingMetrics:
                 # this rank's host blocked on the dispatchers' collectives: the exposed expert-parallel
                 # communication, the rest of step_time_s being computation and other communication
                 record["ep_comm_wait_s"] = pending.ep_comm_wait_s
+            if pending.ep_overlap_turns is not None:  # none: nothing was overlapped across micro-batches
+                record["ep_overlap_turns"] = pending.ep_overlap_turns
             if pending.skipped:
                 record["skipped"] = True
             out.append(record)

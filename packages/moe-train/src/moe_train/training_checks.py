@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moe_memory import OUTPUT_DISCARDING_KINDS
 from moe_models.qk_clip import qk_clip_refusals
 from moe_train.config_error import ConfigError
 
@@ -22,12 +23,23 @@ def check_training(cfg: ExperimentConfig) -> None:
 
 
 def _check_ep_overlap(cfg: ExperimentConfig) -> None:
-    """The chunked overlap starts each chunk's all-to-all and returns; the FP8 dispatch encodes, exchanges and
-    decodes in one call (moe_dispatch.wire), with no start and finish to pipeline."""
-    if cfg.parallel.ep_overlap == "chunked" and cfg.precision.dispatch_fp8:
+    """Both overlaps start each all-to-all and return; the FP8 dispatch encodes, exchanges and decodes in one call
+    (moe_dispatch.wire), with no start and finish to overlap."""
+    mode = cfg.parallel.ep_overlap
+    if mode != "none" and cfg.precision.dispatch_fp8:
         raise ConfigError(
-            "parallel.ep_overlap=chunked: the FP8 token dispatch (precision.dispatch_fp8) cannot be pipelined yet; set "
-            "parallel.ep_overlap none or precision.dispatch_fp8 false"
+            f"parallel.ep_overlap={mode}: the FP8 token dispatch (precision.dispatch_fp8) cannot be overlapped yet; "
+            "set parallel.ep_overlap none or precision.dispatch_fp8 false"
+        )
+    # offloading and the output-discarding recompute keep one forward's saved tensors at a time (one
+    # moe_memory.SavedTensorPolicy around the model), and two micro-batches in flight run a forward inside a backward
+    run = cfg.run
+    held = [f"run.offload_modules={run.offload_modules}"] if run.offload_modules else []
+    held += [f"run.recompute_modules {k}" for k in sorted(OUTPUT_DISCARDING_KINDS & set(run.recompute_modules))]
+    if mode == "microbatch" and held:
+        raise ConfigError(
+            f"parallel.ep_overlap=microbatch: {held[0]} keeps one forward's saved tensors at a time, and two "
+            "micro-batches are in flight; set parallel.ep_overlap chunked, or leave it out"
         )
 
 

@@ -1,0 +1,135 @@
+"""Two micro-batches in flight in one process: the backward of one and the forward of the next take turns at their
+expert-parallel all-to-alls, so that each one's exchange travels while the other computes (Megatron-Core's combined
+1F1B, ``--overlap-moe-expert-parallel-comm``; the overlapped forward-backward pairs of DeepSeek's DualPipe).
+
+:meth:`Lanes.run` runs the backward on the calling thread (the *main* lane) and the forward on a second thread (the
+*side* lane), never both at once: a lane runs until it has started an all-to-all, then :meth:`Lanes.switch` hands
+the turn to the other lane and waits for it back. The main lane goes first::
+
+    main  (backward A)  B_comb ─┐        ┌─ experts' B ─ B_disp ─┐        ┌─ attention's B ...
+    side  (forward  B)          └ attn ─ F_disp ┘                └ experts ─ F_comb ┘
+
+Every switch happens at a collective every rank issues, so every rank runs the same sequence of turns and issues
+its collectives in the same order on each process group: no second process group is needed, and nothing runs
+concurrently on the host but a collective's transfer (gloo's threads on CPU, the NCCL stream on a GPU). The result
+is the one the micro-batches give one after another: the forward of one and the backward of the other share no
+tensor, and only the backward accumulates gradients.
+
+When one lane finishes, the other runs alone to its end without switching. An exception in either lane ends the
+other at its next switch and is raised by :meth:`Lanes.run`.
+
+The side thread starts with the caller's grad mode, autocast state and CUDA device, which are thread-local.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+_MAIN, _SIDE = "main", "side"
+
+
+class OtherLaneFailed(RuntimeError):
+    """Raised in a lane at its next switch when the other lane raised: :meth:`Lanes.run` raises the original."""
+
+
+def _thread_state() -> Callable[[], contextlib.ExitStack]:
+    """What a new thread must enter to compute as the calling thread does (grad mode, autocast, CUDA device)."""
+    grad = torch.is_grad_enabled()
+    cache = torch.is_autocast_cache_enabled()
+    autocasts = [
+        (device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
+    ]
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def enter() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device, dtype in autocasts:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
+        return stack
+
+    return enter
+
+
+class Lanes:
+    """Two computations taking turns at their collectives (module docstring). One object serves every step: a
+    dispatcher given it (``lanes=``) calls :meth:`switch` after each all-to-all it starts, forward and backward,
+    which does nothing outside :meth:`run`."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._turn: str | None = None  # the lane that may run; None outside run()
+        self._alone = False  # one lane has ended: the other runs without switching
+        self._failed = False
+        self._side_thread: int | None = None
+        self.switches = 0  # turns handed over since construction (tests, benchmarks)
+
+    def switch(self) -> None:
+        """Hand the turn to the other lane and wait for it back; a no-op outside :meth:`run` or once a lane ended."""
+        with self._cond:
+            if self._turn is None or self._alone:
+                return
+            me = _SIDE if threading.get_ident() == self._side_thread else _MAIN
+            self._turn = _MAIN if me == _SIDE else _SIDE
+            self.switches += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._turn == me or self._alone)
+            if self._failed:
+                raise OtherLaneFailed("the other micro-batch in flight raised")
+
+    def run(self, main: Callable[[], object], side: Callable[[], T]) -> T:
+        """``main()`` on this thread and ``side()`` on another, taking turns, main first; returns ``side()``'s
+        result once both have ended."""
+        if self._turn is not None:
+            raise RuntimeError("Lanes.run is already running: one pair of micro-batches at a time")
+        enter = _thread_state()
+        result: list[T] = []
+        errors: list[BaseException] = []
+
+        def side_lane() -> None:
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._turn == _SIDE or self._alone)
+                    if self._failed:
+                        return
+                with enter():
+                    result.append(side())
+            except BaseException as error:
+                errors.append(error)
+            finally:
+                self._end(failed=bool(errors))
+
+        with self._cond:
+            self._turn, self._alone, self._failed = _MAIN, False, False
+        thread = threading.Thread(target=side_lane, name="moe-side-lane", daemon=True)
+        thread.start()
+        self._side_thread = thread.ident
+        main_error: BaseException | None = None
+        try:
+            main()
+        except BaseException as error:
+            main_error = error
+        self._end(failed=main_error is not None)
+        thread.join()
+        with self._cond:
+            self._turn, self._side_thread = None, None
+        side_error = next((e for e in errors if not isinstance(e, OtherLaneFailed)), None)
+        if main_error is not None and not (isinstance(main_error, OtherLaneFailed) and side_error is not None):
+            raise main_error
+        if side_error is not None:
+            raise side_error
+        return result[0]
+
+    def _end(self, failed: bool) -> None:
+        with self._cond:
+            self._alone = True
+            self._failed = self._failed or failed
+            self._cond.notify_all()
