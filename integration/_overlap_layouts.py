@@ -36,6 +36,10 @@ QWEN3, DEEPSEEK = ("tiny-qwen3-moe",), ("tiny-deepseek-v3",)
 OVERLAP_LAYOUTS: dict[str, OverlapRow] = {
     "ep=2 chunked overlap": OverlapRow(2, {"parallel.ep": "2", **CHUNKED}, "ep=2", PRESETS),
     "ep=2 microbatch overlap": OverlapRow(2, {"parallel.ep": "2", **MICROBATCH}, "ep=2", DEEPSEEK),
+    # the MoE blocks recomputed inside a backward whose turns run the other micro-batch's forward
+    "ep=2 recomputing moe microbatch overlap": OverlapRow(
+        2, {"parallel.ep": "2", "run.recompute_modules": "moe", **MICROBATCH}, "ep=2", DEEPSEEK
+    ),
     # the whole MoE block recomputed in the backward: its chunks' all-to-alls run again, started and finished there
     "ep=2 recomputing moe chunked overlap": OverlapRow(
         2, {"parallel.ep": "2", "run.recompute_modules": "moe", **CHUNKED}, "ep=2", DEEPSEEK

@@ -3,7 +3,9 @@ thread-local state the side lane starts with. The dispatchers' use of them is in
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -92,3 +94,55 @@ def test_the_side_lane_computes_as_the_caller_does() -> None:
         Lanes().run(lambda: None, side)
     assert seen["thread"] != threading.current_thread().name
     assert seen == {**seen, "grad": False, "autocast": (True, torch.bfloat16), "dtype": torch.bfloat16}
+
+
+def test_each_lane_draws_the_random_numbers_it_would_alone() -> None:
+    """The main lane recomputes a forward under its saved generator state (as activation checkpointing does, inside
+    fork_rng), the side lane draws on from the process's state: each draws what it would alone, and the process's
+    state is the side lane's afterwards, as after the forward that runs last in turn."""
+    lanes, drawn = Lanes(), {"main": [], "side": []}
+
+    def recompute() -> None:
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            drawn["main"].append(torch.rand(3))
+            lanes.switch()
+            drawn["main"].append(torch.rand(3))
+
+    def forward() -> None:
+        drawn["side"].append(torch.rand(3))
+        lanes.switch()
+        drawn["side"].append(torch.rand(3))
+
+    torch.manual_seed(0)
+    lanes.run(recompute, forward)
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    alone_main = [torch.rand(3), torch.rand(3)]
+    torch.manual_seed(0)
+    alone_side, alone_after = [torch.rand(3), torch.rand(3)], torch.rand(3)
+    assert lanes.switches == 2
+    for got, ref in zip(drawn["main"] + drawn["side"] + [after], alone_main + alone_side + [alone_after], strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_an_interruption_of_the_waiting_lane_stops_the_other_at_its_next_switch() -> None:
+    """A KeyboardInterrupt (Ctrl-C) reaching the main lane while it waits for its turn: the side lane, running, stops
+    at its next switch instead of running to its end, and run() raises the interruption."""
+    lanes, log = Lanes(), []
+
+    def main() -> None:
+        lanes.switch()
+
+    def side() -> None:
+        log.append(0)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # raised in the main lane, in its switch
+        time.sleep(0.3)  # the main lane takes it and ends
+        log.append(1)
+        for i in range(2, 5):
+            lanes.switch()
+            log.append(i)
+
+    with pytest.raises(KeyboardInterrupt):
+        lanes.run(main, side)
+    assert log == [0, 1]

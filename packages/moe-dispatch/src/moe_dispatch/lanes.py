@@ -13,7 +13,11 @@ Every switch happens at a collective every rank issues, so every rank runs the s
 its collectives in the same order on each process group: no second process group is needed, and nothing runs
 concurrently on the host but a collective's transfer (gloo's threads on CPU, the NCCL stream on a GPU). The result
 is the one the micro-batches give one after another: the forward of one and the backward of the other share no
-tensor, and only the backward accumulates gradients.
+tensor, and only the backward accumulates gradients. They do share the process's random number generators: each lane
+keeps its own generator states across its turns (set back when its turn comes), so that a backward recomputing a
+forward under its saved states (activation checkpointing's ``fork_rng``) and the other lane's forward (dropout) each
+draw what they would alone; the forward's states are the process's after :meth:`Lanes.run`, as after the forward
+that runs last in turn.
 
 When one lane finishes, the other runs alone to its end without switching. An exception in either lane ends the
 other at its next switch and is raised by :meth:`Lanes.run`.
@@ -59,10 +63,23 @@ def _thread_state() -> Callable[[], contextlib.ExitStack]:
     return enter
 
 
+def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The CPU generator's state and, once CUDA is initialised, every device's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 class Lanes:
     """Two computations taking turns at their collectives (module docstring). One object serves every step: a
-    dispatcher given it (``lanes=``) calls :meth:`switch` after each all-to-all it starts, forward and backward,
-    which does nothing outside :meth:`run`."""
+    dispatcher whose ``lanes`` attribute holds it calls :meth:`switch` after each all-to-all it starts, forward and
+    backward, which does nothing outside :meth:`run`."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -70,20 +87,27 @@ class Lanes:
         self._alone = False  # one lane has ended: the other runs without switching
         self._failed = False
         self._side_thread: int | None = None
+        self._rng: dict[str, tuple] = {}  # each lane's generator states while the other has the turn
         self.switches = 0  # turns handed over since construction (tests, benchmarks)
 
     def switch(self) -> None:
         """Hand the turn to the other lane and wait for it back; a no-op outside :meth:`run` or once a lane ended."""
         with self._cond:
-            if self._turn is None or self._alone:
+            if self._turn is None:
+                return
+            if self._failed:  # the other lane raised (or was interrupted) while this one ran
+                raise OtherLaneFailed("the other micro-batch in flight raised")
+            if self._alone:
                 return
             me = _SIDE if threading.get_ident() == self._side_thread else _MAIN
+            self._rng[me] = _rng_states()
             self._turn = _MAIN if me == _SIDE else _SIDE
             self.switches += 1
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == me or self._alone)
             if self._failed:
                 raise OtherLaneFailed("the other micro-batch in flight raised")
+            _set_rng_states(self._rng[me])
 
     def run(self, main: Callable[[], object], side: Callable[[], T]) -> T:
         """``main()`` on this thread and ``side()`` on another, taking turns, main first; returns ``side()``'s
@@ -100,15 +124,19 @@ class Lanes:
                     self._cond.wait_for(lambda: self._turn == _SIDE or self._alone)
                     if self._failed:
                         return
+                    _set_rng_states(self._rng[_SIDE])
                 with enter():
                     result.append(side())
-            except BaseException as error:
+            except BaseException as error:  # handed to the caller's thread
                 errors.append(error)
             finally:
+                with self._cond:
+                    self._rng[_SIDE] = _rng_states()
                 self._end(failed=bool(errors))
 
         with self._cond:
             self._turn, self._alone, self._failed = _MAIN, False, False
+            self._rng = {_SIDE: _rng_states()}  # the forward draws on from where the previous one left off
         thread = threading.Thread(target=side_lane, name="moe-side-lane", daemon=True)
         thread.start()
         self._side_thread = thread.ident
@@ -121,6 +149,8 @@ class Lanes:
         thread.join()
         with self._cond:
             self._turn, self._side_thread = None, None
+            _set_rng_states(self._rng.pop(_SIDE))
+            self._rng.clear()
         side_error = next((e for e in errors if not isinstance(e, OtherLaneFailed)), None)
         if main_error is not None and not (isinstance(main_error, OtherLaneFailed) and side_error is not None):
             raise main_error

@@ -147,7 +147,14 @@ def reduce_accumulated(units: list[FSDPModule]) -> None:
     """Inside :func:`with_deferred_reduction`: reduce the gradients ``units`` accumulated since the last reduction,
     now, and go on accumulating gathered. A step that reduces after each micro-batch's backward so reduces the same
     sums as FSDP's own per-backward reduction (the same result to the bit, not the ~1e-7 of one reduction of the
-    summed micro-batches, which moves a capacity cut's ties)."""
+    summed micro-batches, which moves a capacity cut's ties).
+
+    Two micro-batches in flight lean on FSDP2 beyond its documented use here: ``finalize_backward`` runs between the
+    next micro-batch's forward and its backward (torch's docstring asks not to), and that forward crosses units the
+    other's backward has put in PRE_BACKWARD, whose hooks then register nothing for it (the path meant for activation
+    checkpointing). With every unit gathered and every reduction manual, what reduces its gradients is the root's
+    final callback marking each unit pending and this call: the equivalence rows with ``ep_overlap microbatch`` are
+    what would see a torch that changes either."""
     for unit in units:
         unit.set_requires_gradient_sync(True)
         unit.finalize_backward()

@@ -157,12 +157,13 @@ def parallelize(
     modules that will run (torchtitan applies activation checkpointing there); with ``meshes=None`` (one process) it
     is all that happens. With ``pp > 1`` the model cannot be split in place: the result is the
     :class:`~moe_parallel.staged.StagedModel` of this rank's stages (:func:`~moe_parallel.parallelize_stages`, which
-    also gives a one-stage one without pp). ``dispatch_wire``: the format the expert-parallel dispatchers send
+    also gives a one-stage one without pp); so it is with ``ep_overlap microbatch``, whose two micro-batches in
+    flight its ``forward_backward`` runs. ``dispatch_wire``: the format the expert-parallel dispatchers send
     tokens in (``moe_dispatch.wire``; None: the compute dtype).
     """
     plan = model.parallel_plan() if plan is None else plan
     if meshes is not None:
         check_plan(model, plan, config, meshes.layout)
-        if meshes.layout.pp > 1:
+        if meshes.layout.pp > 1 or config.ep_overlap == "microbatch":
             return parallelize_stages(model, meshes, config, plan, before_fsdp=before_fsdp, dispatch_wire=dispatch_wire)
     return split_module(model, meshes, config, plan, before_fsdp, dispatch_wire)

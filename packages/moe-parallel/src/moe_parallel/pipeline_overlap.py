@@ -11,7 +11,8 @@ Each half does what torch's runtime does for the plain action (``_PipelineSchedu
 wait for the received input or gradient, run the stage, compute or fetch the loss, hand the result to the rank's
 other stage); the receives and sends stay the runtime's own actions around this one. That code reads the runtime's
 bookkeeping (``fwd_recv_ops``, ``backward_counter``, the losses), which torch keeps private: a torch that changes
-it fails here, in the pipeline equivalence rows with overlap.
+it fails here, in the pipeline equivalence rows with overlap. It runs the schedule as ``StagedModel.forward_backward``
+calls it: the outputs kept (``return_outputs``), no loss keyword arguments (the context carries neither).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _forward(schedule: Any, stages: dict[int, Any], action: Any, ctx: Any) -> No
     stage = stages[index]
     schedule._assert_unsharded(stage)
     if not stage.is_first and index - 1 not in stages:  # its input comes from another rank
+        assert (index, micro) in schedule.fwd_recv_ops, f"forward of stage {index} micro-batch {micro} before its input"
         _wait_batch_p2p(schedule.fwd_recv_ops.pop((index, micro)))
     output = stage.forward_one_chunk(micro, ctx.arg_mbs[micro], ctx.kwarg_mbs[micro])
     schedule._maybe_compute_loss(stage, output, ctx.target_mbs, micro)
@@ -55,6 +57,7 @@ def _backward(schedule: Any, stages: dict[int, Any], action: Any) -> None:
     stage = stages[index]
     schedule._assert_unsharded(stage)
     if not stage.is_last and index + 1 not in stages:  # its output's gradient comes from another rank
+        assert (index, micro) in schedule.bwd_recv_ops, f"backward of stage {index} micro-batch {micro} before its grad"
         _wait_batch_p2p(schedule.bwd_recv_ops.pop((index, micro)))
     loss = schedule._maybe_get_loss(stage, micro)
     full = action.computation_type == FULL_BACKWARD  # DualPipeV's pairs; an input-only backward counts at its W
