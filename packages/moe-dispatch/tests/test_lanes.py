@@ -143,6 +143,11 @@ def test_an_interruption_of_the_waiting_lane_stops_the_other_at_its_next_switch(
             lanes.switch()
             log.append(i)
 
-    with pytest.raises(KeyboardInterrupt):
-        lanes.run(main, side)
+    # a process started in the background (CI's) inherits SIGINT ignored: Python's handler is put in for the test
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lanes.run(main, side)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert log == [0, 1]
