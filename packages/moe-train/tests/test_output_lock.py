@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from moe_train import cli
+from moe_train.config import load_config
+from moe_train.config_error import ConfigError
 from moe_train.output_lock import LOCK_FILE, OutputDirLock
+from moe_train.resume import WRITE_PROBE_PREFIX, check_output_dir
 
 SMALL = ["--model.num_layers", "1", "--data.seq_len", "16", "--train.global_batch_size", "4", "--run.log_interval", "1"]
 
@@ -92,3 +95,23 @@ def test_two_runs_started_together_into_one_directory(tmp_path: Path, data_cache
     assert refused.count("\n") == 1 and ("is in use by another moe-train run (PID" in refused or "not empty" in refused)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 31))
+
+
+def test_another_rank_checking_the_directory_is_not_an_earlier_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of a run checks the output directory before the group forms, while the main rank may hold the lock
+    (which makes the directory) and probe it for writing: a snapshot of it then is no earlier run's files. (CI once
+    saw one rank refuse the directory over another rank's write probe.)"""
+    out = tmp_path / "run"
+    cfg = load_config("tiny", {"run.output_dir": str(out)})
+    monkeypatch.setenv("RANK", "1")  # this process plays a rank other than the lock's holder
+    holder = OutputDirLock(str(out)).acquire()
+    try:
+        (out / f"{WRITE_PROBE_PREFIX}abc123").mkdir()  # another rank's probe, caught before its cleanup
+        check_output_dir(cfg)
+        (out / "metrics.jsonl").write_text("{}\n")  # an earlier run's file still is
+        with pytest.raises(ConfigError, match="is not empty"):
+            check_output_dir(cfg)
+    finally:
+        holder.release()

@@ -54,6 +54,16 @@ def checkpoint_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.run.output_dir) / "checkpoints"
 
 
+# the writable check's folder: each rank of a run checks before the group forms, and one rank's probe inside the output
+# directory (which the main rank's lock may have made) must not read as an earlier run's files to another
+WRITE_PROBE_PREFIX = ".moe-train-write-probe-"
+
+
+def _run_own(name: str) -> bool:
+    """An entry of the output directory this run itself puts there while checking it: the lock, a write probe."""
+    return name == LOCK_FILE or name.startswith(WRITE_PROBE_PREFIX)
+
+
 def check_output_dir(cfg: ExperimentConfig, *, locked: bool = False) -> None:
     """Refuse an output directory that another live run holds, that holds another run (unless resuming or
     overwriting) or that cannot be written. ``locked``: this process holds its lock."""
@@ -68,7 +78,7 @@ def check_output_dir(cfg: ExperimentConfig, *, locked: bool = False) -> None:
     # the main rank (RANK 0 under torchrun) holds the lock for every rank of a run: the others do not look
     if out.is_dir() and not locked and int(os.environ.get("RANK", "0")) == 0:
         check_unlocked(run.output_dir)
-    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()) and not (run.resume or run.overwrite):
+    if out.is_dir() and any(not _run_own(p.name) for p in out.iterdir()) and not (run.resume or run.overwrite):
         raise ConfigError(
             f"run.output_dir={run.output_dir!r} is not empty (an earlier run?): continue it with --run.resume auto, "
             "replace it with --run.overwrite true, or choose another run.output_dir"
@@ -79,7 +89,8 @@ def check_output_dir(cfg: ExperimentConfig, *, locked: bool = False) -> None:
     try:
         if not ancestor.is_dir():
             raise NotADirectoryError(f"{ancestor} is not a directory")
-        tempfile.TemporaryDirectory(dir=ancestor).cleanup()  # root passes every access() check; a real write does not
+        # root passes every access() check; a real write does not
+        tempfile.TemporaryDirectory(prefix=WRITE_PROBE_PREFIX, dir=ancestor).cleanup()
     except OSError as err:
         raise ConfigError(
             f"run.output_dir={run.output_dir!r} cannot be written ({err.strerror or err}); choose a writable directory"
