@@ -45,6 +45,8 @@ RUNS = "2x4096,4x4096,2x1024"
 # backward), at ep=2 and ep=4
 MICRO_BATCHES = 8
 MICROBATCH_RUNS = "2x8192,4x8192"
+# microbatch_delayed: the same with the experts' weight gradients delayed (parallel.delay_wgrad_compute)
+MICROBATCH_MODES = ("microbatch", "microbatch_delayed")
 
 
 def _seq(quick: bool) -> int:
@@ -70,8 +72,10 @@ def _rank(
     model = build_model(config, seed=0)
     plan = model.parallel_plan()
     apply_expert_parallel(model, build_meshes(ParallelLayout(world, ep=world)), plan, "alltoall")
-    dispatchers = [block.dispatcher for block in moe_blocks(model, plan)]
+    blocks = moe_blocks(model, plan)
+    dispatchers = [block.dispatcher for block in blocks]
     assert all(isinstance(d, AllToAllDispatcher) for d in dispatchers)
+    in_flight, delayed = mode in MICROBATCH_MODES, mode == "microbatch_delayed"
     gen = torch.Generator().manual_seed(100 + rank)
     seq = _seq(quick)
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen)
@@ -82,7 +86,9 @@ def _rank(
         for d in dispatchers:
             d.link = link
             d.overlap_chunks = chunks if overlap else 1
-            d.lanes = lanes if overlap and mode == "microbatch" else None
+            d.lanes = lanes if overlap and in_flight else None
+        for block in blocks:  # parallel.delay_wgrad_compute
+            block.experts.defer_wgrad = lanes.defer if overlap and delayed else None
 
     def forward(part: torch.Tensor) -> torch.Tensor:
         logits = model(part[:, :-1]).logits
@@ -98,7 +104,10 @@ def _rank(
                 loss = forward(part)
             else:  # the previous micro-batch's backward and this one's forward in flight together
                 loss = lanes.run(loss.backward, lambda part=part: forward(part))
-        loss.backward()
+        if dispatchers[0].lanes is not None and delayed:  # the last backward alone, as moe_parallel runs it
+            lanes.run(loss.backward, lambda: None)
+        else:
+            loss.backward()
         model.zero_grad(set_to_none=True)
 
     # the real gloo step, and the computation the link's bandwidth is set against (every rank the slowest's)
@@ -202,11 +211,12 @@ def _summary(ranks: list[dict], mode: str) -> dict:
 
 
 def main(mode: str = "chunked") -> None:
-    """``mode``: the overlap measured against none, ``chunked`` (this script) or ``microbatch``
-    (ep_overlap_microbatch.py); each writes its own results file."""
-    micro = MICRO_BATCHES if mode == "microbatch" else 1
-    name = "ep_overlap" if mode == "chunked" else f"ep_overlap_{mode}"
-    default_runs = MICROBATCH_RUNS if mode == "microbatch" else RUNS
+    """``mode``: the overlap measured against none, ``chunked`` (this script), ``microbatch``
+    (ep_overlap_microbatch.py) or ``microbatch_delayed`` (ep_overlap_delayed_wgrad.py); each writes its own results
+    file."""
+    micro = MICRO_BATCHES if mode in MICROBATCH_MODES else 1
+    name = {"chunked": "ep_overlap", "microbatch_delayed": "ep_overlap_delayed_wgrad"}.get(mode, f"ep_overlap_{mode}")
+    default_runs = MICROBATCH_RUNS if mode in MICROBATCH_MODES else RUNS
     quick_runs = f"2x{256 * micro}"
     parser = cli(name, __doc__, f"ep=2, {quick_runs} tokens, ratio 1, a smaller model, 3 repetitions", ranks=True)
     parser.add_argument("--reps", type=int, default=None, help="repetitions of each mode (default 7; --quick 3)")
@@ -219,8 +229,8 @@ def main(mode: str = "chunked") -> None:
     parser.add_argument("--mode", default=mode, help=argparse.SUPPRESS)  # the ranks' (launched as this file)
     parser.add_argument("--summarise", type=Path, default=None, help="recompute the summaries of a results file")
     args = parse(parser)
-    mode = args.mode
-    micro = MICRO_BATCHES if mode == "microbatch" else 1
+    mode = args.mode  # a rank runs this file's main() with the launcher's --mode
+    micro = MICRO_BATCHES if mode in MICROBATCH_MODES else 1
     if args.summarise is not None:
         report = json.loads(args.summarise.read_text())
         for run in report["runs"].values():

@@ -20,6 +20,7 @@ class OverlapRow(NamedTuple):
 
 CHUNKED = {"parallel.ep_overlap": "chunked"}
 MICROBATCH = {"parallel.ep_overlap": "microbatch"}  # needs two micro-batches a step on each rank
+DELAYED_WGRAD = {**MICROBATCH, "parallel.delay_wgrad_compute": "true"}
 CAPACITY = {"model.moe_expert_capacity_factor": "1.0", "model.moe_pad_expert_input_to_capacity": "true"}
 EP_ETP = {"parallel.ep": "2", "parallel.etp": "2"}
 # 4 data-parallel ranks of the 8-sequence batch: micro-batches of 1 sequence make two of them a step
@@ -36,6 +37,8 @@ QWEN3, DEEPSEEK = ("tiny-qwen3-moe",), ("tiny-deepseek-v3",)
 OVERLAP_LAYOUTS: dict[str, OverlapRow] = {
     "ep=2 chunked overlap": OverlapRow(2, {"parallel.ep": "2", **CHUNKED}, "ep=2", PRESETS),
     "ep=2 microbatch overlap": OverlapRow(2, {"parallel.ep": "2", **MICROBATCH}, "ep=2", DEEPSEEK),
+    # the experts' weight gradients computed in the backward's exchange waits, into FSDP's gathered parameters
+    "ep=2 microbatch overlap delayed wgrad": OverlapRow(2, {"parallel.ep": "2", **DELAYED_WGRAD}, "ep=2", DEEPSEEK),
     # the MoE blocks recomputed inside a backward whose turns run the other micro-batch's forward
     "ep=2 recomputing moe microbatch overlap": OverlapRow(
         2, {"parallel.ep": "2", "run.recompute_modules": "moe", **MICROBATCH}, "ep=2", DEEPSEEK
@@ -57,6 +60,9 @@ OVERLAP_LAYOUTS: dict[str, OverlapRow] = {
     "ep=2 x etp=2 2 micro-batches": OverlapRow(4, EP_ETP_TWO_MICRO, None, DEEPSEEK, versus_one_process=False),
     "ep=2 x etp=2 microbatch overlap": OverlapRow(
         4, {**EP_ETP_TWO_MICRO, **MICROBATCH}, "ep=2 x etp=2 2 micro-batches", DEEPSEEK, versus_one_process=False
+    ),
+    "ep=2 x etp=2 microbatch overlap delayed wgrad": OverlapRow(
+        4, {**EP_ETP_TWO_MICRO, **DELAYED_WGRAD}, "ep=2 x etp=2 2 micro-batches", DEEPSEEK, versus_one_process=False
     ),
     "pp=2 x ep=2 DualPipeV": OverlapRow(4, PP_EP_DUALPIPE, None, QWEN3, pipelined=True, versus_one_process=False),
     "pp=2 x ep=2 DualPipeV chunked overlap": OverlapRow(

@@ -512,6 +512,9 @@ def test_overlap_equals_the_run_without_it(preset: str, layout: str, parallel_ru
     # two micro-batches in flight took turns at their all-to-alls in every step (none recorded without them)
     in_flight = OVERLAP_LAYOUTS[layout].overrides.get("parallel.ep_overlap") == "microbatch"
     assert all((r.get("ep_overlap_turns", 0) > 0) == in_flight for r in ours)
+    # the experts' weight gradients computed later in every step (recorded only with delay_wgrad_compute)
+    delayed = OVERLAP_LAYOUTS[layout].overrides.get("parallel.delay_wgrad_compute") == "true"
+    assert all((r.get("ep_delayed_wgrads", 0) > 0) == delayed for r in ours)
 
 
 @pytest.mark.parametrize(

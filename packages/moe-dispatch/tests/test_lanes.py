@@ -42,6 +42,35 @@ def test_switch_outside_run_does_nothing_and_lanes_serve_again() -> None:
     assert log == ["b0", "f0", "b end", "f end", "c0", "g0", "c end", "g end"]
 
 
+def test_deferred_work_runs_where_the_backward_lane_asks_and_before_run_returns() -> None:
+    lanes, log = Lanes(), []
+    lanes.defer(lambda: log.append("now"))  # outside a pair: at once
+    assert log == ["now"]
+
+    def backward() -> None:
+        lanes.defer(lambda: log.append("w1"))
+        lanes.defer(lambda: log.append("w2"))
+        log.append("b0")
+        lanes.switch()
+        lanes.run_deferred()  # as the backward does before it waits for an exchange
+        lanes.defer(lambda: log.append("w3"))
+        log.append("b end")
+
+    lanes.run(backward, _recorder(lanes, log, "f", 1))
+    assert log == ["now", "b0", "f0", "w1", "w2", "b end", "w3", "f end"]
+    assert lanes.deferred_runs == 3
+
+    def failing() -> None:
+        lanes.defer(lambda: log.append("never"))
+        raise ValueError("backward failed")
+
+    with pytest.raises(ValueError, match="backward failed"):
+        lanes.run(failing, _recorder(lanes, log, "g", 1))
+    assert "never" not in log
+    lanes.run_deferred()  # the failed pair's work is dropped, not left for the next
+    assert "never" not in log
+
+
 def test_only_one_lane_runs_at_a_time() -> None:
     lanes, running, overlaps = Lanes(), [], []
 

@@ -66,7 +66,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_dispatch.__version__ == "0.8.0"
+    assert moe_dispatch.__version__ == "0.8.1"
     assert importlib.metadata.version("moe-dispatch") == moe_dispatch.__version__
 
 

@@ -41,7 +41,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_experts.__version__ == "0.2.8"
+    assert moe_experts.__version__ == "0.2.9"
     assert importlib.metadata.version("moe-experts") == moe_experts.__version__
 
 

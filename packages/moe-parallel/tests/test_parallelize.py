@@ -194,6 +194,12 @@ def test_a_plan_without_context_parallel_attention_refuses_cp() -> None:
             "ep_overlap='microbatch': overlaps a pipeline's micro-batches in DualPipeV's paired forward-backward "
             "actions, which 1F1B has none of: set pp_schedule DualPipeV, or ep_overlap chunked",
         ),
+        (
+            {"num_layers": 4},
+            {"ep": 2, "pp": 2, "ep_overlap": "microbatch", "pp_schedule": "DualPipeV", "delay_wgrad_compute": True},
+            "delay_wgrad_compute",
+            "delay_wgrad_compute=True: DualPipeV already computes weight gradients apart from input gradients",
+        ),
     ],
 )
 def test_layouts_a_model_cannot_take_name_the_field(changes: dict, parallel: dict, field: str, message: str) -> None:

@@ -58,7 +58,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_parallel.__version__ == "0.10.0"
+    assert moe_parallel.__version__ == "0.10.1"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

@@ -79,6 +79,11 @@ def test_yaml_file_with_sections(tmp_path: Path) -> None:
             {"parallel.ep_overlap": "microbatch", "run.offload_modules": "expert_fc1"},
             "parallel.ep_overlap=microbatch: run.offload_modules=['expert_fc1'] keeps one forward's saved tensors",
         ),
+        (
+            {"parallel.ep_overlap": "chunked", "parallel.delay_wgrad_compute": "true"},
+            "parallel.delay_wgrad_compute=True: moves the experts' weight gradients into the waits of ep_overlap "
+            "microbatch's backward, and ep_overlap is chunked: set ep_overlap microbatch",
+        ),
         ({"parallel.backend": "mpi"}, "parallel.backend='mpi': choose one of auto, gloo, nccl"),
         ({"parallel.pp_schedule": "1f1b"}, "parallel.pp_schedule='1f1b': choose one of 1F1B, GPipe, Interleaved1F1B"),
         ({"parallel.vpp": "0"}, "parallel.vpp=0: must be at least 1 (or unset)"),

@@ -42,7 +42,7 @@ from moe_dispatch.scores import group_limited_topk
 from moe_dispatch.stats import routing_stats
 from moe_dispatch.wire import WireCodec, all_gather_encoded, all_to_all_encoded
 
-__version__ = "0.8.0"
+__version__ = "0.8.1"
 
 __all__ = [
     "DISPATCHERS",

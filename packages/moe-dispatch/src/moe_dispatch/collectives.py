@@ -181,6 +181,8 @@ class _StartAllToAll(torch.autograd.Function):
         # grad_out is already on its way back: _FinishAllToAll.backward started its exchange into pending.grad_in
         pending = ctx.pending
         assert pending.backward is not None, "the backward of finish_all_to_all starts the gradients' exchange"
+        if pending.lanes is not None:  # the work the backward left for later, while the gradients still travel
+            pending.lanes.run_deferred()
         pending.backward.wait()
         grad_in, pending.backward, pending.grad_in = pending.grad_in, None, None
         return grad_in, None

@@ -19,6 +19,11 @@ forward under its saved states (activation checkpointing's ``fork_rng``) and the
 draw what they would alone; the forward's states are the process's after :meth:`Lanes.run`, as after the forward
 that runs last in turn.
 
+The backward lane may also leave work for later (:meth:`Lanes.defer`): the experts' weight gradients with
+``parallel.delay_wgrad_compute`` (``moe_experts.delayed_wgrad``), run by :meth:`Lanes.run_deferred` where the
+backward would otherwise wait for an exchange, so that they too compute while the gradients travel, and in any case
+before :meth:`Lanes.run` returns.
+
 When one lane finishes, the other runs alone to its end without switching. An exception in either lane ends the
 other at its next switch and is raised by :meth:`Lanes.run`.
 
@@ -88,7 +93,25 @@ class Lanes:
         self._failed = False
         self._side_thread: int | None = None
         self._rng: dict[str, tuple] = {}  # each lane's generator states while the other has the turn
+        self._deferred: list[Callable[[], None]] = []  # the backward lane's work left for later (defer)
         self.switches = 0  # turns handed over since construction (tests, benchmarks)
+        self.deferred_runs = 0  # closures run later than they were handed over (tests, benchmarks)
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (the backward lane's) at the next :meth:`run_deferred`, at the latest as :meth:`run`'s main
+        lane ends; at once outside :meth:`run`."""
+        if self._turn is None:
+            work()
+            return
+        assert threading.get_ident() != self._side_thread, "the forward lane leaves nothing for later"
+        self._deferred.append(work)
+
+    def run_deferred(self) -> None:
+        """Run the work :meth:`defer` queued, in the order it came (the backward lane calls it before it waits for
+        an exchange)."""
+        while self._deferred:
+            self._deferred.pop(0)()
+            self.deferred_runs += 1
 
     def switch(self) -> None:
         """Hand the turn to the other lane and wait for it back; a no-op outside :meth:`run` or once a lane ended."""
@@ -143,8 +166,10 @@ class Lanes:
         main_error: BaseException | None = None
         try:
             main()
+            self.run_deferred()
         except BaseException as error:
             main_error = error
+        self._deferred.clear()
         self._end(failed=main_error is not None)
         thread.join()
         with self._cond:

@@ -27,7 +27,7 @@ from moe_experts.grouped import ExpertActivation, ExpertLinear, GroupedExperts, 
 from moe_experts.lora import LoRAExpertLinear, add_expert_lora_, merged_expert_weights
 from moe_experts.shared import SharedExperts, SharedExpertsHandle, shared_expert_stream
 
-__version__ = "0.2.8"
+__version__ = "0.2.9"
 
 __all__ = [
     "ACTIVATIONS",

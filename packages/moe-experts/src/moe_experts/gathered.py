@@ -8,6 +8,7 @@ the weight gradient first and drops the rows before the input gradient is formed
 never alive together. Its input gradient comes back summed per token (the gather's own backward, fused in).
 
 It needs a back end that can compute the weight gradient alone (``wgrad``); others get the rows gathered up front.
+With ``later`` (:mod:`moe_experts.delayed_wgrad`) the weight gradient is queued, gathering the rows again when it runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from moe_experts.backends import GroupedMM, GroupedWgrad, contiguous_grad
+from moe_experts.delayed_wgrad import LaterWgrad
 
 
 def gather_rows(x_TH: torch.Tensor, row_source_N: torch.Tensor) -> torch.Tensor:
@@ -39,12 +41,15 @@ def _scatter_rows(rows_NH: torch.Tensor, row_source_N: torch.Tensor, num_tokens:
 
 
 class GatheredGroupedMM(torch.autograd.Function):
-    """``gmm(gather_rows(x_TH, row_source_N), w_EKM, tokens_per_expert_E)`` saving ``x_TH`` rather than the rows."""
+    """``gmm(gather_rows(x_TH, row_source_N), w_EKM, tokens_per_expert_E)`` saving ``x_TH`` rather than the rows;
+    with ``later``, ``w_EKM`` comes in detached and its gradient is queued."""
 
     @staticmethod
-    def forward(ctx, x_TH, row_source_N, w_EKM, tokens_per_expert_E, gmm: GroupedMM, wgrad: GroupedWgrad):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, x_TH, row_source_N, w_EKM, tokens_per_expert_E, gmm: GroupedMM, wgrad: GroupedWgrad, later
+    ):
         ctx.save_for_backward(x_TH, row_source_N, w_EKM, tokens_per_expert_E)
-        ctx.gmm, ctx.wgrad = gmm, wgrad
+        ctx.gmm, ctx.wgrad, ctx.later = gmm, wgrad, later
         return gmm(gather_rows(x_TH, row_source_N), w_EKM, tokens_per_expert_E)
 
     @staticmethod
@@ -53,12 +58,14 @@ class GatheredGroupedMM(torch.autograd.Function):
         x_TH, row_source_N, w_EKM, tokens_per_expert_E = ctx.saved_tensors
         grad_NM = contiguous_grad(grad_NM)
         grad_x = grad_w = None
-        if ctx.needs_input_grad[2]:  # first, so that the gathered rows are gone before the input gradient exists
+        if ctx.later is not None:
+            ctx.later.queue(lambda: gather_rows(x_TH, row_source_N), grad_NM, tokens_per_expert_E)
+        elif ctx.needs_input_grad[2]:  # first, so that the gathered rows are gone before the input gradient exists
             grad_w = ctx.wgrad(gather_rows(x_TH, row_source_N), grad_NM, tokens_per_expert_E).to(w_EKM.dtype)
         if ctx.needs_input_grad[0]:
             grad_rows = ctx.gmm(grad_NM, w_EKM.transpose(1, 2), tokens_per_expert_E)
             grad_x = _scatter_rows(grad_rows, row_source_N, x_TH.shape[0]).to(x_TH.dtype)
-        return grad_x, None, grad_w, None, None, None
+        return grad_x, None, grad_w, None, None, None, None
 
 
 def gathered_grouped_mm(
@@ -69,7 +76,10 @@ def gathered_grouped_mm(
     row_source_N: torch.Tensor,
     gmm: GroupedMM,
     wgrad: GroupedWgrad,
+    later: LaterWgrad | None = None,
 ) -> torch.Tensor:
     """See :class:`GatheredGroupedMM`; ``row_source_N`` int64, one entry per row, -1 for padding rows. Takes the
     grouped GEMM's three arguments first, so that with the rest bound it stands in for ``gmm``."""
-    return GatheredGroupedMM.apply(x_TH, row_source_N, w_EKM, tokens_per_expert_E, gmm, wgrad)
+    if later is not None:
+        w_EKM = w_EKM.detach()
+    return GatheredGroupedMM.apply(x_TH, row_source_N, w_EKM, tokens_per_expert_E, gmm, wgrad, later)

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_experts.activations import Activation, gate_up_columns, get_activation
 from moe_experts.backends import BACKENDS, Backend, GroupedMM, GroupedWgrad, resolve_backend
+from moe_experts.delayed_wgrad import DeferWgrad, LaterWgrad, delayed_grouped_mm
 from moe_experts.fused import weighted_activation
 from moe_experts.gathered import gather_rows, gathered_grouped_mm
 
@@ -154,6 +155,8 @@ class GroupedExperts(nn.Module):
         else:
             self.register_parameter("b_gate_up_E2F", None)
             self.register_parameter("b_down_EH", None)
+        # parallel.delay_wgrad_compute: set by moe_parallel to the run's Lanes.defer (moe_experts.delayed_wgrad)
+        self.defer_wgrad: DeferWgrad | None = None
         self.reset_parameters()
 
     @property
@@ -237,13 +240,20 @@ class GroupedExperts(nn.Module):
         gmm = backend.gmm
         assert gmm is not None  # resolve_backend only returns implemented back ends
         w_gate_up, w_down = _local(self.w_gate_up_EH2F).to(dtype), _local(self.w_down_EFH).to(dtype)
-        fc1_mm = gmm
+        later_fc1, later_fc2 = self._later_wgrads(backend, x_NH)
+        fc1_mm, fc2_mm = gmm, gmm
+        if later_fc2 is not None:
+            fc2_mm = functools.partial(delayed_grouped_mm, gmm=gmm, later=later_fc2)
         if row_source_N is not None:
             wgrad = self._wgrad(backend, x_NH, row_source_N, tokens_per_expert_E)
             if wgrad is None:
                 x_NH = gather_rows(x_NH, row_source_N)
             else:
-                fc1_mm = functools.partial(gathered_grouped_mm, row_source_N=row_source_N, gmm=gmm, wgrad=wgrad)
+                fc1_mm = functools.partial(
+                    gathered_grouped_mm, row_source_N=row_source_N, gmm=gmm, wgrad=wgrad, later=later_fc1
+                )
+        if later_fc1 is not None and fc1_mm is gmm:
+            fc1_mm = functools.partial(delayed_grouped_mm, gmm=gmm, later=later_fc1)
         h_NW = self.fc1(x_NH, w_gate_up, tokens_per_expert_E, fc1_mm)
         expert_N = None
         if self.b_gate_up_E2F is not None:
@@ -254,7 +264,7 @@ class GroupedExperts(nn.Module):
             )
             h_NW = h_NW + _local(self.b_gate_up_E2F).to(dtype)[expert_N]
         a_NF = self.act(h_NW, probs_N)
-        y_NH = self.fc2(a_NF, w_down, tokens_per_expert_E, gmm)
+        y_NH = self.fc2(a_NF, w_down, tokens_per_expert_E, fc2_mm)
         if self.b_down_EH is not None:
             b_down = _local(self.b_down_EH).to(dtype)
             if self.etp_rank != 0:
@@ -264,6 +274,21 @@ class GroupedExperts(nn.Module):
                 b_NH = (b_NH * probs_N[:, None]).to(dtype)
             y_NH = y_NH + b_NH
         return y_NH
+
+    def _later_wgrads(self, backend: Backend, x: torch.Tensor) -> tuple[LaterWgrad | None, LaterWgrad | None]:
+        """Where each projection's weight gradient goes when it is delayed (``defer_wgrad`` set): a back end with a
+        separate weight gradient, plain tensors, a plain projection module (an adapter's or a quantised one's GEMMs
+        take the weight on their own terms), a weight that wants a gradient, and not under torch.compile; None where
+        it is not."""
+        defer = self.defer_wgrad
+        if defer is None or backend.wgrad is None or type(x) is not torch.Tensor or not torch.is_grad_enabled():
+            return None, None
+        if torch.compiler.is_compiling():
+            return None, None
+        return tuple(  # type: ignore[return-value]
+            LaterWgrad(defer, param, backend.wgrad) if type(module) is ExpertLinear and param.requires_grad else None
+            for module, param in ((self.fc1, self.w_gate_up_EH2F), (self.fc2, self.w_down_EFH))
+        )
 
     def _wgrad(
         self, backend: Backend, x_TH: torch.Tensor, row_source_N: torch.Tensor, tokens_per_expert_E: torch.Tensor

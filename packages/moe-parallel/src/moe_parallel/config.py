@@ -49,6 +49,9 @@ class ParallelConfig:
     # whole)
     ep_overlap: str = "none"
     ep_overlap_chunks: int = 4
+    # with ep_overlap microbatch, without pp: the experts' weight-gradient GEMMs run while the backward's all-to-alls
+    # travel rather than before them (Megatron-Core's --delay-wgrad-compute; moe_experts.delayed_wgrad)
+    delay_wgrad_compute: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
@@ -67,6 +70,13 @@ class ParallelConfig:
                 "ep_overlap_chunks",
                 self.ep_overlap_chunks,
                 "must be at least 2 with ep_overlap chunked (1 overlaps nothing)",
+            )
+        if self.delay_wgrad_compute and self.ep_overlap != "microbatch":
+            raise LayoutError(
+                "delay_wgrad_compute",
+                True,
+                "moves the experts' weight gradients into the waits of ep_overlap microbatch's backward, and "
+                f"ep_overlap is {self.ep_overlap}: set ep_overlap microbatch, or delay_wgrad_compute false",
             )
         for name in ("vpp", "pp_first_stage_layers", "pp_last_stage_layers"):
             value = getattr(self, name)

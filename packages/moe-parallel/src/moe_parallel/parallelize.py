@@ -116,6 +116,13 @@ def check_plan(model: nn.Module, plan: ParallelPlan, config: ParallelConfig, lay
             f"overlaps a pipeline's micro-batches in DualPipeV's paired forward-backward actions, which "
             f"{config.pp_schedule} has none of: set pp_schedule DualPipeV, or ep_overlap chunked",
         )
+    if config.delay_wgrad_compute and layout.pp > 1:
+        raise LayoutError(
+            "delay_wgrad_compute",
+            True,
+            "DualPipeV already computes weight gradients apart from input gradients (its W actions): leave "
+            "delay_wgrad_compute false with pp > 1",
+        )
     if config.moe_token_dispatcher_type == "flex" and layout.etp > 1:
         raise LayoutError(
             "moe_token_dispatcher_type",

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_dispatch import Lanes, WireCodec
+from moe_experts import GroupedExperts
 from moe_parallel.config import ParallelConfig
 from moe_parallel.expert_parallel import moe_blocks
 from moe_parallel.fsdp import (
@@ -259,7 +260,14 @@ class StagedModel:
                 return
             roots = fsdp_roots(stage)
             with_deferred_reduction(
-                roots, lambda: _two_in_flight(self.lanes, forward, microbatches, lambda: reduce_accumulated(roots))
+                roots,
+                lambda: _two_in_flight(
+                    self.lanes,
+                    forward,
+                    microbatches,
+                    lambda: reduce_accumulated(roots),
+                    last_in_lanes=self.config.delay_wgrad_compute,
+                ),
             )
             return
         micro, seq_len = input_ids_BS.shape[0] // microbatches, local_ids_BS.shape[1]
@@ -337,18 +345,26 @@ class StagedModel:
 
 
 def _two_in_flight(
-    lanes: Lanes, forward: Callable[[int], torch.Tensor], microbatches: int, reduce: Callable[[], None]
+    lanes: Lanes,
+    forward: Callable[[int], torch.Tensor],
+    microbatches: int,
+    reduce: Callable[[], None],
+    last_in_lanes: bool = False,
 ) -> None:
     """Micro-batch ``m``'s backward and ``m + 1``'s forward taking turns at their all-to-alls
     (:mod:`moe_dispatch.lanes`): F0, (B0 | F1), (B1 | F2), ..., B(n-1). FSDP units stay gathered and reduce
     nothing inside a pair, where one micro-batch's forward runs in the middle of the other's backward through the
     same units: ``reduce()`` reduces each backward's gradients after its pair, as the plain loop's FSDP does in
-    its backward, and the caller the last one."""
+    its backward, and the caller the last one. ``last_in_lanes`` (delayed weight gradients): the last backward
+    too runs as a lane, alone, so that it leaves its weight gradients for its own exchanges' waits."""
     loss = forward(0)
     for micro in range(1, microbatches):
         loss = lanes.run(loss.backward, lambda micro=micro: forward(micro))
         reduce()
-    loss.backward()
+    if last_in_lanes:
+        lanes.run(loss.backward, lambda: None)
+    else:
+        loss.backward()
 
 
 def _at_positions(
@@ -418,6 +434,8 @@ def parallelize_stages(
         for part in parts:
             for block in moe_blocks(part.model, part.plan):
                 block.dispatcher.lanes = lanes
+                if config.delay_wgrad_compute and isinstance(block.experts, GroupedExperts):
+                    block.experts.defer_wgrad = lanes.defer
         if pp == 1:
             # one micro-batch's forward runs inside another's backward, in the same FSDP units: no unit may gather,
             # release or reduce in between (the step's first forward gathers, the step's end reduces)

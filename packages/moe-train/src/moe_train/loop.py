@@ -178,6 +178,7 @@ class TrainLoop:
             self.comm_clock.reset()
         lanes = parallel.lanes
         turns_before = None if lanes is None else lanes.switches
+        delayed_before = 0 if lanes is None else lanes.deferred_runs
         lr = lr_at(step, self.cfg.train)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
@@ -201,6 +202,9 @@ class TrainLoop:
                 **extra,
             )
         turns = None if lanes is None else lanes.switches - turns_before
+        delayed = None
+        if lanes is not None and self.cfg.parallel.delay_wgrad_compute:
+            delayed = lanes.deferred_runs - delayed_before
         held = parallel.stage_indices
         aux_sum = sum((self.routing.aux_loss[i] for i in held), torch.zeros((), device=self.ctx.device))
         load_LE = torch.cat([self.routing.tokens_per_expert_LE[i] for i in held])
@@ -238,7 +242,9 @@ class TrainLoop:
         self.steps_done = step + 1
         elapsed = time.perf_counter() - started
         waited = None if self.comm_clock is None else self.comm_clock.waited_s
-        self.metrics.add(step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE, update, waited, turns)
+        self.metrics.add(
+            step + 1, lr, elapsed, self.guard.skipping, losses, grad_norm, load_LE, update, waited, turns, delayed
+        )
         records = self.metrics.records() if write_metrics or not_finite or stop_asked else []
         if self.qk_clip is not None:
             self.qk_clip.annotate(records)

@@ -57,6 +57,7 @@ class _Pending:
     load_LE: torch.Tensor  # this rank's routers' kept (token, expert) pairs, rows of the whole model's routers
     ep_comm_wait_s: float | None = None  # the host's time blocked on expert-parallel collectives (gloo runs)
     ep_overlap_turns: int | None = None  # turns the micro-batches in flight took (ep_overlap microbatch)
+    ep_delayed_wgrads: int | None = None  # weight gradients computed later (parallel.delay_wgrad_compute)
 
 
 class PendingMetrics:
@@ -98,14 +99,27 @@ class PendingMetrics:
         optimizer: DeviceInterval,
         ep_comm_wait_s: float | None = None,
         ep_overlap_turns: int | None = None,
+        ep_delayed_wgrads: int | None = None,
     ) -> None:
         """Step ``step``'s values (the LM, balancing, MTP and DSA indexer losses as this rank's micro-batch means),
         the time its optimizer update took, on gloo the time it waited on expert-parallel collectives, and with
-        ``ep_overlap microbatch`` the turns its micro-batches in flight took at their all-to-alls."""
+        ``ep_overlap microbatch`` the turns its micro-batches in flight took at their all-to-alls (and with
+        ``parallel.delay_wgrad_compute`` how many of the experts' weight gradients were computed later)."""
         values = torch.stack([*(v.float().reshape(()) for v in losses), grad_norm.float().reshape(())])
         load = load_LE.detach().float()
         self.pending.append(
-            _Pending(step, lr, step_time_s, skipped, optimizer, values, load, ep_comm_wait_s, ep_overlap_turns)
+            _Pending(
+                step,
+                lr,
+                step_time_s,
+                skipped,
+                optimizer,
+                values,
+                load,
+                ep_comm_wait_s,
+                ep_overlap_turns,
+                ep_delayed_wgrads,
+            )
         )
 
     def records(self) -> list[dict[str, Any]]:
@@ -150,6 +164,8 @@ class PendingMetrics:
                 record["ep_comm_wait_s"] = pending.ep_comm_wait_s
             if pending.ep_overlap_turns is not None:  # none: nothing was overlapped across micro-batches
                 record["ep_overlap_turns"] = pending.ep_overlap_turns
+            if pending.ep_delayed_wgrads is not None:
+                record["ep_delayed_wgrads"] = pending.ep_delayed_wgrads
             if pending.skipped:
                 record["skipped"] = True
             out.append(record)
