@@ -1,6 +1,7 @@
 """Checkpoints during a run and exact resume: in one process after SIGTERM (bitwise), under dp_shard=2 and tp=2 x ep=2
 (rel 1e-6), onto other layouts (tp=2 x ep=2 -> pp=2 -> one process), Muon's too (dp_shard=2 -> tp=2 -> one process),
-and after kill -9 at a random moment, saves included. Each process start costs seconds: the runs are shared where
+after kill -9 at a random moment, saves included, and by itself under torchrun's restarts after one of two ranks is
+killed. Each process start costs seconds: the runs are shared where
 they can be (an uninterrupted run's periodic checkpoints are what the others resume from)."""
 
 from __future__ import annotations
@@ -257,3 +258,29 @@ def test_kill_9_at_a_random_moment_leaves_a_loadable_checkpoint(tmp_path: Path, 
         assert read_meta(checkpoint.path)["step"] == checkpoint.step
     _one_process([*args, "--run.resume", "auto"], tmp_path)
     _same(_records(out), single, range(1, STEPS + 1), rel=0)
+
+
+KILLED_RANK = Path(__file__).with_name("_killed_rank.py")
+
+
+def test_a_rank_killed_under_torchrun_restarts_and_resumes_by_itself(
+    tmp_path: Path, data_cache: Path, run, single
+) -> None:
+    """torchrun --max-restarts 1 and run.resume auto: rank 1 of 2 killed (SIGKILL) after a random step; torchrun
+    restarts both ranks, which continue from the latest complete checkpoint, and the finished run's every step is the
+    uninterrupted run's (one process; the tolerances of the resume onto other layouts above)."""
+    kill_at = random.Random().randint(3, STEPS - 3)
+    out = tmp_path / "restarted"
+    args = [*COMMON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(out)]
+    args += ["--run.checkpoint_interval", "2", "--run.resume", "auto"]
+    launch = ["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(KILLED_RANK)]
+    done = run([*launch, str(kill_at), *args], cwd=tmp_path)
+    assert done.returncode == 0, (kill_at, done.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    resumed_from = int(summary.get("resumed_from", "step_0").rsplit("_", 1)[-1])
+    assert summary["status"] == "completed" and 0 < resumed_from <= kill_at, (kill_at, summary)
+    steps = _records(out)
+    assert sorted(steps) == list(range(1, STEPS + 1)), kill_at
+    for step in range(1, STEPS + 1):
+        assert steps[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5), (kill_at, step)
+        assert steps[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-2), (kill_at, step)

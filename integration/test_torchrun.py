@@ -1,7 +1,10 @@
 """Data parallel over 2 gloo processes equals one process on the same global batch, balancing losses included: the
-default micro-batch size does not depend on the layout. ``moe-train launch`` exits as one process does."""
+default micro-batch size does not depend on the layout; so do two nodes meeting at a c10d rendezvous. ``moe-train
+launch`` exits as one process does."""
 
 import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,30 @@ def test_two_rank_data_parallel_matches_single_process(tmp_path: Path, data_cach
     for key in ("aux_loss", "grad_norm"):
         assert _losses(tmp_path / "two", key) == pytest.approx(_losses(one_process, key), rel=1e-4), key
     assert (tmp_path / "two" / "checkpoints" / "step_5" / ".metadata").is_file()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_through_a_c10d_rendezvous_match_one_process(
+    tmp_path: Path, data_cache: Path, run, one_process
+) -> None:
+    """The README's launch on several machines, on one: two torchrun agents (``--nnodes 2``, one process each) meet
+    at a c10d rendezvous on localhost, as nodes meet at the first node's address, and train as one process does."""
+    out = tmp_path / "two-nodes"
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "two-nodes"]
+    node = ["moe-train", "launch", "--nnodes", "2", "--nproc-per-node", "1", *rendezvous]
+    node += [*COMMON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(out)]
+    with ThreadPoolExecutor(2) as pool:  # the two agents at once: each waits in the rendezvous for the other
+        nodes = list(pool.map(lambda _: run(node, cwd=tmp_path), range(2)))
+    for agent in nodes:
+        assert agent.returncode == 0, agent.stderr[-2000:]
+    assert sum("2 rank(s)" in agent.stdout for agent in nodes) == 1  # the node holding rank 0 reports
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert _losses(out, key) == pytest.approx(_losses(one_process, key), rel=1e-4), key
 
 
 def _no_traceback_names_moe_train(stderr: str) -> bool:

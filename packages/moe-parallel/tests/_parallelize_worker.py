@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from moe_parallel import (
     local_box,
     materialize,
     parallelize,
+    set_group_timeout,
 )
 
 LAYOUTS = [
@@ -444,6 +446,24 @@ def mesh_groups(world: int) -> dict:
     }
 
 
+def group_timeouts(world: int) -> dict:
+    """ParallelConfig.timeout_minutes on the default group (joined before) and every group of the meshes, a pipeline
+    layout's stage groups included: each group's timeout as its gloo backend holds it, in seconds."""
+    cfg = ParallelConfig(timeout_minutes=3.5)
+
+    def seconds(group) -> float:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    before = seconds(dist.group.WORLD)
+    init_distributed("gloo", "cpu", cfg.timeout)
+    result = {"world": (before, seconds(dist.group.WORLD)), "layouts": {}}
+    for sizes in [*LAYOUTS, {"pp": 2, "ep": 2}, {"cp": 2, "tp": 2}]:
+        groups = build_meshes(ParallelConfig(**sizes).layout(world), "cpu", cfg.timeout).groups()
+        result["layouts"][str(sizes)] = [seconds(g) for g in groups]
+    set_group_timeout(dist.group.WORLD, timedelta(seconds=before))  # the later scenarios' default group as it was
+    return result
+
+
 def expert_placements(world: int) -> dict:
     config = preset("tiny-qwen3-moe")
     result: dict = {"placements": {}}
@@ -565,6 +585,7 @@ def main(out_dir: Path) -> None:
     world = ctx.world_size
     scenarios = Scenarios(out_dir)  # one scenario per section (_rank_scenarios.py): a dict of what it saw
     scenarios.run("groups", mesh_groups, world)
+    scenarios.run("timeouts", group_timeouts, world)
     scenarios.run("placements", expert_placements, world)
     scenarios.run("few experts", few_experts, world)
     for key, section, *args in [

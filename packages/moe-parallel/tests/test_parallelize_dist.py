@@ -37,6 +37,16 @@ def test_mesh_groups_are_the_layouts(outcomes) -> None:
                 assert members == expected, (sizes, key, rank)
 
 
+def test_parallel_timeout_reaches_every_group(outcomes) -> None:
+    """parallel.timeout_minutes (3.5 here) on the default group and on every group of the meshes (Megatron-Core #2238:
+    the expert-parallel group ignored the user's timeout)."""
+    for result in outcomes["timeouts"]:
+        before, after = result["world"]
+        assert before != 210.0 and after == 210.0
+        for sizes, timeouts in result["layouts"].items():
+            assert len(timeouts) >= 3 and set(timeouts) == {210.0}, (sizes, timeouts)
+
+
 def test_experts_are_sharded_over_edp_only(outcomes) -> None:
     ranks = outcomes["placements"]
     placements = ranks[0]["placements"]

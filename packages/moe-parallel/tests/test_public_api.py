@@ -48,6 +48,7 @@ PUBLIC_NAMES = [
     "parallelize_stages",
     "replica_count",
     "restore_expert_checkpoint_pieces",
+    "set_group_timeout",
     "shard_experts",
     "shutdown_distributed",
     "split_layers",

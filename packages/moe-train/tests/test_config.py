@@ -84,6 +84,7 @@ def test_yaml_file_with_sections(tmp_path: Path) -> None:
             "parallel.delay_wgrad_compute=True: moves the experts' weight gradients into the waits of ep_overlap "
             "microbatch's backward, and ep_overlap is chunked: set ep_overlap microbatch",
         ),
+        ({"parallel.timeout_minutes": "0"}, "parallel.timeout_minutes=0.0: must be positive (minutes)"),
         ({"parallel.backend": "mpi"}, "parallel.backend='mpi': choose one of auto, gloo, nccl"),
         ({"parallel.pp_schedule": "1f1b"}, "parallel.pp_schedule='1f1b': choose one of 1F1B, GPipe, Interleaved1F1B"),
         ({"parallel.vpp": "0"}, "parallel.vpp=0: must be at least 1 (or unset)"),

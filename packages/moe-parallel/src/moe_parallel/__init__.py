@@ -11,6 +11,7 @@ from moe_parallel.distributed import (
     DistributedContext,
     all_reduce_mean,
     init_distributed,
+    set_group_timeout,
     shutdown_distributed,
 )
 from moe_parallel.expert_parallel import MoEBlockParts, apply_expert_parallel, moe_blocks, shard_experts
@@ -75,6 +76,7 @@ __all__ = [
     "parallelize_stages",
     "replica_count",
     "restore_expert_checkpoint_pieces",
+    "set_group_timeout",
     "shard_experts",
     "shutdown_distributed",
     "split_layers",

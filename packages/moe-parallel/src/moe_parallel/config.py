@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from moe_dispatch import OVERLAP_MODES
 from moe_parallel.layout import ParallelLayout
@@ -52,6 +53,9 @@ class ParallelConfig:
     # with ep_overlap microbatch, without pp: the experts' weight-gradient GEMMs run while the backward's all-to-alls
     # travel rather than before them (Megatron-Core's --delay-wgrad-compute; moe_experts.delayed_wgrad)
     delay_wgrad_compute: bool = False
+    # every collective's timeout, on every process group the stack creates (Megatron-Core's
+    # --distributed-timeout-minutes, and its default)
+    timeout_minutes: float = 10.0
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
@@ -78,6 +82,8 @@ class ParallelConfig:
                 "moves the experts' weight gradients into the waits of ep_overlap microbatch's backward, and "
                 f"ep_overlap is {self.ep_overlap}: set ep_overlap microbatch, or delay_wgrad_compute false",
             )
+        if not self.timeout_minutes > 0:
+            raise LayoutError("timeout_minutes", self.timeout_minutes, "must be positive (minutes)")
         for name in ("vpp", "pp_first_stage_layers", "pp_last_stage_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -100,3 +106,8 @@ class ParallelConfig:
             ep=self.ep,
             etp=self.etp,
         )
+
+    @property
+    def timeout(self) -> timedelta:
+        """:attr:`timeout_minutes` as torch takes it."""
+        return timedelta(minutes=self.timeout_minutes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,12 @@ class DistributedContext:
         return self.rank == 0
 
 
-def init_distributed(backend: str = "auto", device_type: str = "auto") -> DistributedContext:
-    """Join the process group torchrun describes in the environment; a 1-rank context without it."""
+def init_distributed(
+    backend: str = "auto", device_type: str = "auto", timeout: timedelta | None = None
+) -> DistributedContext:
+    """Join the process group torchrun describes in the environment; a 1-rank context without it. ``timeout``
+    (``ParallelConfig.timeout_minutes``; None: torch's default) for its collectives, also set on a group already
+    joined."""
     if device_type == "auto":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -37,8 +42,33 @@ def init_distributed(backend: str = "auto", device_type: str = "auto") -> Distri
     if world_size > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        store = _attempt_store(rank, world_size, timeout)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
+    elif timeout is not None and dist.is_initialized():
+        set_group_timeout(dist.group.WORLD, timeout)
     return DistributedContext(rank, local_rank, world_size, device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta | None) -> dist.Store | None:
+    """Under torchrun, the store of this attempt's ranks alone (None elsewhere: ``init_process_group`` makes one).
+
+    A job that torchrun restarts (``--max-restarts``) meets again in its agent's store, where the ranks of the failed
+    attempt left their addresses under the same keys: a restarted rank could read a dead rank's address before the
+    new one overwrites it (gloo then fails to connect). A prefix per attempt keeps the attempts apart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, **kwargs))
+    return dist.PrefixStore(f"moe-train/attempt_{attempt}", store)
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """``timeout`` for the later collectives of ``group``, on every backend it has (gloo and NCCL alike)."""
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group)
+    else:  # torch before 2.12
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def shutdown_distributed() -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from moe_parallel.distributed import set_group_timeout
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, FLATTENED_DIMS, ParallelLayout
 
 
@@ -29,6 +31,18 @@ class ParallelMeshes:
     stage_group: dist.ProcessGroup | None = None
     # flattened dimensions of the attention mesh (layout.FLATTENED_DIMS), kept as _flatten returned them
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
+    # every collective's timeout on every group of the layout, those made later included (ParallelConfig.timeout);
+    # None: torch's default
+    timeout: timedelta | None = None
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """Every process group of the meshes this rank is in (each once), the stage group included."""
+        out: dict[int, dist.ProcessGroup] = {}
+        meshes = [self.attention, self.expert, *self.flattened.values()]
+        for group in [g for mesh in meshes for g in mesh.get_all_groups()] + [self.stage_group]:
+            if group is not None:
+                out.setdefault(id(group), group)
+        return list(out.values())
 
     @property
     def rank(self) -> int:
@@ -87,8 +101,9 @@ class ParallelMeshes:
         return coords["dp_replicate"] * self.layout.dp_shard + coords["dp_shard"]
 
 
-def build_meshes(layout: ParallelLayout, device_type: str = "cpu") -> ParallelMeshes:
-    """Both meshes over ``layout.world_size`` ranks; the default process group must be initialised with that size."""
+def build_meshes(layout: ParallelLayout, device_type: str = "cpu", timeout: timedelta | None = None) -> ParallelMeshes:
+    """Both meshes over ``layout.world_size`` ranks; the default process group must be initialised with that size.
+    ``timeout`` (None: torch's default) for the collectives of every group they hold."""
     if not dist.is_initialized():
         raise RuntimeError("build_meshes needs an initialised process group (torchrun + init_distributed)")
     if dist.get_world_size() != layout.world_size:
@@ -113,7 +128,11 @@ def build_meshes(layout: ParallelLayout, device_type: str = "cpu") -> ParallelMe
     if layout.pp > 1:
         rank = dist.get_rank()
         for members in ranks.view(layout.pp, -1).tolist():  # pp is the slowest dimension
-            group = dist.new_group(members)  # every rank creates every group, in the same order
+            group = dist.new_group(members, timeout=timeout)  # every rank creates every group, in the same order
             if rank in members:
                 stage_group = group
-    return ParallelMeshes(layout, attention, expert, stage_group, flattened)
+    meshes = ParallelMeshes(layout, attention, expert, stage_group, flattened, timeout)
+    if timeout is not None:
+        for group in meshes.groups():
+            set_group_timeout(group, timeout)
+    return meshes

@@ -176,7 +176,7 @@ class StagedModel:
         per_stage = self.meshes.layout.world_size // pp
         for offset in range(per_stage):  # pp is the slowest dimension: rank = pp_rank * per_stage + offset
             members = [first * per_stage + offset, last * per_stage + offset]
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=self.meshes.timeout)
             if self.meshes.rank in members:
                 mine = group
         return mine

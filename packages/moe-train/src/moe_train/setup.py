@@ -275,14 +275,14 @@ def _build(cfg: ExperimentConfig, checked: RunChecks) -> Setup:
             "(another token-file fingerprint); its batches from here on differ from the original run's",
             file=sys.stderr,
         )
-    ctx = init_distributed(cfg.parallel.backend, device_type)
+    ctx = init_distributed(cfg.parallel.backend, device_type, cfg.parallel.timeout)
     torch.manual_seed(cfg.train.seed)  # anything else drawing from the global generator draws alike on every rank
     if cfg.train.params_dtype == "bf16":
         # cast while the model is still on the meta device: each rank only ever
         # allocates bf16 shards, which materialize fills with the fp32 initial values rounded to nearest. The
         # routers keep their expert_bias buffers in fp32 (TopKRouter._apply) and compute in their own router dtype
         model.to(torch.bfloat16)
-    meshes = build_meshes(layout, ctx.device.type) if ctx.world_size > 1 else None
+    meshes = build_meshes(layout, ctx.device.type, cfg.parallel.timeout) if ctx.world_size > 1 else None
     # with pp > 1 applied once per stage (checked on the whole model above): a stage may lack a kind
     transforms = ModelTransforms(cfg, native_precision, part=layout.pp > 1)
     parallel = parallelize_stages(
@@ -300,7 +300,7 @@ def _build(cfg: ExperimentConfig, checked: RunChecks) -> Setup:
     checkpoint_group = None
     if cfg.run.async_checkpoint and ctx.world_size > 1:
         # background writes talk over a group of their own, never interleaved with the training step's collectives
-        checkpoint_group = torch.distributed.new_group(backend="gloo")
+        checkpoint_group = torch.distributed.new_group(backend="gloo", timeout=cfg.parallel.timeout)
     return Setup(
         cfg,
         ctx,
