@@ -260,27 +260,51 @@ def test_kill_9_at_a_random_moment_leaves_a_loadable_checkpoint(tmp_path: Path, 
     _same(_records(out), single, range(1, STEPS + 1), rel=0)
 
 
-KILLED_RANK = Path(__file__).with_name("_killed_rank.py")
+def _first_attempt_worker(out: Path, rank: int) -> int | None:
+    """The process id of torchrun's first-attempt worker of ``rank`` training into ``out`` (read from /proc)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            env = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:  # gone, or not ours
+            continue
+        if str(out).encode() in args and {f"RANK={rank}".encode(), b"TORCHELASTIC_RESTART_COUNT=0"} <= env:
+            return int(proc.name)
+    return None
 
 
-def test_a_rank_killed_under_torchrun_restarts_and_resumes_by_itself(
-    tmp_path: Path, data_cache: Path, run, single
-) -> None:
-    """torchrun --max-restarts 1 and run.resume auto: rank 1 of 2 killed (SIGKILL) after a random step; torchrun
-    restarts both ranks, which continue from the latest complete checkpoint, and the finished run's every step is the
-    uninterrupted run's (one process; the tolerances of the resume onto other layouts above)."""
-    kill_at = random.Random().randint(3, STEPS - 3)
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker to kill in /proc")
+def test_a_rank_killed_under_torchrun_restarts_and_resumes_by_itself(tmp_path: Path, data_cache: Path, single) -> None:
+    """``moe-train launch --max-restarts 1`` and run.resume auto: rank 1 of 2 killed (SIGKILL) once a random step's
+    checkpoint is complete; torchrun restarts both ranks, which continue from the latest complete checkpoint, and the
+    finished run's every step is the uninterrupted run's (one process; the tolerances of the resume onto other layouts
+    above)."""
+    kill_after = random.Random().randrange(2, STEPS - 4, 2)
     out = tmp_path / "restarted"
     args = [*COMMON, "--data.cache_dir", str(data_cache), "--run.output_dir", str(out)]
     args += ["--run.checkpoint_interval", "2", "--run.resume", "auto"]
-    launch = ["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(KILLED_RANK)]
-    done = run([*launch, str(kill_at), *args], cwd=tmp_path)
-    assert done.returncode == 0, (kill_at, done.stderr[-3000:])
+    executable = str(Path(sys.executable).parent / "moe-train")
+    launch = [executable, "launch", "--nproc-per-node", "2", "--max-restarts", "1", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(launch, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(lambda: _latest_step(out) > 0, proc)  # training has begun: the workers are there
+        victim = _first_attempt_worker(out, rank=1)
+        assert victim is not None, "rank 1's worker not found"
+        _wait_for(lambda: _latest_step(out) >= kill_after, proc)
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, (kill_after, stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
-    resumed_from = int(summary.get("resumed_from", "step_0").rsplit("_", 1)[-1])
-    assert summary["status"] == "completed" and 0 < resumed_from <= kill_at, (kill_at, summary)
+    resumed_from = int((summary.get("resumed_from") or "step_0").rsplit("_", 1)[-1])
+    assert summary["status"] == "completed" and resumed_from >= kill_after, (kill_after, summary)
     steps = _records(out)
-    assert sorted(steps) == list(range(1, STEPS + 1)), kill_at
+    assert sorted(steps) == list(range(1, STEPS + 1)), kill_after
     for step in range(1, STEPS + 1):
-        assert steps[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5), (kill_at, step)
-        assert steps[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-2), (kill_at, step)
+        assert steps[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5), (kill_after, step)
+        assert steps[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-2), (kill_after, step)

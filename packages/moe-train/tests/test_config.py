@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_models import ModelConfig
 from moe_parallel import ParallelConfig
@@ -84,7 +85,10 @@ def test_yaml_file_with_sections(tmp_path: Path) -> None:
             "parallel.delay_wgrad_compute=True: moves the experts' weight gradients into the waits of ep_overlap "
             "microbatch's backward, and ep_overlap is chunked: set ep_overlap microbatch",
         ),
-        ({"parallel.timeout_minutes": "0"}, "parallel.timeout_minutes=0.0: must be positive (minutes)"),
+        (
+            {"parallel.timeout_minutes": "0"},
+            "parallel.timeout_minutes=0.0: must be positive and at most 10080 (a week)",
+        ),
         ({"parallel.backend": "mpi"}, "parallel.backend='mpi': choose one of auto, gloo, nccl"),
         ({"parallel.pp_schedule": "1f1b"}, "parallel.pp_schedule='1f1b': choose one of 1F1B, GPipe, Interleaved1F1B"),
         ({"parallel.vpp": "0"}, "parallel.vpp=0: must be at least 1 (or unset)"),
@@ -148,3 +152,19 @@ def test_one_dtype_vocabulary_in_every_section() -> None:
     assert cfg.to_dict()["train"]["params_dtype"] == "bf16"
     with pytest.raises(ConfigError, match="train.params_dtype='float16': choose fp32 or bf16"):
         load_config("tiny", {"train.params_dtype": "float16"})
+
+
+@pytest.mark.parametrize("backend", ["te", "grouped_gemm"])
+def test_delayed_weight_gradients_need_a_back_end_that_can_delay_them(backend: str) -> None:
+    from moe_train.setup import _check_delayed_wgrad_backend
+
+    delayed = {"parallel.ep_overlap": "microbatch", "parallel.delay_wgrad_compute": "true"}
+    _check_delayed_wgrad_backend(load_config("tiny", delayed), torch.bfloat16)  # auto: torch here, which can
+    cfg = load_config("tiny", {**delayed, "model.moe_expert_backend": backend})
+    with pytest.raises(ConfigError) as err:
+        _check_delayed_wgrad_backend(cfg, torch.bfloat16)
+    assert str(err.value) == (
+        f"parallel.delay_wgrad_compute=true: the experts' back end {backend!r} (model.moe_expert_backend={backend!r}) "
+        "has no separate weight-gradient kernel to delay; set model.moe_expert_backend torch, or "
+        "parallel.delay_wgrad_compute false"
+    )

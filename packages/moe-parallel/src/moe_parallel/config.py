@@ -10,6 +10,8 @@ from moe_parallel.layout import ParallelLayout
 from moe_parallel.plan import LayoutError
 from moe_parallel.schedules import check_schedule_name
 
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60
+
 TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
 # the stack's dtype names (moe-train's config sections take the same): short, as Megatron-Core's flags; torch's
 # names accepted as aliases
@@ -82,8 +84,10 @@ class ParallelConfig:
                 "moves the experts' weight gradients into the waits of ep_overlap microbatch's backward, and "
                 f"ep_overlap is {self.ep_overlap}: set ep_overlap microbatch, or delay_wgrad_compute false",
             )
-        if not self.timeout_minutes > 0:
-            raise LayoutError("timeout_minutes", self.timeout_minutes, "must be positive (minutes)")
+        if not 0 < self.timeout_minutes <= MAX_TIMEOUT_MINUTES:
+            raise LayoutError(
+                "timeout_minutes", self.timeout_minutes, f"must be positive and at most {MAX_TIMEOUT_MINUTES} (a week)"
+            )
         for name in ("vpp", "pp_first_stage_layers", "pp_last_stage_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -42,25 +42,10 @@ def init_distributed(
     if world_size > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device_type == "cuda" else "gloo"
-        store = _attempt_store(rank, world_size, timeout)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     elif timeout is not None and dist.is_initialized():
         set_group_timeout(dist.group.WORLD, timeout)
     return DistributedContext(rank, local_rank, world_size, device)
-
-
-def _attempt_store(rank: int, world_size: int, timeout: timedelta | None) -> dist.Store | None:
-    """Under torchrun, the store of this attempt's ranks alone (None elsewhere: ``init_process_group`` makes one).
-
-    A job that torchrun restarts (``--max-restarts``) meets again in its agent's store, where the ranks of the failed
-    attempt left their addresses under the same keys: a restarted rank could read a dead rank's address before the
-    new one overwrites it (gloo then fails to connect). A prefix per attempt keeps the attempts apart."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ:
-        return None
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size, **kwargs))
-    return dist.PrefixStore(f"moe-train/attempt_{attempt}", store)
 
 
 def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:

@@ -290,6 +290,10 @@ def _launch(tokens: list[str]) -> int:
     single_node = str(args.nnodes) in ("1", "1:1")
     if single_node and not args.standalone and not args.rdzv_endpoint and args.rdzv_backend == "static":
         args.standalone = True  # a free port of its own rather than the fixed default one
+    # torchrun's agents share one store across the rendezvous rounds of a job, where the ranks of a failed attempt
+    # left their addresses under the keys the restarted ranks use: a restarted rank could read a dead one's address
+    # (gloo then fails to connect, 4 restarts in 5 here). A store of each round's own, on its rank 0, keeps them apart
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if args.shutdown_timeout is None:  # on Ctrl-C / SIGTERM the workers finish their step and save: give them time
         args.shutdown_timeout = LAUNCH_SHUTDOWN_TIMEOUT_S
     # the workers print their own one-line errors; the agent's log lines about them would only repeat them

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_experts import BACKENDS, BackendUnavailableError
+from moe_experts import BACKENDS, BackendUnavailableError, resolve_backend
 from moe_memory import MemoryPolicy, check_memory_options
 from moe_models import ModelConfig, build_model
 from moe_models.hf import CheckpointSource
@@ -112,6 +112,21 @@ def _check_expert_backend_dtype(cfg: ExperimentConfig, experts_dtype: torch.dtyp
         f"{str(experts_dtype).removeprefix('torch.')} (run.dtype={cfg.run.dtype!r}); set run.dtype bf16, or use "
         "backend torch or auto"
     )
+
+
+def _check_delayed_wgrad_backend(cfg: ExperimentConfig, experts_dtype: torch.dtype) -> None:
+    """``parallel.delay_wgrad_compute`` with an expert back end that has no separate weight-gradient kernel (te,
+    grouped_gemm; ``auto`` where it picks one) would delay nothing: a config error rather than a silent no-op."""
+    if not cfg.parallel.delay_wgrad_compute:
+        return
+    name = cfg.model.moe_expert_backend
+    backend = resolve_backend(name, experts_dtype) if name == "auto" else BACKENDS.get(name)
+    if backend is not None and backend.wgrad is None:
+        raise ConfigError(
+            f"parallel.delay_wgrad_compute=true: the experts' back end {backend.name!r} (model.moe_expert_backend="
+            f"{name!r}) has no separate weight-gradient kernel to delay; set model.moe_expert_backend torch, or "
+            "parallel.delay_wgrad_compute false"
+        )
 
 
 # train.micro_batch_size 0: at most this many sequences per forward, whatever the layout
@@ -238,7 +253,9 @@ def check_run(cfg: ExperimentConfig, world_size: int) -> RunChecks:
             )
         auto = torch.bfloat16 if device_type == "cuda" else torch.float32
         dtype = auto if cfg.run.dtype == "auto" else torch_dtype(cfg.run.dtype)
-        _check_expert_backend_dtype(cfg, torch.bfloat16 if cfg.train.params_dtype == "bf16" else dtype)
+        experts_dtype = torch.bfloat16 if cfg.train.params_dtype == "bf16" else dtype
+        _check_expert_backend_dtype(cfg, experts_dtype)
+        _check_delayed_wgrad_backend(cfg, experts_dtype)
     except BaseException:
         if source is not None:
             source.close()
