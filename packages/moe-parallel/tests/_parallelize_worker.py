@@ -2,7 +2,8 @@
 
 Checks that need real process groups, each against the same model in this process alone where it computes:
 
-- the meshes' groups are the layout's, and where each parameter ends up (experts never sharded twice);
+- the meshes' groups are the layout's, with parallel.timeout_minutes (``_mesh_scenarios.py``), and where each
+  parameter ends up (experts never sharded twice);
 - one training step of a model with fewer experts per rank than expert-data-parallel ranks (FSDP then shards the
   experts along their second dim);
 - the plan protocol: a model that is not moe_models' (``_toy_plan_model.py``), split as its own plan says;
@@ -20,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _mesh_scenarios import group_timeouts, mesh_groups
 from _toy_plan_model import PLAN, ToyMoE, loss_fn
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -47,16 +48,7 @@ from moe_parallel import (
     local_box,
     materialize,
     parallelize,
-    set_group_timeout,
 )
-
-LAYOUTS = [
-    {"tp": 2, "ep": 2, "etp": 1},
-    {"ep": 4},
-    {"dp_replicate": 2, "ep": 2},
-    {"tp": 2},
-    {"etp": 2, "ep": 2},
-]
 
 # every GroupedExperts forward, counted at class level so a checkpoint wrapper's recompute counts too
 EXPERT_CALLS = [0]
@@ -69,12 +61,6 @@ def _counting_forward(self, *args, **kwargs):
 
 
 GroupedExperts.forward = _counting_forward
-
-
-def _groups(meshes) -> dict[str, list[int]]:
-    dims = [("attention", d) for d in ("tp", "cp", "dp_shard", "dp_replicate", "pp")]
-    dims += [("expert", d) for d in ("etp", "ep", "edp")]
-    return {f"{side}.{d}": dist.get_process_group_ranks(meshes.group(d)) for side, d in dims}
 
 
 def _placements(model) -> dict[str, tuple]:
@@ -438,30 +424,6 @@ def flex_dispatch(world: int) -> dict:
         "loss": loss,
         "ref_loss": _step(build_model(config, seed=2), config, ids_BS),
     }
-
-
-def mesh_groups(world: int) -> dict:
-    return {
-        "groups": [(sizes, _groups(build_meshes(ParallelConfig(**sizes).layout(world), "cpu"))) for sizes in LAYOUTS]
-    }
-
-
-def group_timeouts(world: int) -> dict:
-    """ParallelConfig.timeout_minutes on the default group (joined before) and every group of the meshes, a pipeline
-    layout's stage groups included: each group's timeout as its gloo backend holds it, in seconds."""
-    cfg = ParallelConfig(timeout_minutes=3.5)
-
-    def seconds(group) -> float:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-
-    before = seconds(dist.group.WORLD)
-    init_distributed("gloo", "cpu", cfg.timeout)
-    result = {"world": (before, seconds(dist.group.WORLD)), "layouts": {}}
-    for sizes in [*LAYOUTS, {"pp": 2, "ep": 2}, {"cp": 2, "tp": 2}]:
-        groups = build_meshes(ParallelConfig(**sizes).layout(world), "cpu", cfg.timeout).groups()
-        result["layouts"][str(sizes)] = [seconds(g) for g in groups]
-    set_group_timeout(dist.group.WORLD, timedelta(seconds=before))  # the later scenarios' default group as it was
-    return result
 
 
 def expert_placements(world: int) -> dict:
