@@ -260,6 +260,9 @@ def test_bf16_parameters_and_activations_match_too() -> None:
         (HYBRID, {"shared_experts", "mlp"}, {"moe_act", "core_attn", "expert_fc1"}),
         (DSA, {"core_attn", "layernorm"}, {"qkv_linear", "attn_proj"}),  # the recomputed core keeps the selection
         (DSA, {"mla_up_proj", "moe"}, {"core_attn"}),  # q, k and v recomputed: the core keeps q's block copies
+        # whole decoder layers: each keeps its input only (MTP's layer too)
+        ("qwen3-moe", {"layer"}, set()),
+        ("deepseek-v3 (MLA, shared expert, dense layer, MTP)", {"layer", "moe_act"}, set()),
     ],
 )
 def test_recompute_and_offload_match_moe_memory_policies(name: str, recompute: set, offload: set) -> None:

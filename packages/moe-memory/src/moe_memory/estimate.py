@@ -35,6 +35,8 @@ that saves it and the modules it runs inside (its ``path``):
   (output-discarding recompute). ``layernorm`` is the input and pre-MLP norm of each decoder layer (not the QK norms,
   the MLA latent norms or the final norm), ``mla_up_proj`` the up projections (``q_b_proj`` / ``kv_b_proj``), rotary
   embeddings and q/k assembly of MLA, ``moe`` the whole routed MLP block (router, dispatcher, experts, shared expert).
+  ``layer`` a whole decoder layer: only each layer's input stays, and the backward recomputes one layer at a time
+  (holding what the other chosen kinds leave of it).
   The memory the backward needs to recompute one module again is :attr:`MemoryEstimate.recompute_bytes` (the largest
   dropped set of one module instance).
 - ``offload``: tensors saved by an offloaded module kind (``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj``,
@@ -61,7 +63,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from moe_memory.kinds import OFFLOAD_KINDS, OUTPUT_DISCARDING_KINDS, RECOMPUTE_KINDS
+from moe_memory.kinds import OFFLOAD_KINDS, OUTPUT_DISCARDING_KINDS, RECOMPUTE_KINDS, WHOLE_LAYER
 from moe_memory.saved_activations import ForwardSaves, RankSizes, Save, SavedBytesDeclarations, Scope
 from moe_memory.shapes import (
     DEFAULT_OFFLOAD_MIN_TENSOR_BYTES,
@@ -281,6 +283,15 @@ def _account(
     """Apply recompute and offload to one forward: (device entries, host entries, largest recomputed instance), each
     entry (module, key, bytes, saved_by)."""
     active = [s for s in f.scopes if s.kind in recompute]
+    whole = next((s for s in active if s.kind == WHOLE_LAYER), None)
+    if whole is not None:  # the whole layer keeps its input; recomputing it holds what the other kinds leave of it
+        inner = frozenset(recompute - {WHOLE_LAYER})
+        outside = ForwardSaves()
+        outside.nbytes, outside.names = f.nbytes, f.names
+        outside.saves = [Save(key, whole.module, (f"{WHOLE_LAYER}.inputs",)) for key in whole.inputs]
+        device, host, working = _account(outside, frozenset(), offload, min_bytes)
+        inside, _, _ = _account(f, inner, frozenset(), min_bytes)
+        return device, host, max(working, sum(n for _, _, n, _ in inside))
     tokens = {s.token for s in active}
     # the outermost recomputed modules keep their inputs (saved when they run: where their first save was)
     outermost = {s.token: s for s in active if not tokens.intersection(s.parent)}

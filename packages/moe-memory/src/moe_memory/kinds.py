@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the names alone need no torch (moe_memory.estimate uses them)
     from torch import nn
 
-# recompute: the module keeps only its inputs and runs again in the backward
-RECOMPUTE_KINDS = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+# recompute: the module keeps only its inputs and runs again in the backward; ``layer`` is a whole decoder layer
+# (Megatron-Core's --recompute-granularity full with --recompute-num-layers 1)
+RECOMPUTE_KINDS = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "layer")
+WHOLE_LAYER = "layer"
 # cheap ops whose OUTPUT is freed too once its consumers have saved it, and recomputed before they need it back
 OUTPUT_DISCARDING_KINDS = frozenset({"moe_act", "layernorm", "mla_up_proj"})
 # offload: the tensors the module saves for backward wait in host memory

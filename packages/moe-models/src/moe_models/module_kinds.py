@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 def _layer_kinds(prefix: str, layer: DecoderLayer) -> dict[str, list[str]]:
     attn = layer.attention
     norms = [f"{prefix}.{name}" for name in ("input_norm", "post_attention_norm") if getattr(layer, name) is not None]
-    kinds: dict[str, list[str]] = {"layernorm": norms}
+    kinds: dict[str, list[str]] = {"layernorm": norms, "layer": [prefix]}
     if attn is not None:
         kinds["attn_norm"] = [f"{prefix}.input_norm"]
     if layer.mlp is not None:

@@ -473,6 +473,9 @@ def _layer(saves: ForwardSaves, model: ModelShape, layer: LayerShape, sizes: Ran
     local_bytes = sizes.local_tokens * hidden * activation_bytes  # [local tokens, hidden]
     zero_centered = model.zero_centered_norms
     residual = saves.tensor("x_in", local_bytes, "layer input")
+    saves.scope(
+        "layer", "layer", (), (residual,), (), module="attn_norm" if layer.attention is not None else "mlp_norm"
+    )
     attention = layer.attention
     if attention is not None:
         normed = _norm(

@@ -5,6 +5,7 @@ moe-train train --config NAME_OR_PATH [--section.key value ...]
 moe-train launch --nproc-per-node N [torchrun options] [--config ...] [--section.key value ...]   # under torchrun
 moe-train plan [--world-size N] [--config ...] [--parallel.ep 4 ...]   # shard sizes per rank, no run
 moe-train plan ... --memory [--device-memory 80]   # and each rank's estimated memory
+moe-train plan --search --gpus 64 [--hardware h100-80gb] [--model.preset ...]   # the fastest layouts that fit
 moe-train env                      # capability table
 moe-train export CHECKPOINT --hf OUT [--dtype fp32|bf16] [--overwrite]   # a checkpoint (or a run's latest) as HF
 moe-train export CHECKPOINT --peft OUT [--dtype ...] [--overwrite]   # a LoRA run's adapters as a PEFT adapter
@@ -85,6 +86,25 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GiB",
         help="flag the ranks whose estimated memory exceeds this many GiB (implies --memory)",
+    )
+    plan.add_argument(
+        "--search",
+        action="store_true",
+        help="rank every layout of the model over --gpus GPUs that fits --hardware by an estimated step time (sizes "
+        "given as --parallel.tp 1 ... are held); prints the best with memory per rank and time split",
+    )
+    plan.add_argument("--gpus", type=int, default=None, help="with --search: the GPUs to lay the model out over")
+    plan.add_argument(
+        "--hardware",
+        default="h100-80gb",
+        help="with --search: a built-in profile (h100-80gb, h200-141gb, b200-192gb, gb200-186gb) or a YAML file",
+    )
+    plan.add_argument("--top", type=int, default=5, help="with --search: how many layouts to print (default 5)")
+    plan.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="with --search: the fraction of peak FLOP/s compute runs at (default: the one fitted to published runs)",
     )
     commands.add_parser(
         "launch",
@@ -370,6 +390,17 @@ def _plan(
     return 0
 
 
+def _plan_search(args: argparse.Namespace, override_tokens: list[str]) -> int:
+    from moe_train.plan_search import run_search
+
+    if args.world_size is not None or args.memory or args.device_memory is not None:
+        raise ConfigError("plan --search takes --gpus and --hardware, not --world-size, --memory or --device-memory")
+    overrides = _parse_overrides(override_tokens)
+    cfg = load_config(args.config, overrides)
+    print(run_search(cfg, overrides, args.gpus, args.hardware, args.top, args.efficiency))
+    return 0
+
+
 def _export(
     checkpoint: str, out: str | None, dtype: str | None, overwrite: bool, rest: list[str], peft_out: str | None = None
 ) -> int:
@@ -463,6 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args, rest)
         if args.command == "quantize":
             return _quantize(args.checkpoint, args.recipe, args.out, args.calib_batches, args.overwrite, rest)
+        if args.command == "plan" and args.search:
+            return _plan_search(args, rest)
         if args.command == "plan":
             return _plan(args.config, args.world_size, rest, args.memory, args.device_memory)
         return _train(args.config, rest)

@@ -1,0 +1,370 @@
+"""``moe-train plan --search``: every layout of a model over ``--gpus`` GPUs, those that fit the device's memory,
+ranked by an estimated step time (:mod:`moe_train.step_time`).
+
+The model is built once on the meta device, for its parameters by layer (routed experts apart) and its pipeline
+plan. Each candidate (tp, cp, pp, vpp, ep, etp; FSDP over what is left, as ``dp_shard -1``) is then sized from
+those counts without building it again:
+
+- parameters, gradients and AdamW states per rank: a pipeline rank's layers' non-expert parameters over
+  ``tp x dp_shard x cp``, its routed experts over ``ep x etp x edp`` (what ``moe-train plan`` counts exactly,
+  within FSDP's uneven last shards), plus two layers' parameters gathered by FSDP at once;
+- activations from :func:`moe_memory.estimate.estimate_memory` of the rank's layers, its micro-batches in flight
+  from the schedule's action list (as ``plan --memory``);
+- the device's usable memory (``memory_gib - reserved_gib`` of the hardware profile) is the limit.
+
+For each layout the search takes the fastest micro-batch size and recompute choice that fit (``none``,
+``selective``: the norms and activation functions, Megatron-Core's cheap kinds; ``layer``: whole decoder layers).
+The best layouts are checked against the model's own rules (``check_plan``) before they are printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+import types
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from moe_memory.estimate import LocalParameters, PipelineShare, estimate_memory, mtp_attention
+from moe_models import ModelConfig, build_model
+from moe_models.memory import model_shape, run_shape
+from moe_parallel import ParallelConfig, check_plan
+from moe_parallel.layout import divisors
+from moe_parallel.pipeline_time import stage_inflight
+from moe_parallel.plan import LayoutError
+from moe_parallel.schedules import inflight_microbatches, rank_stages
+from moe_parallel.stage_split import split_layers
+from moe_train.hardware import Hardware
+from moe_train.step_time import LayoutSizes, ModelComm, StageWork, StepTime, step_time
+
+# compute efficiency of the time model: one number for every model and layout, fitted once to the six published
+# NeMo AutoModel H100 rows (benchmarks/plan_search.py, benchmarks/results/plan_search.json)
+DEFAULT_EFFICIENCY = 0.40
+RECOMPUTE = ("none", "selective", "layer")
+MICRO_BATCHES = (1, 2, 4, 8)
+VPP = (1, 2, 4, 8, 16)
+MAX_CP = 8
+GIB = 2**30
+TP_SPLITS = (ColwiseParallel, RowwiseParallel)  # the tensor-parallel styles that split their modules' weights
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """What the search holds fixed: the run's batch, sequence length and dtypes (bytes per element)."""
+
+    global_batch: int
+    seq_len: int
+    param_bytes: int = 4
+    optimizer_state_bytes: int = 4
+    master_weights_bytes: int = 0  # a master copy of 2-byte parameters
+    activation_bytes: int = 2
+    gather_bytes: int = 4  # FSDP's mixed-precision parameter dtype (parallel.mixed_precision_param)
+    reduce_bytes: int = 4  # and its gradient reduction dtype (parallel.mixed_precision_reduce)
+    dispatcher: str = "alltoall"  # parallel.moe_token_dispatcher_type
+
+
+@dataclass(frozen=True)
+class Candidate:
+    sizes: LayoutSizes
+    micro_batch: int
+    microbatches: int
+    recompute: str
+    memory: float  # bytes, the most any rank holds
+    states: float  # of it, parameters, gradients, optimizer states, master weights and FSDP's gathered layers
+    time: StepTime
+
+    def tokens_per_second_per_gpu(self, settings: SearchSettings) -> float:
+        return settings.global_batch * settings.seq_len / self.time.total / self.sizes.world
+
+    def parallel_config(self) -> ParallelConfig:
+        s = self.sizes
+        extra = {"pp_schedule": s.schedule, "vpp": s.vpp} if s.vpp > 1 else {}
+        return ParallelConfig(tp=s.tp, cp=s.cp, pp=s.pp, ep=s.ep, etp=s.etp, **extra)
+
+
+@dataclass(frozen=True)
+class _ModelFacts:
+    # parameters per decoder layer, then of the first stage's extras (embedding) and the last's (head, MTP)
+    dense: tuple[int, ...]  # not routed experts
+    whole: tuple[int, ...]  # of those, what tp does not split (norms, routers, MLA's down projections...)
+    routed: tuple[int, ...]  # routed experts
+    layer_costs: tuple[float, ...]
+    first_cost: float
+    last_cost: float
+    moe: tuple[bool, ...]
+    attention: tuple[bool, ...]
+
+
+class LayoutSearch:
+    """The search over one model, batch and hardware (module docstring)."""
+
+    def __init__(self, model_config: ModelConfig, settings: SearchSettings, hardware: Hardware) -> None:
+        self.config, self.settings, self.hw = model_config, settings, hardware
+        with torch.device("meta"):
+            self.model = build_model(model_config)
+        self.plan = self.model.parallel_plan(settings.seq_len)
+        self.facts = self._facts()
+        self.shape = model_shape(model_config)
+        self.kinds = list(dict.fromkeys(self.shape.layers))  # the distinct layer shapes
+        self.kind_of = [self.kinds.index(layer) for layer in self.shape.layers]
+        self.mtp_attention = mtp_attention(self.shape) if self.shape.mtp_depth else self.shape.mtp_attention
+        c = model_config
+        qk = (c.qk_head_dim + c.qk_pos_emb_head_dim) if c.multi_latent_attention else c.kv_channels or 0
+        v = c.v_head_dim if c.multi_latent_attention else c.kv_channels or 0
+        kv_heads = c.num_attention_heads if c.multi_latent_attention else c.num_query_groups or c.num_attention_heads
+        group_topk = c.moe_router_group_topk if c.moe_router_num_groups else None
+        self.comm = ModelComm(
+            c.hidden_size,
+            c.moe_router_topk or 1,
+            kv_heads * (qk + v),
+            settings.seq_len,
+            group_topk,
+            settings.dispatcher,
+        )
+        self.selective = ["layernorm", "moe_act"] + (["mla_up_proj"] if c.multi_latent_attention else [])
+        self.evaluated = 0
+
+    def _facts(self) -> _ModelFacts:
+        """Parameters by decoder layer (routed experts apart, and of the rest what tp leaves whole on every rank),
+        the embedding's, the head's and MTP's, and the pipeline plan's costs."""
+        pipeline = self.plan.pipeline
+        layer_of = {path: index for index, path in enumerate(pipeline.layers)}
+        experts = tuple(f"{p}." for p in self.plan.experts_paths())
+        split = {path for path, style in self.plan.tensor_parallel.items() if isinstance(style, TP_SPLITS)}
+        n = len(pipeline.layers)
+        dense, whole, routed = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)  # layers, then first and last stage
+        for name, param in self.model.named_parameters():
+            layer = next((layer_of[p] for p in _prefixes(name) if p in layer_of), None)
+            if layer is None:
+                layer = n if name.startswith(tuple(pipeline.first_modules)) else n + 1
+            if name.startswith(experts):
+                routed[layer] += param.numel()
+                continue
+            dense[layer] += param.numel()
+            if name.rsplit(".", 1)[0] not in split and name not in self.plan.tp_shard_parameters:
+                whole[layer] += param.numel()
+        attention = tuple(layer.attention is not None for layer in model_shape(self.config).layers)
+        return _ModelFacts(
+            tuple(dense), tuple(whole), tuple(routed), pipeline.layer_costs, pipeline.first_cost, pipeline.last_cost,
+            tuple(count > 0 for count in routed[:n]), attention,
+        )  # fmt: skip
+
+    # --- enumeration ------------------------------------------------------------------------------------------------
+
+    def layouts(self, world: int, fixed: dict[str, int] | None = None) -> Iterator[LayoutSizes]:
+        """Every layout over ``world`` GPUs the search considers; ``fixed``: sizes held (``{"tp": 1}``)."""
+        fixed = fixed or {}
+        for sizes in self._all_layouts(world):
+            if all(getattr(sizes, name) == value for name, value in fixed.items()):
+                yield sizes
+
+    def _all_layouts(self, world: int) -> Iterator[LayoutSizes]:
+        c, facts = self.config, self.facts
+        layers = len(facts.layer_costs)
+        heads = c.num_attention_heads
+        kv = c.num_query_groups or heads
+        experts = c.num_moe_experts or 1
+        for tp in divisors(world):
+            if tp > self.hw.nvlink_domain or heads % tp or (not c.multi_latent_attention and kv % tp):
+                continue
+            for cp in (d for d in divisors(world // tp) if d <= MAX_CP and self.settings.seq_len % (2 * d) == 0):
+                for pp in (d for d in divisors(world // (tp * cp)) if d <= layers):
+                    for vpp in (v for v in VPP if (v == 1 or pp > 1) and pp * v <= layers):
+                        for etp in sorted({1, tp}):
+                            for ep in divisors(experts):
+                                if world % (pp * ep * etp) == 0:
+                                    yield LayoutSizes(world, tp, cp, pp, vpp, ep, etp)
+
+    # --- memory -----------------------------------------------------------------------------------------------------
+
+    @functools.cache  # noqa: B019 -- one search object per command; its methods' arguments repeat
+    def _split(self, stages: int) -> tuple[tuple[int, ...], ...]:
+        f = self.facts
+        return tuple(split_layers(f.layer_costs, stages, first_cost=f.first_cost, last_cost=f.last_cost))
+
+    @functools.cache  # noqa: B019
+    def stage_work(self, stages: int) -> tuple[StageWork, ...]:
+        f = self.facts
+        split = self._split(stages)
+        n = len(f.layer_costs)
+        out = []
+        for index, layers in enumerate(split):
+            first, last = index == 0, index == len(split) - 1
+            held = [*layers, *([n] if first else []), *([n + 1] if last else [])]
+            layer_flops = sum(f.layer_costs[i] for i in layers)
+            out.append(
+                StageWork(
+                    flops=layer_flops + (f.first_cost if first else 0.0) + (f.last_cost if last else 0.0),
+                    layer_flops=layer_flops,
+                    moe_layers=sum(f.moe[i] for i in layers),
+                    attention_layers=sum(f.attention[i] for i in layers),
+                    layers=len(layers),
+                    params=sum(f.dense[i] + f.routed[i] for i in held),
+                    expert_params=sum(f.routed[i] for i in held),
+                    tp_whole=sum(f.whole[i] for i in held),
+                    largest_layer_dense=max(f.dense[i] for i in layers),
+                    largest_layer_experts=max(f.routed[i] for i in layers),
+                )
+            )
+        return tuple(out)
+
+    @functools.cache  # noqa: B019 -- one search object per command; its methods' arguments repeat
+    def _saved(self, layer: int | None, last: bool, key: tuple) -> tuple[float, float, float, float]:
+        """(activations, logits, dispatcher buffers, recompute working set) of one micro-batch: of one decoder layer
+        of shape ``self.kinds[layer]``, or with ``layer`` None of what a pipeline rank holds around its layers (first
+        stage: the embedding; last: head, loss and MTP). ``key``: (first, tp, cp, ep, etp, micro, recompute)."""
+        first, tp, cp, ep, etp, micro, recompute = key
+        layers = () if layer is None else (self.kinds[layer],)
+        mtp = self.shape.mtp_depth if layer is None and last else 0
+        shape = dataclasses.replace(self.shape, layers=layers, mtp_depth=mtp, mtp_attention=self.mtp_attention)
+        sizes = types.SimpleNamespace(tp=tp, cp=cp, ep=ep, etp=etp)  # what run_shape reads of a layout
+        s = self.settings
+        run = run_shape(
+            self.config, LocalParameters(0, 0), micro_batch=micro, seq_len=s.seq_len,
+            activation_bytes=s.activation_bytes, layout=sizes,
+        )  # fmt: skip
+        kinds = {"none": frozenset(), "selective": frozenset(self.selective), "layer": frozenset({"layer"})}
+        share = PipelineShare(first and layer is None, last and layer is None, 1)
+        e = estimate_memory(shape, run, recompute=kinds[recompute], pipeline=share)
+        return float(e.activation_bytes), float(e.logits), float(e.dispatcher_buffers), float(e.recompute_bytes)
+
+    def _activations(self, layers: tuple[int, ...], ends: tuple[int, int], inflight: int, key: tuple) -> float:
+        """What :func:`estimate_memory` gives a pipeline rank holding ``layers`` (``inflight`` micro-batches of each
+        of its stages in flight), put together from one layer of each shape: it adds layers' saves and takes the
+        largest buffers. ``ends``: the micro-batches in flight of the first and last stage when the rank holds them
+        (else 0): what the embedding and the head, loss and MTP save counts that many times, not ``inflight``."""
+        counts = Counter(self.kind_of[i] for i in layers)
+        parts = [(self._saved(kind, False, (False, *key)), count * inflight) for kind, count in counts.items()]
+        if ends[0]:
+            parts.append((self._saved(None, False, (True, *key)), ends[0]))
+        if ends[1]:
+            parts.append((self._saved(None, True, (False, *key)), ends[1]))
+        saved = sum(p[0] * times for p, times in parts)
+        logits = sum(p[1] for p, _ in parts)
+        return saved + logits + max(p[2] for p, _ in parts) + max(p[3] for p, _ in parts)
+
+    def _state_bytes(self, sizes: LayoutSizes, work: list[StageWork], mine: list[int]) -> float:
+        s = self.settings
+        dense = sum(work[i].dense_local(sizes) for i in mine)
+        routed = sum(work[i].expert_params for i in mine) / (sizes.ep * sizes.etp * sizes.edp)
+        per_element = 2 * s.param_bytes + 2 * s.optimizer_state_bytes + s.master_weights_bytes
+        gathered = 2 * max(work[i].gathered(sizes) for i in mine) * s.gather_bytes  # one layer, the next prefetched
+        return (dense + routed) * per_element + gathered
+
+    def memory(self, sizes: LayoutSizes, micro: int, microbatches: int, recompute: str) -> tuple[float, float]:
+        """(the most any rank holds, that rank's parameter and optimizer bytes)."""
+        stages = sizes.pp * sizes.vpp
+        work = self.stage_work(stages)
+        split = self._split(stages)
+        inflight = _inflight(sizes.schedule, sizes.pp, sizes.vpp, microbatches)
+        per_stage_peak = _stage_inflight(sizes.schedule, sizes.pp, sizes.vpp, microbatches)
+        key = (sizes.tp, sizes.cp, sizes.ep, sizes.etp, micro, recompute)
+        worst = (0.0, 0.0)
+        for rank in range(sizes.pp):
+            mine = rank_stages(sizes.schedule, sizes.pp, sizes.vpp, rank)
+            states = self._state_bytes(sizes, work, mine)
+            layers = tuple(sorted(i for stage in mine for i in split[stage]))
+            ends = tuple(per_stage_peak[end] if end in mine else 0 for end in (0, stages - 1))
+            per_stage = math.ceil(inflight[rank] / len(mine))  # as plan --memory counts the layers
+            total = states + self._activations(layers, ends, per_stage, key)
+            worst = max(worst, (total, states))
+        return worst
+
+    # --- ranking ----------------------------------------------------------------------------------------------------
+
+    def best_for(self, sizes: LayoutSizes, efficiency: float) -> Candidate | None:
+        """The fastest micro-batch size and recompute choice of this layout that fit, or None."""
+        s = self.settings
+        per_rank = s.global_batch // sizes.dp if s.global_batch % sizes.dp == 0 else 0
+        limit = self.hw.usable_bytes
+        work = self.stage_work(sizes.pp * sizes.vpp)
+        if min(self._state_bytes(sizes, work, rank_stages(sizes.schedule, sizes.pp, sizes.vpp, r))
+               for r in range(sizes.pp)) > limit:  # fmt: skip
+            return None
+        best = None
+        for recompute in RECOMPUTE:
+            for micro in MICRO_BATCHES:
+                if not per_rank or per_rank % micro:
+                    continue
+                microbatches = per_rank // micro
+                if microbatches < sizes.pp:
+                    continue
+                self.evaluated += 1
+                memory, states = self.memory(sizes, micro, microbatches, recompute)
+                if memory > limit:
+                    continue
+                timed = step_time(
+                    sizes, work, micro, microbatches, recompute == "layer", self.comm, self.hw, efficiency,
+                    s.gather_bytes, s.reduce_bytes,
+                )  # fmt: skip
+                candidate = Candidate(sizes, micro, microbatches, recompute, memory, states, timed)
+                if best is None or timed.total < best.time.total:
+                    best = candidate
+            if best is not None:  # recomputing more only adds time
+                return best
+        return best
+
+    def check(self, sizes: LayoutSizes) -> str | None:
+        """The model's own refusal of this layout (``check_plan``), or None when it takes it."""
+        config = Candidate(sizes, 1, 1, "none", 0, 0, StepTime(0)).parallel_config()
+        try:
+            check_plan(self.model, self.plan, config, config.layout(sizes.world))
+        except LayoutError as err:
+            return str(err)
+        return None
+
+    def search(
+        self, world: int, efficiency: float = DEFAULT_EFFICIENCY, top: int = 5, fixed: dict[str, int] | None = None
+    ) -> SearchResult:
+        start = time.perf_counter()
+        layouts = list(self.layouts(world, fixed))
+        fits = [c for c in (self.best_for(sizes, efficiency) for sizes in layouts) if c is not None]
+        fits.sort(key=lambda c: c.time.total)
+        ranked, refused = [], 0
+        for candidate in fits:
+            if self.check(candidate.sizes) is None:
+                ranked.append(candidate)
+            else:
+                refused += 1
+            if len(ranked) == top:
+                break
+        return SearchResult(world, len(layouts), len(fits), refused, ranked, fits, time.perf_counter() - start)
+
+
+@dataclass
+class SearchResult:
+    world: int
+    layouts: int  # enumerated
+    fitting: int  # of those, fitting the memory with some micro-batch size and recompute choice
+    refused: int  # of the best, refused by the model's own rules
+    top: list[Candidate]
+    ranked: list[Candidate]  # every fitting layout, fastest first (not checked by the model's rules)
+    seconds: float
+
+
+@functools.cache
+def _inflight(schedule: str, pp: int, vpp: int, microbatches: int) -> tuple[int, ...]:
+    if microbatches > 3 * pp and microbatches % pp == 0:  # the warm-up's peak is reached by then
+        return _inflight(schedule, pp, vpp, 3 * pp)
+    return tuple(inflight_microbatches(schedule, pp, vpp, microbatches) or [microbatches] * pp)
+
+
+@functools.cache
+def _stage_inflight(schedule: str, pp: int, vpp: int, microbatches: int) -> tuple[int, ...]:
+    if microbatches > 3 * pp and microbatches % pp == 0:
+        return _stage_inflight(schedule, pp, vpp, 3 * pp)
+    if pp == 1:
+        return (1,)
+    return stage_inflight(schedule, pp, vpp, microbatches)
+
+
+def _prefixes(name: str) -> Iterator[str]:
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        yield ".".join(parts[:i])

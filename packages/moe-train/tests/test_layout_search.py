@@ -1,0 +1,194 @@
+"""``moe-train plan --search``: hardware profiles, the collective times by hand, the search's memory against
+``plan --memory``'s exact shards and estimate, the published NeMo AutoModel layouts (they fit the H100 profile and the
+time model lands near their published throughput at the one fitted efficiency), and the command line."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from moe_models.presets import preset
+from moe_parallel import ParallelConfig
+from moe_train import cli
+from moe_train.config import ConfigError
+from moe_train.hardware import builtin_hardware, load_hardware
+from moe_train.layout_search import DEFAULT_EFFICIENCY, LayoutSearch, SearchSettings
+from moe_train.plan_report import ROUTED_EXPERTS, memory_estimates, memory_options, plan_report, with_microbatches
+from moe_train.plan_search import why
+from moe_train.published_runs import PUBLISHED_RUNS, SEQ_LEN
+from moe_train.step_time import LayoutSizes, ModelComm, _dispatch_time, _group_time
+
+H100 = "h100-80gb"
+
+
+def test_builtin_profiles_load_and_a_users_file_too(tmp_path) -> None:
+    assert builtin_hardware() == ["b200-192gb", "gb200-186gb", "h100-80gb", "h200-141gb"]
+    for name in builtin_hardware():
+        hw = load_hardware(name)
+        assert hw.usable_bytes > 0 and hw.nvlink_gbps > hw.internode_gbps
+    own = tmp_path / "mine.yaml"
+    own.write_text((tmp_path / "x").parent.joinpath("x").as_posix() and "")
+    text = "\n".join(f"{k}: {v}" for k, v in vars(load_hardware(H100)).items() if k != "name")
+    own.write_text(text.replace("memory_gib: 79.1", "memory_gib: 40"))
+    assert load_hardware(str(own)).memory_gib == 40 and load_hardware(str(own)).name == "mine"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("bf16_tflops: 1", "missing fields fp8_tflops"),
+        ("{}: [", "not valid YAML"),
+        ("- 1", "expected a mapping"),
+    ],
+)
+def test_a_bad_profile_is_one_line_naming_it(tmp_path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_hardware(str(path))
+    assert "\n" not in str(caught.value) and str(caught.value).startswith(f"--hardware {path}")
+
+
+def test_a_bad_profile_field_is_named(tmp_path) -> None:
+    text = "\n".join(f"{k}: {v}" for k, v in vars(load_hardware(H100)).items() if k != "name")
+    for old, new, message in [
+        ("nvlink_gbps: 360", "nvlink_gbps: -1", "nvlink_gbps=-1 must be a number >= 0"),
+        ("hbm_gbps: 3350", "hbm_gbps: 0", "hbm_gbps=0 must be > 0"),
+        ("reserved_gib: 6", "reserved_gib: 90", "reserved_gib=90 leaves no memory"),
+        ("hbm_gbps: 3350", "hbm_gbps: 3350\nextra: 1", "unknown fields extra"),
+    ]:
+        path = tmp_path / "p.yaml"
+        path.write_text(text.replace(old, new))
+        with pytest.raises(ConfigError, match=message):
+            load_hardware(str(path))
+    with pytest.raises(ConfigError, match="neither a built-in profile"):
+        load_hardware(str(tmp_path / "missing.yaml"))
+
+
+def test_collective_times_by_hand() -> None:
+    hw = load_hardware(H100)  # 8 GPUs an NVLink domain at 360 GB/s, 40 GB/s between nodes, 20 us a collective
+    latency = 20e-6
+    volume = 8e9
+    # 8 ranks side by side: each sends 7/8 of the volume over NVLink
+    assert _group_time(volume, 8, 1, hw) == pytest.approx(latency + volume * 7 / 8 / 360e9)
+    # 16 ranks, 8 per node: 7/16 of the volume over NVLink and 8/16 over InfiniBand at once, the slower one counts
+    assert _group_time(volume, 16, 1, hw) == pytest.approx(latency + volume * 8 / 16 / 40e9)
+    # ranks 8 apart (the data-parallel ranks under tp 8): every peer is on another node
+    assert _group_time(volume, 4, 8, hw) == pytest.approx(latency + volume * 3 / 4 / 40e9)
+    assert _group_time(volume, 1, 1, hw) == 0.0
+    # DeepEP over 8 nodes with node-limited routing (4 groups a token): 4 x 7/8 rows cross, not 8 x 7/8
+    model = ModelComm(hidden=7168, topk=8, kv_width=0, seq_len=4096, group_topk=4, dispatcher="flex")
+    sizes = LayoutSizes(64, 1, 1, 1, 1, 64, 1)
+    rows, row = 4096, 7168 * 2
+    reached = min(8 * (1 - (7 / 8) ** 8), 4)
+    assert _dispatch_time(rows, sizes, model, hw) == pytest.approx(latency + rows * row * reached * 7 / 8 / 40e9)
+    plain = ModelComm(hidden=7168, topk=8, kv_width=0, seq_len=4096)
+    assert _dispatch_time(rows, sizes, plain, hw) == pytest.approx(_group_time(rows * 8 * row, 64, 1, hw))
+
+
+SMALL = SearchSettings(global_batch=16, seq_len=256, param_bytes=4, optimizer_state_bytes=4, activation_bytes=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "sizes"),
+    [
+        ("tiny-deepseek-v3", dict(ep=4)),
+        ("tiny-deepseek-v3", dict(tp=2, ep=2, etp=1)),
+        ("tiny-qwen3-moe", dict(cp=2, ep=4)),
+        ("tiny-qwen3-moe", dict(tp=2, ep=2, etp=2)),
+    ],
+)
+@pytest.mark.parametrize("recompute", ["none", "layer"])
+def test_memory_is_plan_memorys_estimate_without_building_each_layout(name: str, sizes: dict, recompute: str) -> None:
+    """The search sizes layouts from per-layer counts; ``plan --memory`` splits the model over a fake world and
+    estimates each rank kind from its exact shards. Their activations (with buffers, logits and the recompute working
+    set) agree exactly; parameters within FSDP's uneven last shards and the norms tp does not split."""
+    config = preset(name)
+    world = 8
+    search = LayoutSearch(config, SMALL, load_hardware(H100))
+    layout = LayoutSizes(world, sizes.get("tp", 1), sizes.get("cp", 1), 1, 1, sizes["ep"], sizes.get("etp", 1))
+    micro, microbatches = 2, SMALL.global_batch // (2 * layout.dp)
+    report = with_microbatches(plan_report(config, ParallelConfig(**sizes), world, seq_len=SMALL.seq_len), "1F1B", 1)
+    options = memory_options(["layer"] if recompute == "layer" else [], micro_batch=micro, seq_len=SMALL.seq_len)
+    estimates = memory_estimates(report, config, options)
+    kind, estimate = max(estimates, key=lambda pair: pair[0].param_count())
+    held = estimate.activation_bytes + estimate.dispatcher_buffers + estimate.logits + estimate.recompute_bytes
+    total, states = search.memory(layout, micro, microbatches, recompute)
+    assert total - states == pytest.approx(held, rel=1e-12)
+    (work,) = search.stage_work(1)
+    expert = work.expert_params / (layout.ep * layout.etp * layout.edp)
+    assert work.dense_local(layout) + expert == pytest.approx(kind.param_count(), rel=0.03)
+    assert expert == pytest.approx(kind.param_count(ROUTED_EXPERTS), rel=1e-9)
+
+
+@pytest.fixture(scope="module", params=list(PUBLISHED_RUNS))
+def published(request):
+    run = PUBLISHED_RUNS[request.param]
+    settings = SearchSettings(run.global_batch, SEQ_LEN, gather_bytes=2, reduce_bytes=4, dispatcher="flex")
+    return request.param, run, settings, LayoutSearch(preset(run.preset), settings, load_hardware(H100))
+
+
+def test_published_layouts_fit_the_h100_profile_and_their_throughput_is_near_the_estimate(published) -> None:
+    """Each NeMo AutoModel row's layout is one the search enumerates, fits 80 GB under the estimate with some
+    micro-batch size and recompute choice, and the time model (at the one efficiency fitted to the six rows,
+    benchmarks/plan_search.py) puts it within 0.6x-1.5x of its published tokens/s/GPU."""
+    name, run, settings, search = published
+    sizes = LayoutSizes(run.gpus, run.tp, run.cp, run.pp, run.vpp, run.ep, 1)
+    assert sizes in set(search.layouts(run.gpus)), name
+    assert search.check(sizes) is None, name
+    candidate = search.best_for(sizes, DEFAULT_EFFICIENCY)
+    assert candidate is not None, f"{name}: does not fit"
+    assert candidate.memory <= search.hw.usable_bytes
+    ratio = candidate.tokens_per_second_per_gpu(settings) / run.tokens_per_second
+    assert 0.6 <= ratio <= 1.5, f"{name}: estimated / published tokens/s = {ratio:.3f}"
+    parts = candidate.time.parts
+    assert math.isclose(sum(parts.values()), candidate.time.total, rel_tol=1e-9)
+    assert all(value >= -1e-9 for value in parts.values()), parts
+
+
+def test_why_names_the_parts_that_differ_most() -> None:
+    from moe_train.layout_search import Candidate
+    from moe_train.step_time import PARTS, StepTime
+
+    def candidate(**parts: float) -> Candidate:
+        split = dict.fromkeys(PARTS, 0.0) | parts
+        return Candidate(LayoutSizes(8, 1, 1, 1, 1, 8, 1), 1, 8, "none", 0.0, 0.0, StepTime(sum(split.values()), split))
+
+    better, worse = candidate(compute=10, tp=1.0), candidate(compute=10, ep_a2a=3.0, bubble=0.5)
+    assert why(better, worse) == "ep_a2a 3.00 s less, bubble 0.50 s less, tp 1.00 s more"
+    assert why(better, better) == "within 0.5% of the step in every part"
+
+
+QWEN = ["--model.preset", "qwen3-30b-a3b", "--train.global_batch_size", "512", "--data.seq_len", "4096"]
+
+
+def test_search_prints_the_best_layouts_and_the_first_plans(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["plan", "--search", "--gpus", "8", "--top", "3", *QWEN, "--parallel.tp", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "over 8 x h100-80gb; held: tp=1" in lines[0]
+    table = lines[1 : lines.index(next(line for line in lines if line.startswith("micro:")))]
+    assert len(table) == 4 and all(" tp=1 " in row for row in table[1:])
+    beats = [line for line in lines if " beats " in line]
+    assert len(beats) == 2 and all(re.match(rf"#{i} beats #{i + 1} by \d+\.\d%: \w", b) for i, b in enumerate(beats, 1))
+    flags = next(line for line in lines if line.startswith("#1 as flags: ")).removeprefix("#1 as flags: ").split()
+    assert cli.main(["plan", "--world-size", "8", *QWEN, *flags]) == 0  # the model's own checks take it
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--search"], "--gpus None: plan --search needs the number of GPUs"),
+        (["--search", "--gpus", "8", "--hardware", "tpu"], "--hardware tpu: neither a built-in profile"),
+        (["--search", "--gpus", "8", "--parallel.dp_shard", "2"], "parallel.dp_shard: plan --search shards"),
+        (["--search", "--gpus", "8", "--world-size", "8"], "plan --search takes --gpus and --hardware"),
+        (["--search", "--gpus", "8", "--efficiency", "2"], "--efficiency 2: the fraction of peak"),
+    ],
+)
+def test_search_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    assert cli.main(["plan", *args, *QWEN]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"moe-train: error: {message}") and err.count("\n") == 1, err
