@@ -109,9 +109,9 @@ def _row(name: str, run, settings: SearchSettings, search: LayoutSearch, efficie
         "first": describe(first),
         "first_tokens_per_second_per_gpu": round(first.tokens_per_second_per_gpu(settings), 1),
         "first_micro_batch_recompute": f"{first.micro_batch}, {first.recompute}",
-        "why_first_beats_published": why(first, published) if first.sizes != sizes else "it is the first",
+        "why_first_beats_published": why(first, published, 1) if first.sizes != sizes else "it is the first",
         "first_at_tp1_cp1": describe(anchored.top[0]),
-        "why_first_at_tp1_cp1_beats_published": why(anchored.top[0], published)
+        "why_first_at_tp1_cp1_beats_published": why(anchored.top[0], published, 1)
         if anchored.top[0].sizes != sizes
         else "it is the first",
         "search_s": round(result.seconds, 2),

@@ -21,6 +21,7 @@ import tables_finetuning  # noqa: F401  (registers its tables)
 import tables_layouts_precision  # noqa: F401  (registers its tables)
 import tables_optimizers  # noqa: F401  (registers its tables)
 import tables_overlap  # noqa: F401  (registers its tables)
+import tables_planner  # noqa: F401  (registers its tables)
 import tables_speed_memory  # noqa: F401  (registers its tables)
 from table_format import FIGURES, ROOT, TABLES
 

@@ -39,7 +39,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_memory.__version__ == "0.7.1"
+    assert moe_memory.__version__ == "0.7.2"
     assert importlib.metadata.version("moe-memory") == moe_memory.__version__
 
 

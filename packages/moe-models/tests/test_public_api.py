@@ -51,7 +51,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_models.__version__ == "0.13.1"
+    assert moe_models.__version__ == "0.13.2"
     assert importlib.metadata.version("moe-models") == moe_models.__version__
 
 

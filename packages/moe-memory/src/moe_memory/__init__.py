@@ -25,7 +25,7 @@ from moe_memory.recompute import apply_activation_checkpointing, select_modules
 from moe_memory.saved_tensors import SavedTensorPolicy, SavedTensorStats
 from moe_memory.tracking import LiveTensorBytes
 
-__version__ = "0.7.1"
+__version__ = "0.7.2"
 
 __all__ = [
     "OFFLOAD_KINDS",

@@ -18,7 +18,7 @@ from moe_models.presets import PRESETS, PUBLISHED_PRESETS, TINY_PRESETS, preset
 from moe_models.published_sizes import PUBLISHED_SIZES, PublishedSize
 from moe_models.rope import apply_rotary, rotary_cos_sin
 
-__version__ = "0.13.1"
+__version__ = "0.13.2"
 
 __all__ = [
     "CONVENTIONS",

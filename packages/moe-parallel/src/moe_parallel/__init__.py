@@ -31,7 +31,7 @@ from moe_parallel.staged import StagedModel, parallelize_stages
 from moe_parallel.suggest import check_layout
 from moe_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, full_value, vocab_parallel_loss
 
-__version__ = "0.10.1"
+__version__ = "0.10.2"
 
 __all__ = [
     "ATTENTION_DIMS",

@@ -9,9 +9,9 @@ backward waits for its own forward and the next stage's backward; a weight-gradi
 one. Communication costs nothing here (the planner adds it to the stage times). The one-stage schedules' action lists
 are not what their runtime executes (benchmarks/pipeline_bubble.py), so 1F1B and GPipe take the textbook bound: every
 stage's work once plus ``m - 1`` times the slowest stage's, exact when the stages are equal. Long steps (more than
-:data:`STEADY_ROUNDS` rounds of ``pp`` micro-batches) are simulated at two shorter lengths and extended along the
-line through them, or, where it is steeper, at the busiest rank's work per round: in the steady state every round
-adds the same time, the busiest rank's, once the others' slack is spent.
+:data:`STEADY_ROUNDS` rounds of ``pp`` micro-batches) are simulated at that length and two rounds less, and extended
+along the line through them: by then each round (or pair of rounds, where the schedule's pattern spans two) adds the
+same time. Against simulating every action, over random unequal stages: within 0.1% (the test's bound), exact in most.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from moe_parallel.schedules import SCHEDULES, _StandInStage, stage_rank, style
 
-STEADY_ROUNDS = 4  # rounds of pp micro-batches after which a schedule's step grows by the same time per round
+STEADY_ROUNDS = 12  # rounds of pp micro-batches after which a step grows by the same time per round (or two)
 
 
 @functools.cache
@@ -122,13 +122,12 @@ def pipeline_step_time(
         per_stage = [f + b for f, b in zip(forward, backward, strict=True)]
         return sum(per_stage) + (microbatches - 1) * max(per_stage)
     if microbatches > STEADY_ROUNDS * pp and microbatches % pp == 0:
-        # past the warm-up every further round of pp micro-batches adds the same time: simulate two short steps and
-        # extend the line (torch builds its action lists in time quadratic in the micro-batches)
-        short, longer = (k * pp for k in (STEADY_ROUNDS - 1, STEADY_ROUNDS))
+        # past the warm-up, every further round of pp micro-batches adds the same time (or, where the schedule's
+        # pattern spans two rounds, every two the same): simulate two shorter steps and extend the line through them
+        # (torch builds its action lists in time that grows with the square of the micro-batches)
+        short, longer = (STEADY_ROUNDS - 2) * pp, STEADY_ROUNDS * pp
         at_short, at_longer = (_simulate(schedule, pp, vpp, m, forward, backward) for m in (short, longer))
-        # a round cannot take less than the busiest rank's work for it, which it does once every rank has settled
-        busiest = max(rank_work(schedule, pp, vpp, [f + b for f, b in zip(forward, backward, strict=True)]))
-        return at_longer + max(at_longer - at_short, pp * busiest) * (microbatches - longer) / pp
+        return at_longer + (at_longer - at_short) / 2 * (microbatches - longer) / pp
     return _simulate(schedule, pp, vpp, microbatches, forward, backward)
 
 

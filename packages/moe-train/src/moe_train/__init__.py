@@ -11,7 +11,7 @@ from moe_train.config import (
     preset_names,
 )
 
-__version__ = "0.19.0"
+__version__ = "0.20.0"
 
 __all__ = [
     "ConfigError",

@@ -6,10 +6,13 @@ plan. Each candidate (tp, cp, pp, vpp, ep, etp; FSDP over what is left, as ``dp_
 those counts without building it again:
 
 - parameters, gradients and AdamW states per rank: a pipeline rank's layers' non-expert parameters over
-  ``tp x dp_shard x cp``, its routed experts over ``ep x etp x edp`` (what ``moe-train plan`` counts exactly,
-  within FSDP's uneven last shards), plus two layers' parameters gathered by FSDP at once;
-- activations from :func:`moe_memory.estimate.estimate_memory` of the rank's layers, its micro-batches in flight
-  from the schedule's action list (as ``plan --memory``);
+  ``tp x dp_shard x cp`` (what tp leaves whole over ``dp_shard x cp`` alone), its routed experts over
+  ``ep x etp x edp`` (what ``moe-train plan`` counts exactly, within FSDP's uneven last shards), plus two layers'
+  parameters gathered by FSDP at once;
+- activations from :func:`moe_memory.estimate.estimate_memory`, put together from one layer of each shape: the
+  rank's layers times its micro-batches in flight from the schedule's action list, as ``plan --memory`` counts
+  them, and the last stage's head, loss and MTP times that stage's own (one: it runs each backward right after its
+  forward, where ``plan --memory`` counts them like the rank's other stages);
 - the device's usable memory (``memory_gib - reserved_gib`` of the hardware profile) is the limit.
 
 For each layout the search takes the fastest micro-batch size and recompute choice that fit (``none``,
@@ -45,7 +48,7 @@ from moe_train.step_time import LayoutSizes, ModelComm, StageWork, StepTime, ste
 
 # compute efficiency of the time model: one number for every model and layout, fitted once to the six published
 # NeMo AutoModel H100 rows (benchmarks/plan_search.py, benchmarks/results/plan_search.json)
-DEFAULT_EFFICIENCY = 0.40
+DEFAULT_EFFICIENCY = 0.455
 RECOMPUTE = ("none", "selective", "layer")
 MICRO_BATCHES = (1, 2, 4, 8)
 VPP = (1, 2, 4, 8, 16)

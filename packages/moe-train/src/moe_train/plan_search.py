@@ -85,12 +85,12 @@ def describe(c: Candidate) -> str:
     return text + f" ep={s.ep} etp={s.etp} fsdp={s.fsdp}"
 
 
-def why(better: Candidate, worse: Candidate) -> str:
+def why(better: Candidate, worse: Candidate, digits: int = 2) -> str:
     """The parts of the step where ``better`` saves the most over ``worse``, and the one where it loses most."""
     gaps = sorted(((worse.time.parts[p] - better.time.parts[p], p) for p in PARTS), reverse=True)
     threshold = 0.005 * worse.time.total
-    saved = [f"{p} {gap:.2f} s less" for gap, p in gaps if gap > threshold][:2]
-    lost = [f"{p} {-gap:.2f} s more" for gap, p in reversed(gaps) if -gap > threshold][:1]
+    saved = [f"{p} {gap:.{digits}f} s less" for gap, p in gaps if gap > threshold][:2]
+    lost = [f"{p} {-gap:.{digits}f} s more" for gap, p in reversed(gaps) if -gap > threshold][:1]
     return ", ".join(saved + lost) or "within 0.5% of the step in every part"
 
 
@@ -118,7 +118,7 @@ def format_search(
     lines = [
         f"{result.layouts} layouts over {result.world} x {hw.name}{held}; {result.fitting} fit in "
         f"{hw.memory_gib - hw.reserved_gib:g} GiB ({hw.memory_gib:g} less {hw.reserved_gib:g} reserved); global batch "
-        f"{settings.global_batch} x {settings.seq_len} tokens; compute at {efficiency:.0%} of {hw.bf16_tflops:g} "
+        f"{settings.global_batch} x {settings.seq_len} tokens; compute at {efficiency:.1%} of {hw.bf16_tflops:g} "
         f"TFLOP/s bf16; searched in {result.seconds:.1f} s"
     ]
     if not result.top:
