@@ -5,7 +5,7 @@ For each row, on the ``h100-80gb`` profile with the run's settings (bf16 FSDP ga
 ``flex`` dispatcher, the row's global batch, sequence 4,096):
 
 - the published layout (tp, pp, cp, ep, vpp, fsdp) as the planner would run it (its fastest micro-batch size and
-  recompute choice that fit): its memory per rank, its estimated tokens/s/GPU against the published figure, its rank
+  memory saving that fit): its memory per rank, its estimated tokens/s/GPU against the published figure, its rank
   among all layouts that fit, and among those of AutoModel's own dimensions (tp = cp = 1);
 - the planner's first layout, and where the published one loses to it (the parts of the step that differ most);
 - whether the row's own micro-batch size and recompute fit under the estimate.
@@ -73,7 +73,7 @@ def _fit(searches: dict) -> tuple[float, list[float]]:
 def _row(name: str, run, settings: SearchSettings, search: LayoutSearch, efficiency: float) -> dict:
     sizes, published = _published(run, search, efficiency)
     microbatches = run.global_batch // sizes.dp // run.micro_batch
-    own_memory, _ = search.memory(sizes, run.micro_batch, microbatches, run.recompute)
+    own_memory, _, _ = search.memory(sizes, run.micro_batch, microbatches, run.recompute)
     result = search.search(run.gpus, efficiency)
     anchored = search.search(run.gpus, efficiency, fixed=ANCHOR_DIMS)
 
@@ -94,7 +94,7 @@ def _row(name: str, run, settings: SearchSettings, search: LayoutSearch, efficie
         "estimated_tokens_per_second_per_gpu": round(estimated, 1),
         "estimated_over_published": round(estimated / run.tokens_per_second, 3),
         "planner_micro_batch": published.micro_batch,
-        "planner_recompute": published.recompute,
+        "planner_saving": published.saving,
         "memory_gib": round(published.memory / GIB, 2),
         "usable_gib": round(search.hw.usable_bytes / GIB, 2),
         "own_settings": f"micro-batch {run.micro_batch}, recompute {run.recompute}",
@@ -108,7 +108,7 @@ def _row(name: str, run, settings: SearchSettings, search: LayoutSearch, efficie
         "layouts_fitting_at_tp1_cp1": anchored.fitting,
         "first": describe(first),
         "first_tokens_per_second_per_gpu": round(first.tokens_per_second_per_gpu(settings), 1),
-        "first_micro_batch_recompute": f"{first.micro_batch}, {first.recompute}",
+        "first_micro_batch_saving": f"{first.micro_batch}, {first.saving}",
         "why_first_beats_published": why(first, published, 1) if first.sizes != sizes else "it is the first",
         "first_at_tp1_cp1": describe(anchored.top[0]),
         "why_first_at_tp1_cp1_beats_published": why(anchored.top[0], published, 1)
@@ -153,7 +153,6 @@ def main() -> None:
         baseline=SOURCE,
         hardware=HARDWARE,
         fitted_efficiency=efficiency,
-        default_efficiency=DEFAULT_EFFICIENCY,
         fit_loss=dict(zip(GRID, [round(x, 4) for x in losses], strict=True)) if losses else {},
         rows=rows,
     )

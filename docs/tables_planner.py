@@ -14,7 +14,7 @@ def _plan_search() -> str:
             [
                 row["row"],
                 f"`{row['published_layout']}`",
-                f"{row['planner_micro_batch']}, {row['planner_recompute']}",
+                f"{row['planner_micro_batch']}, {row['planner_saving']}",
                 num(row["memory_gib"]),
                 num(row["published_tokens_per_second_per_gpu"], 0),
                 num(row["estimated_tokens_per_second_per_gpu"], 0),
@@ -27,7 +27,7 @@ def _plan_search() -> str:
     caption = (
         f"NeMo AutoModel's H100 BF16 runs ({data['baseline']}) under `moe-train plan --search` on the "
         f"`{data['hardware']}` profile, with bf16 FSDP gathers, fp32 reductions and the `flex` (DeepEP) dispatcher, "
-        f"compute at the one fitted efficiency {data['fitted_efficiency']:.3f} of peak. Micro-batch and recompute: "
+        f"compute at the one fitted efficiency {data['fitted_efficiency']:.3f} of peak. Micro-batch and saving: "
         "the planner's fastest choice that fits for the published layout; GiB: that choice's memory per rank (the "
         "largest rank); rank: among every layout that fits, and among those with tp = cp = 1 (AutoModel's own "
         "dimensions); the last column says where the first of those beats the published layout. "
@@ -37,7 +37,7 @@ def _plan_search() -> str:
     header = [
         "run",
         "published layout",
-        "micro-batch, recompute",
+        "micro-batch, saving",
         "GiB",
         "published tok/s/GPU",
         "estimated",

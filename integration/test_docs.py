@@ -296,3 +296,14 @@ def test_architecture_page_names_real_files_and_functions() -> None:
     assert len(files) > 10 and len(names) > 10
     missing = sorted(n for n in names if not _resolves(n))
     assert not missing, f"docs/architecture.md names {missing}, which the packages do not have"
+
+
+def test_plan_search_uses_the_efficiency_its_benchmark_fitted() -> None:
+    """``moe-train plan --search``'s default efficiency is the one benchmarks/plan_search.py fitted to the published
+    runs (rerunning the benchmark after a change to the time model refits it: set the constant to the new value)."""
+    import json
+
+    from moe_train.layout_search import DEFAULT_EFFICIENCY
+
+    fitted = json.loads((ROOT / "benchmarks" / "results" / "plan_search.json").read_text())["fitted_efficiency"]
+    assert fitted == DEFAULT_EFFICIENCY

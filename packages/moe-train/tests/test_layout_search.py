@@ -98,25 +98,30 @@ SMALL = SearchSettings(global_batch=16, seq_len=256, param_bytes=4, optimizer_st
         ("tiny-deepseek-v3", dict(tp=2, ep=2, etp=1)),
         ("tiny-qwen3-moe", dict(cp=2, ep=4)),
         ("tiny-qwen3-moe", dict(tp=2, ep=2, etp=2)),
+        ("qwen3-30b-a3b", dict(ep=8)),  # at its real size: saves past the 1 MiB offload threshold
     ],
 )
-@pytest.mark.parametrize("recompute", ["none", "layer"])
-def test_memory_is_plan_memorys_estimate_without_building_each_layout(name: str, sizes: dict, recompute: str) -> None:
+@pytest.mark.parametrize("saving", ["none", "offload", "layer"])
+def test_memory_is_plan_memorys_estimate_without_building_each_layout(name: str, sizes: dict, saving: str) -> None:
     """The search sizes layouts from per-layer counts; ``plan --memory`` splits the model over a fake world and
     estimates each rank kind from its exact shards. Their activations (with buffers, logits and the recompute working
-    set) agree exactly; parameters within FSDP's uneven last shards and the norms tp does not split."""
+    set; and what is offloaded) agree exactly; parameters within FSDP's uneven last shards."""
     config = preset(name)
     world = 8
     search = LayoutSearch(config, SMALL, load_hardware(H100))
     layout = LayoutSizes(world, sizes.get("tp", 1), sizes.get("cp", 1), 1, 1, sizes["ep"], sizes.get("etp", 1))
     micro, microbatches = 2, SMALL.global_batch // (2 * layout.dp)
     report = with_microbatches(plan_report(config, ParallelConfig(**sizes), world, seq_len=SMALL.seq_len), "1F1B", 1)
-    options = memory_options(["layer"] if recompute == "layer" else [], micro_batch=micro, seq_len=SMALL.seq_len)
+    recompute, offload = search.savings[saving]
+    options = memory_options(sorted(recompute), sorted(offload), micro_batch=micro, seq_len=SMALL.seq_len)
     estimates = memory_estimates(report, config, options)
     kind, estimate = max(estimates, key=lambda pair: pair[0].param_count())
     held = estimate.activation_bytes + estimate.dispatcher_buffers + estimate.logits + estimate.recompute_bytes
-    total, states = search.memory(layout, micro, microbatches, recompute)
+    total, states, host = search.memory(layout, micro, microbatches, saving)
     assert total - states == pytest.approx(held, rel=1e-12)
+    assert host == pytest.approx(estimate.offloaded_bytes, rel=1e-12)
+    if not name.startswith("tiny"):
+        assert (host > 0) == (saving == "offload")
     (work,) = search.stage_work(1)
     expert = work.expert_params / (layout.ep * layout.etp * layout.edp)
     assert work.dense_local(layout) + expert == pytest.approx(kind.param_count(), rel=0.03)
@@ -192,3 +197,26 @@ def test_search_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: li
     assert cli.main(["plan", *args, *QWEN]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert err.startswith(f"moe-train: error: {message}") and err.count("\n") == 1, err
+
+
+def test_one_stage_step_by_hand() -> None:
+    """One stage, no parallelism: compute is the FLOPs at the efficiency, offloaded bytes cost what their transfer
+    takes beyond each pass's compute, the optimizer reads and writes 28 bytes an element at HBM speed."""
+    from moe_train.step_time import StageWork, step_time
+
+    hw = load_hardware(H100)
+    stage = StageWork(
+        flops=6e9, layer_flops=6e9, moe_layers=0, attention_layers=1, layers=1, params=1_000_000, expert_params=0,
+        tp_whole=0, largest_layer_dense=1_000_000, largest_layer_experts=0,
+    )  # fmt: skip
+    model = ModelComm(hidden=1024, topk=1, kv_width=256, seq_len=4096)
+    sizes = LayoutSizes(1, 1, 1, 1, 1, 1, 1)
+    rate = 989e12 * 0.5
+    forward = 2e9 * 4096 / rate  # a third of the training FLOPs, one micro-batch of 4096 tokens
+    sent = 4e9 / 50e9  # 4 GB to host at 50 GB/s, each way
+    timed = step_time([sizes][0], [stage], 1, 3, False, model, hw, 0.5, offloaded=(4e9,))
+    assert timed.parts["compute"] == pytest.approx(3 * 3 * forward)
+    assert timed.parts["offload"] == pytest.approx(3 * (max(0, sent - forward) + max(0, sent - 2 * forward)))
+    assert timed.parts["optimizer"] == pytest.approx(1_000_000 * 28 / 3350e9)
+    assert timed.parts["bubble"] == pytest.approx(0, abs=1e-12) and timed.parts["fsdp"] == 0
+    assert timed.total == pytest.approx(sum(timed.parts.values()))

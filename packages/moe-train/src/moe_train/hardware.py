@@ -27,6 +27,8 @@ class Hardware:
     nvlink_gbps: float
     internode_gbps: float
     collective_latency_us: float  # each collective's fixed cost, added to its bytes' time
+    host_gbps: float  # to and from host memory, per GPU and direction (activation offload)
+    host_memory_gib: float  # host memory one GPU's offloaded activations may take
 
     @property
     def usable_bytes(self) -> float:

@@ -15,8 +15,10 @@ those counts without building it again:
   forward, where ``plan --memory`` counts them like the rank's other stages);
 - the device's usable memory (``memory_gib - reserved_gib`` of the hardware profile) is the limit.
 
-For each layout the search takes the fastest micro-batch size and recompute choice that fit (``none``,
-``selective``: the norms and activation functions, Megatron-Core's cheap kinds; ``layer``: whole decoder layers).
+For each layout the search takes the fastest micro-batch size and memory saving that fit (``none``; ``selective``:
+recompute the norms and activation functions, Megatron-Core's cheap kinds; ``offload``: also offload core attention,
+the attention projection and the experts' first GEMM's saves to host memory, within the profile's host memory;
+``layer``: recompute whole decoder layers).
 The best layouts are checked against the model's own rules (``check_plan``) before they are printed.
 """
 
@@ -48,8 +50,11 @@ from moe_train.step_time import LayoutSizes, ModelComm, StageWork, StepTime, ste
 
 # compute efficiency of the time model: one number for every model and layout, fitted once to the six published
 # NeMo AutoModel H100 rows (benchmarks/plan_search.py, benchmarks/results/plan_search.json)
-DEFAULT_EFFICIENCY = 0.455
-RECOMPUTE = ("none", "selective", "layer")
+DEFAULT_EFFICIENCY = 0.435
+# how each layout may keep its activations, cheapest first: all, recompute the cheap kinds, also offload the big saves
+# (Megatron-Core's suggested pairing), recompute whole layers
+SAVINGS = ("none", "selective", "offload", "layer")
+OFFLOADED = ("core_attn", "attn_proj", "expert_fc1")
 MICRO_BATCHES = (1, 2, 4, 8)
 VPP = (1, 2, 4, 8, 16)
 MAX_CP = 8
@@ -77,10 +82,11 @@ class Candidate:
     sizes: LayoutSizes
     micro_batch: int
     microbatches: int
-    recompute: str
-    memory: float  # bytes, the most any rank holds
+    saving: str  # how activations are kept: none, selective or layer recompute, or offload (SAVINGS)
+    memory: float  # bytes, the most any rank holds on the device
     states: float  # of it, parameters, gradients, optimizer states, master weights and FSDP's gathered layers
     time: StepTime
+    host: float = 0.0  # bytes, the most any rank offloads to host memory
 
     def tokens_per_second_per_gpu(self, settings: SearchSettings) -> float:
         return settings.global_batch * settings.seq_len / self.time.total / self.sizes.world
@@ -131,6 +137,15 @@ class LayoutSearch:
             settings.dispatcher,
         )
         self.selective = ["layernorm", "moe_act"] + (["mla_up_proj"] if c.multi_latent_attention else [])
+        present = self.model.module_kinds()
+        self.offload = [kind for kind in OFFLOADED if present.get(kind)]
+        selective = frozenset(self.selective)
+        self.savings = {  # saving -> (recompute kinds, offload kinds)
+            "none": (frozenset(), frozenset()),
+            "selective": (selective, frozenset()),
+            "offload": (selective, frozenset(self.offload)),
+            "layer": (frozenset({"layer"}), frozenset()),
+        }
         self.evaluated = 0
 
     def _facts(self) -> _ModelFacts:
@@ -168,16 +183,17 @@ class LayoutSearch:
                 yield sizes
 
     def _all_layouts(self, world: int) -> Iterator[LayoutSizes]:
-        c, facts = self.config, self.facts
-        layers = len(facts.layer_costs)
-        heads = c.num_attention_heads
-        kv = c.num_query_groups or heads
-        experts = c.num_moe_experts or 1
-        for tp in divisors(world):
-            if tp > self.hw.nvlink_domain or heads % tp or (not c.multi_latent_attention and kv % tp):
-                continue
-            for cp in (d for d in divisors(world // tp) if d <= MAX_CP and self.settings.seq_len % (2 * d) == 0):
-                for pp in (d for d in divisors(world // (tp * cp)) if d <= layers):
+        """The sizes the model's plan allows at a glance (what it cannot take at all, what tp must divide); the
+        finer rules are ``check_plan``'s, run on the best."""
+        plan, layers = self.plan, len(self.facts.layer_costs)
+        experts = self.config.num_moe_experts or 1
+        tps = [1] if plan.tp_unsupported else [d for d in divisors(world) if d <= self.hw.nvlink_domain]
+        tps = [tp for tp in tps if all(size % tp == 0 for size in plan.tp_divides.values())]
+        most_cp = MAX_CP if plan.context_parallel else 1
+        most_pp = 1 if plan.pipeline.unsupported else layers
+        for tp in tps:
+            for cp in (d for d in divisors(world // tp) if d <= most_cp and self.settings.seq_len % (2 * d) == 0):
+                for pp in (d for d in divisors(world // (tp * cp)) if d <= most_pp):
                     for vpp in (v for v in VPP if (v == 1 or pp > 1) and pp * v <= layers):
                         for etp in sorted({1, tp}):
                             for ep in divisors(experts):
@@ -218,11 +234,12 @@ class LayoutSearch:
         return tuple(out)
 
     @functools.cache  # noqa: B019 -- one search object per command; its methods' arguments repeat
-    def _saved(self, layer: int | None, last: bool, key: tuple) -> tuple[float, float, float, float]:
-        """(activations, logits, dispatcher buffers, recompute working set) of one micro-batch: of one decoder layer
-        of shape ``self.kinds[layer]``, or with ``layer`` None of what a pipeline rank holds around its layers (first
-        stage: the embedding; last: head, loss and MTP). ``key``: (first, tp, cp, ep, etp, micro, recompute)."""
-        first, tp, cp, ep, etp, micro, recompute = key
+    def _saved(self, layer: int | None, last: bool, key: tuple) -> tuple[float, float, float, float, float]:
+        """(activations on the device, logits, dispatcher buffers, recompute working set, activations offloaded) of
+        one micro-batch: of one decoder layer of shape ``self.kinds[layer]``, or with ``layer`` None of what a pipeline
+        rank holds around its layers (first stage: the embedding; last: head, loss and MTP). ``key``: (first, tp, cp,
+        ep, etp, micro, saving)."""
+        first, tp, cp, ep, etp, micro, saving = key
         layers = () if layer is None else (self.kinds[layer],)
         mtp = self.shape.mtp_depth if layer is None and last else 0
         shape = dataclasses.replace(self.shape, layers=layers, mtp_depth=mtp, mtp_attention=self.mtp_attention)
@@ -232,16 +249,20 @@ class LayoutSearch:
             self.config, LocalParameters(0, 0), micro_batch=micro, seq_len=s.seq_len,
             activation_bytes=s.activation_bytes, layout=sizes,
         )  # fmt: skip
-        kinds = {"none": frozenset(), "selective": frozenset(self.selective), "layer": frozenset({"layer"})}
+        recompute, offload = self.savings[saving]
         share = PipelineShare(first and layer is None, last and layer is None, 1)
-        e = estimate_memory(shape, run, recompute=kinds[recompute], pipeline=share)
-        return float(e.activation_bytes), float(e.logits), float(e.dispatcher_buffers), float(e.recompute_bytes)
+        e = estimate_memory(shape, run, recompute=recompute, offload=offload, pipeline=share)
+        held = (e.activation_bytes, e.logits, e.dispatcher_buffers, e.recompute_bytes, e.offloaded_bytes)
+        return tuple(float(n) for n in held)  # type: ignore[return-value]
 
-    def _activations(self, layers: tuple[int, ...], ends: tuple[int, int], inflight: int, key: tuple) -> float:
+    def _activations(
+        self, layers: tuple[int, ...], ends: tuple[int, int], inflight: int, key: tuple
+    ) -> tuple[float, float]:
         """What :func:`estimate_memory` gives a pipeline rank holding ``layers`` (``inflight`` micro-batches of each
         of its stages in flight), put together from one layer of each shape: it adds layers' saves and takes the
         largest buffers. ``ends``: the micro-batches in flight of the first and last stage when the rank holds them
-        (else 0): what the embedding and the head, loss and MTP save counts that many times, not ``inflight``."""
+        (else 0): what the embedding and the head, loss and MTP save counts that many times, not ``inflight``.
+        Returns (device bytes, offloaded bytes in host memory)."""
         counts = Counter(self.kind_of[i] for i in layers)
         parts = [(self._saved(kind, False, (False, *key)), count * inflight) for kind, count in counts.items()]
         if ends[0]:
@@ -250,7 +271,16 @@ class LayoutSearch:
             parts.append((self._saved(None, True, (False, *key)), ends[1]))
         saved = sum(p[0] * times for p, times in parts)
         logits = sum(p[1] for p, _ in parts)
-        return saved + logits + max(p[2] for p, _ in parts) + max(p[3] for p, _ in parts)
+        host = sum(p[4] * times for p, times in parts)
+        return saved + logits + max(p[2] for p, _ in parts) + max(p[3] for p, _ in parts), host
+
+    def offloaded(self, sizes: LayoutSizes, micro: int, saving: str) -> tuple[float, ...]:
+        """Each stage's bytes one micro-batch offloads (its layers': the ends offload nothing)."""
+        if saving != "offload":
+            return ()
+        key = (False, sizes.tp, sizes.cp, sizes.ep, sizes.etp, micro, saving)
+        split = self._split(sizes.pp * sizes.vpp)
+        return tuple(sum(self._saved(self.kind_of[i], False, key)[4] for i in layers) for layers in split)
 
     def _state_bytes(self, sizes: LayoutSizes, work: list[StageWork], mine: list[int]) -> float:
         s = self.settings
@@ -260,29 +290,31 @@ class LayoutSearch:
         gathered = 2 * max(work[i].gathered(sizes) for i in mine) * s.gather_bytes  # one layer, the next prefetched
         return (dense + routed) * per_element + gathered
 
-    def memory(self, sizes: LayoutSizes, micro: int, microbatches: int, recompute: str) -> tuple[float, float]:
-        """(the most any rank holds, that rank's parameter and optimizer bytes)."""
+    def memory(self, sizes: LayoutSizes, micro: int, microbatches: int, saving: str) -> tuple[float, float, float]:
+        """(the most any rank holds on the device, that rank's parameter and optimizer bytes, the most any rank
+        offloads to host memory)."""
         stages = sizes.pp * sizes.vpp
         work = self.stage_work(stages)
         split = self._split(stages)
         inflight = _inflight(sizes.schedule, sizes.pp, sizes.vpp, microbatches)
         per_stage_peak = _stage_inflight(sizes.schedule, sizes.pp, sizes.vpp, microbatches)
-        key = (sizes.tp, sizes.cp, sizes.ep, sizes.etp, micro, recompute)
-        worst = (0.0, 0.0)
+        key = (sizes.tp, sizes.cp, sizes.ep, sizes.etp, micro, saving)
+        worst, host = (0.0, 0.0), 0.0
         for rank in range(sizes.pp):
             mine = rank_stages(sizes.schedule, sizes.pp, sizes.vpp, rank)
             states = self._state_bytes(sizes, work, mine)
             layers = tuple(sorted(i for stage in mine for i in split[stage]))
             ends = tuple(per_stage_peak[end] if end in mine else 0 for end in (0, stages - 1))
             per_stage = math.ceil(inflight[rank] / len(mine))  # as plan --memory counts the layers
-            total = states + self._activations(layers, ends, per_stage, key)
-            worst = max(worst, (total, states))
-        return worst
+            device, offloaded = self._activations(layers, ends, per_stage, key)
+            worst, host = max(worst, (states + device, states)), max(host, offloaded)
+        return (*worst, host)
 
     # --- ranking ----------------------------------------------------------------------------------------------------
 
     def best_for(self, sizes: LayoutSizes, efficiency: float) -> Candidate | None:
-        """The fastest micro-batch size and recompute choice of this layout that fit, or None."""
+        """The fastest micro-batch size and memory saving of this layout that fit (device and host memory), or None.
+        Savings are tried cheapest first; after ``offload`` fits, ``layer`` is timed too (either may cost more)."""
         s = self.settings
         per_rank = s.global_batch // sizes.dp if s.global_batch % sizes.dp == 0 else 0
         limit = self.hw.usable_bytes
@@ -291,7 +323,7 @@ class LayoutSearch:
                for r in range(sizes.pp)) > limit:  # fmt: skip
             return None
         best = None
-        for recompute in RECOMPUTE:
+        for saving in SAVINGS:
             for micro in MICRO_BATCHES:
                 if not per_rank or per_rank % micro:
                     continue
@@ -299,23 +331,23 @@ class LayoutSearch:
                 if microbatches < sizes.pp:
                     continue
                 self.evaluated += 1
-                memory, states = self.memory(sizes, micro, microbatches, recompute)
-                if memory > limit:
+                memory, states, host = self.memory(sizes, micro, microbatches, saving)
+                if memory > limit or host > self.hw.host_memory_gib * GIB:
                     continue
                 timed = step_time(
-                    sizes, work, micro, microbatches, recompute == "layer", self.comm, self.hw, efficiency,
-                    s.gather_bytes, s.reduce_bytes,
+                    sizes, work, micro, microbatches, saving == "layer", self.comm, self.hw, efficiency,
+                    s.gather_bytes, s.reduce_bytes, self.offloaded(sizes, micro, saving),
                 )  # fmt: skip
-                candidate = Candidate(sizes, micro, microbatches, recompute, memory, states, timed)
+                candidate = Candidate(sizes, micro, microbatches, saving, memory, states, timed, host)
                 if best is None or timed.total < best.time.total:
                     best = candidate
-            if best is not None:  # recomputing more only adds time
+            if best is not None and best.saving != "offload":  # saving more memory only adds time from here
                 return best
         return best
 
     def check(self, sizes: LayoutSizes) -> str | None:
         """The model's own refusal of this layout (``check_plan``), or None when it takes it."""
-        config = Candidate(sizes, 1, 1, "none", 0, 0, StepTime(0)).parallel_config()
+        config = Candidate(sizes, 1, 1, "none", 0, 0, StepTime(0), 0).parallel_config()
         try:
             check_plan(self.model, self.plan, config, config.layout(sizes.world))
         except LayoutError as err:
@@ -344,7 +376,7 @@ class LayoutSearch:
 class SearchResult:
     world: int
     layouts: int  # enumerated
-    fitting: int  # of those, fitting the memory with some micro-batch size and recompute choice
+    fitting: int  # of those, fitting the memory with some micro-batch size and memory saving
     refused: int  # of the best, refused by the model's own rules
     top: list[Candidate]
     ranked: list[Candidate]  # every fitting layout, fastest first (not checked by the model's rules)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moe_train.config import ConfigError, ExperimentConfig
 from moe_train.dtypes import dtype_bytes
-from moe_train.hardware import Hardware, load_hardware
+from moe_train.hardware import load_hardware
 from moe_train.layout_search import (
     DEFAULT_EFFICIENCY,
     GIB,
@@ -76,7 +76,7 @@ def run_search(
     fixed = fixed_sizes(cfg, overrides)
     search = LayoutSearch(cfg.model, settings, hw)
     result = search.search(gpus, efficiency, top, fixed)
-    return format_search(result, settings, hw, efficiency, fixed, search.selective)
+    return format_search(result, search, efficiency, fixed)
 
 
 def describe(c: Candidate) -> str:
@@ -94,26 +94,24 @@ def why(better: Candidate, worse: Candidate, digits: int = 2) -> str:
     return ", ".join(saved + lost) or "within 0.5% of the step in every part"
 
 
-def _flags(c: Candidate, selective: list[str]) -> str:
+def _flags(c: Candidate, search: LayoutSearch) -> str:
     config = c.parallel_config()
     flags = [f"--parallel.{k} {getattr(config, k)}" for k in ("tp", "cp", "pp", "ep", "etp") if getattr(config, k) != 1]
     if config.vpp:
         flags += [f"--parallel.pp_schedule {config.pp_schedule}", f"--parallel.vpp {config.vpp}"]
     flags.append(f"--train.micro_batch_size {c.micro_batch}")
-    recompute = {"none": [], "selective": selective, "layer": ["layer"]}[c.recompute]
+    recompute, offload = search.savings[c.saving]
     if recompute:
-        flags.append(f"--run.recompute_modules {','.join(recompute)}")
+        flags.append(f"--run.recompute_modules {','.join(sorted(recompute))}")
+    if offload:
+        flags.append(f"--run.offload_modules {','.join(sorted(offload))}")
     return " ".join(flags)
 
 
 def format_search(
-    result: SearchResult,
-    settings: SearchSettings,
-    hw: Hardware,
-    efficiency: float,
-    fixed: dict[str, int] | None = None,
-    selective: list[str] | None = None,
+    result: SearchResult, search: LayoutSearch, efficiency: float, fixed: dict[str, int] | None = None
 ) -> str:
+    settings, hw = search.settings, search.hw
     held = f"; held: {', '.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
     lines = [
         f"{result.layouts} layouts over {result.world} x {hw.name}{held}; {result.fitting} fit in "
@@ -124,23 +122,24 @@ def format_search(
     if not result.top:
         lines.append("no layout fits: more GPUs, a smaller global batch or sequence, or a device with more memory")
         return "\n".join(lines)
-    header = ["#", "layout", "micro", "recompute", "GiB/rank", "step s", "tok/s/GPU", *PARTS]
+    header = ["#", "layout", "micro", "saving", "GiB/rank", "step s", "tok/s/GPU", *PARTS]
     rows = [header]
     for index, c in enumerate(result.top, 1):
         rows.append(
-            [str(index), describe(c), f"{c.micro_batch}x{c.microbatches}", c.recompute, f"{c.memory / GIB:.1f}",
+            [str(index), describe(c), f"{c.micro_batch}x{c.microbatches}", c.saving, f"{c.memory / GIB:.1f}",
              f"{c.time.total:.2f}", f"{c.tokens_per_second_per_gpu(settings):,.0f}",
              *(f"{c.time.parts[p]:.2f}" for p in PARTS)]
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.append(
-        "micro: sequences per micro-batch x micro-batches per step; the split (seconds a step, the busiest pipeline "
-        "rank's) adds up to the step"
+        "micro: sequences per micro-batch x micro-batches per step; saving: none, selective (recompute the norms and "
+        "activations), offload (and offload the big saves), layer (recompute whole layers); the split (seconds a "
+        "step, the busiest pipeline rank's) adds up to the step"
     )
     for index, (a, b) in enumerate(zip(result.top, result.top[1:], strict=False), 1):
         lines.append(f"#{index} beats #{index + 1} by {b.time.total / a.time.total - 1:.1%}: {why(a, b)}")
     if result.refused:
         lines.append(f"({result.refused} faster layouts left out: the model's own rules refuse them)")
-    lines.append("#1 as flags: " + _flags(result.top[0], selective or ["layernorm", "moe_act"]))
+    lines.append("#1 as flags: " + _flags(result.top[0], search))
     return "\n".join(lines)

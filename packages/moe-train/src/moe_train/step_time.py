@@ -22,6 +22,8 @@ prefetches. Per collective and micro-batch:
   backward (once a step under pp, whose stages defer it, exposed); the experts' over ``edp``, the rest over
   ``dp_shard x cp``. Gathers hide behind the micro-batch's forward or backward compute, what exceeds it is exposed,
   and so is each micro-batch's first layer's gather;
+- activation offload: what a micro-batch's offloaded modules save goes to host memory at ``host_gbps`` in the
+  forward and comes back in the backward, exposed where it takes longer than that pass's compute;
 - the optimizer step: AdamW reading and writing each local parameter's fp32 copies at HBM speed.
 
 Each collective costs the profile's ``collective_latency_us`` plus its bytes' time; a group's members inside one
@@ -38,7 +40,7 @@ from moe_train.hardware import Hardware
 
 BF16, FP32 = 2, 4
 ADAMW_BYTES = 7 * FP32  # read parameter, gradient and both moments, write parameter and both moments
-PARTS = ("compute", "recompute", "ep_a2a", "tp", "cp", "pp_send", "bubble", "fsdp", "optimizer")
+PARTS = ("compute", "recompute", "ep_a2a", "tp", "cp", "pp_send", "bubble", "fsdp", "offload", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -156,8 +158,10 @@ def step_time(
     efficiency: float,
     gather_bytes: int = BF16,
     reduce_bytes: int = FP32,
+    offloaded: tuple[float, ...] = (),
 ) -> StepTime:
-    """The step's time under the model of the module docstring."""
+    """The step's time under the model of the module docstring; ``offloaded``: each stage's activation bytes a
+    micro-batch sends to host memory (none: nothing offloaded)."""
     s = sizes
     flops_rate = hw.bf16_tflops * 1e12 * efficiency
     tokens = micro_batch * model.seq_len  # one data-parallel rank's micro-batch
@@ -209,5 +213,8 @@ def step_time(
     first = _group_time(first_dense, s.fsdp, s.tp, hw) + _group_time(first_experts, s.edp, s.ep * s.etp, hw)
     parts["fsdp"] = microbatches * (exposed + first)
     parts["fsdp"] += reduce if s.pp > 1 else 0.0
+    # offloaded activations go out during the forward and come back during the backward, behind their compute
+    sent = sum(offloaded[i] for i in busiest) / (hw.host_gbps * 1e9) if offloaded else 0.0
+    parts["offload"] = microbatches * (max(0.0, sent - forward_compute) + max(0.0, sent - backward_compute))
     parts["optimizer"] = (dense_local + expert_local) * ADAMW_BYTES / (hw.hbm_gbps * 1e9)
-    return StepTime(makespan + parts["fsdp"] + parts["optimizer"], parts)
+    return StepTime(makespan + parts["fsdp"] + parts["offload"] + parts["optimizer"], parts)
