@@ -50,10 +50,11 @@ LAYOUTS: dict[str, tuple[int, dict[str, str]]] = {
     "tp=2 (SP, etp=tp)": (2, {"parallel.tp": "2"}),
     "tp=2 x ep=2 (etp=1)": (2, {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1"}),
     "ep=2 allgather": (2, {"parallel.ep": "2", "parallel.moe_token_dispatcher_type": "allgather"}),
-    # recomputed layers re-run their all-to-alls and tensor-parallel collectives in the backward
+    # recomputed layers (the whole-layer kind plan --search suggests) re-run their all-to-alls and tensor-parallel
+    # collectives in the backward
     "tp=2 x ep=2 recomputing layers": (
         2,
-        {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1", "run.recompute_modules": "layers.*"},
+        {"parallel.tp": "2", "parallel.ep": "2", "parallel.etp": "1", "run.recompute_modules": "layer"},
     ),
     # recompute and offload by module kind: output-discarding recompute (moe_act, layernorm) under ep and tp, the whole
     # MoE block re-running its dispatch in the backward, and Megatron's suggested offload set

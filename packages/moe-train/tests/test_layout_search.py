@@ -4,6 +4,7 @@ time model lands near their published throughput at the one fitted efficiency), 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -11,6 +12,7 @@ import pytest
 
 from moe_models.presets import preset
 from moe_parallel import ParallelConfig
+from moe_parallel.schedules import rank_stages
 from moe_train import cli
 from moe_train.config import ConfigError
 from moe_train.hardware import builtin_hardware, load_hardware
@@ -98,34 +100,43 @@ SMALL = SearchSettings(global_batch=16, seq_len=256, param_bytes=4, optimizer_st
         ("tiny-deepseek-v3", dict(tp=2, ep=2, etp=1)),
         ("tiny-qwen3-moe", dict(cp=2, ep=4)),
         ("tiny-qwen3-moe", dict(tp=2, ep=2, etp=2)),
+        ("tiny-deepseek-v3", dict(pp=2, ep=2)),  # 1F1B: its dense first layer on rank 0, MTP on rank 1
+        ("tiny-qwen3-moe", dict(pp=2, vpp=2, ep=2, pp_schedule="Interleaved1F1B")),
         ("qwen3-30b-a3b", dict(ep=8)),  # at its real size: saves past the 1 MiB offload threshold
     ],
 )
 @pytest.mark.parametrize("saving", ["none", "offload", "layer"])
 def test_memory_is_plan_memorys_estimate_without_building_each_layout(name: str, sizes: dict, saving: str) -> None:
     """The search sizes layouts from per-layer counts; ``plan --memory`` splits the model over a fake world and
-    estimates each rank kind from its exact shards. Their activations (with buffers, logits and the recompute working
-    set; and what is offloaded) agree exactly; parameters within FSDP's uneven last shards."""
+    estimates each rank kind from its exact shards. Pipeline rank by pipeline rank, their activations (with buffers,
+    logits and the recompute working set; and what is offloaded) agree exactly, parameters within FSDP's uneven last
+    shards."""
+    pp, vpp = sizes.get("pp", 1), sizes.get("vpp", 1)
     config = preset(name)
+    config = dataclasses.replace(config, num_layers=max(config.num_layers, pp * vpp))  # a layer a stage at least
     world = 8
     search = LayoutSearch(config, SMALL, load_hardware(H100))
-    layout = LayoutSizes(world, sizes.get("tp", 1), sizes.get("cp", 1), 1, 1, sizes["ep"], sizes.get("etp", 1))
-    micro, microbatches = 2, SMALL.global_batch // (2 * layout.dp)
-    report = with_microbatches(plan_report(config, ParallelConfig(**sizes), world, seq_len=SMALL.seq_len), "1F1B", 1)
+    layout = LayoutSizes(world, sizes.get("tp", 1), sizes.get("cp", 1), pp, vpp, sizes["ep"], sizes.get("etp", 1))
+    micro = 2
+    microbatches = SMALL.global_batch // (micro * layout.dp)
+    report = plan_report(config, ParallelConfig(**sizes), world, seq_len=SMALL.seq_len)
+    report = with_microbatches(report, layout.schedule, microbatches)
     recompute, offload = search.savings[saving]
     options = memory_options(sorted(recompute), sorted(offload), micro_batch=micro, seq_len=SMALL.seq_len)
-    estimates = memory_estimates(report, config, options)
-    kind, estimate = max(estimates, key=lambda pair: pair[0].param_count())
-    held = estimate.activation_bytes + estimate.dispatcher_buffers + estimate.logits + estimate.recompute_bytes
-    total, states, host = search.memory(layout, micro, microbatches, saving)
-    assert total - states == pytest.approx(held, rel=1e-12)
-    assert host == pytest.approx(estimate.offloaded_bytes, rel=1e-12)
-    if not name.startswith("tiny"):
-        assert (host > 0) == (saving == "offload")
-    (work,) = search.stage_work(1)
-    expert = work.expert_params / (layout.ep * layout.etp * layout.edp)
-    assert work.dense_local(layout) + expert == pytest.approx(kind.param_count(), rel=0.03)
-    assert expert == pytest.approx(kind.param_count(ROUTED_EXPERTS), rel=1e-9)
+    ranks = search.rank_memory(layout, micro, microbatches, saving)
+    for kind, estimate in memory_estimates(report, config, options):
+        device, _, host = ranks[kind.pp_rank or 0]
+        held = estimate.activation_bytes + estimate.dispatcher_buffers + estimate.logits + estimate.recompute_bytes
+        assert device == pytest.approx(held, rel=1e-12), kind.ranks
+        assert host == pytest.approx(estimate.offloaded_bytes, rel=1e-12), kind.ranks
+        if not name.startswith("tiny"):
+            assert (host > 0) == (saving == "offload")
+    work = search.stage_work(pp * vpp)
+    for rank, stages in enumerate(rank_stages(layout.schedule, pp, vpp, r) for r in range(pp)):
+        kind = max((k for k in report.kinds if (k.pp_rank or 0) == rank), key=lambda k: k.param_count())
+        expert = sum(work[i].expert_params for i in stages) / (layout.ep * layout.etp * layout.edp)
+        assert sum(work[i].dense_local(layout) for i in stages) + expert == pytest.approx(kind.param_count(), rel=0.03)
+        assert expert == pytest.approx(kind.param_count(ROUTED_EXPERTS), rel=1e-9)
 
 
 @pytest.fixture(scope="module", params=list(PUBLISHED_RUNS))

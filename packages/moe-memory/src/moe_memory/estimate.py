@@ -83,6 +83,7 @@ from moe_memory.shapes import (
 
 __all__ = [
     "DEFAULT_OFFLOAD_MIN_TENSOR_BYTES",
+    "LAST_STAGE_MODULES",
     "MODULES",
     "OFFLOAD_KINDS",
     "OUTPUT_DISCARDING_KINDS",
@@ -106,6 +107,7 @@ __all__ = [
     "estimate_memory",
     "format_estimates",
     "gib",
+    "in_last_stage",
     "mtp_attention",
     "optimizer_state_bytes",
 ]
@@ -330,6 +332,15 @@ def _account(
     return entries(device), entries(host), working
 
 
+# what only the last pipeline stage runs (and the MTP depths' layers): its own micro-batches in flight count them
+LAST_STAGE_MODULES = frozenset({"final_norm", "lm_head", "loss", "mtp_input", "mtp_final_norm"})
+
+
+def in_last_stage(saved: SavedTensor) -> bool:
+    """Whether only the last pipeline stage saves this (its head, loss, MTP input and layers)."""
+    return saved.module in LAST_STAGE_MODULES or saved.where.startswith("MTP ")
+
+
 def _check_kinds(recompute: frozenset[str], offload: frozenset[str]) -> None:
     unknown = sorted(recompute - set(RECOMPUTE_KINDS))
     if unknown:
@@ -452,9 +463,14 @@ def estimate_memory(
     )  # vocabulary-parallel under tp
     notes = []
     if pipeline is not None:
-        # every micro-batch in flight keeps its own saved tensors; the logits live only while the loss runs
-        device = [dataclasses.replace(t, count=t.count * pipeline.inflight) for t in device]
-        host = [dataclasses.replace(t, count=t.count * pipeline.inflight) for t in host]
+        # every micro-batch in flight keeps its own saved tensors (the last stage's own: its head, loss and MTP); the
+        # logits live only while the loss runs
+        last = pipeline.inflight if pipeline.last_inflight is None else pipeline.last_inflight
+
+        def times(t: SavedTensor) -> SavedTensor:
+            return dataclasses.replace(t, count=t.count * (last if in_last_stage(t) else pipeline.inflight))
+
+        device, host = [times(t) for t in device], [times(t) for t in host]
         logits = logits if pipeline.last else 0
         notes.append(f"pipeline: {pipeline.inflight} micro-batches in flight per stage")
     if run.capacity_factor is not None:

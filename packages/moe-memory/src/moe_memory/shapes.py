@@ -183,6 +183,9 @@ class PipelineShare:
     first: bool
     last: bool
     inflight: int = 1
+    # micro-batches in flight of the last stage itself, whose head, loss and MTP saves count that many times (None:
+    # ``inflight``); the 1F1B family runs each of its backwards right after the forward: 1
+    last_inflight: int | None = None
 
 
 @dataclass(frozen=True)

@@ -167,8 +167,8 @@ class RunConfig:
     overwrite: bool = False  # clear a non-empty output_dir instead of refusing it
     exit_interval: int = 0  # stop after the first step that is a multiple of this, with a checkpoint (Megatron's)
     wandb_project: str = ""  # also log to Weights & Biases (needs wandb installed); "" = TensorBoard only
-    # Megatron module kinds (core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts) or fnmatch
-    # patterns over module names (e.g. "layers.*.mlp")
+    # Megatron module kinds (core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts; layer: whole
+    # decoder layers) or fnmatch patterns over module names (e.g. "layers.*.mlp")
     recompute_modules: list[str] = field(default_factory=list)
     # kinds whose saved activations wait in host memory: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm,
     # expert_fc1, moe_act (or name patterns); only tensors of at least offload_min_tensor_bytes move

@@ -32,11 +32,12 @@ import types
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from moe_memory.estimate import LocalParameters, PipelineShare, estimate_memory, mtp_attention
+from moe_memory.estimate import LocalParameters, PipelineShare, estimate_memory, in_last_stage, mtp_attention
 from moe_models import ModelConfig, build_model
 from moe_models.memory import model_shape, run_shape
 from moe_parallel import ParallelConfig, check_plan
@@ -50,7 +51,7 @@ from moe_train.step_time import LayoutSizes, ModelComm, StageWork, StepTime, ste
 
 # compute efficiency of the time model: one number for every model and layout, fitted once to the six published
 # NeMo AutoModel H100 rows (benchmarks/plan_search.py, benchmarks/results/plan_search.json)
-DEFAULT_EFFICIENCY = 0.435
+DEFAULT_EFFICIENCY = 0.43
 # how each layout may keep its activations, cheapest first: all, recompute the cheap kinds, also offload the big saves
 # (Megatron-Core's suggested pairing), recompute whole layers
 SAVINGS = ("none", "selective", "offload", "layer")
@@ -108,6 +109,21 @@ class _ModelFacts:
     last_cost: float
     moe: tuple[bool, ...]
     attention: tuple[bool, ...]
+    copies: int = 0  # what the last stage keeps a copy of when it is not the first (MTP's embedding)
+    copies_whole: int = 0  # of those, what tp does not split
+
+
+class _Saved(NamedTuple):
+    """What one micro-batch saves for backward, in bytes: on the device and offloaded to host memory, apart for the
+    last stage's own head, loss and MTP (:func:`moe_memory.estimate.in_last_stage`); and what lives one at a time."""
+
+    device: float
+    last_device: float
+    host: float
+    last_host: float
+    logits: float
+    dispatcher: float
+    working: float  # the recompute working set
 
 
 class LayoutSearch:
@@ -168,9 +184,12 @@ class LayoutSearch:
             if name.rsplit(".", 1)[0] not in split and name not in self.plan.tp_shard_parameters:
                 whole[layer] += param.numel()
         attention = tuple(layer.attention is not None for layer in model_shape(self.config).layers)
+        params = dict(self.model.named_parameters())
+        copied = [name for name in pipeline.last_stage_copies if name in params]
         return _ModelFacts(
             tuple(dense), tuple(whole), tuple(routed), pipeline.layer_costs, pipeline.first_cost, pipeline.last_cost,
-            tuple(count > 0 for count in routed[:n]), attention,
+            tuple(count > 0 for count in routed[:n]), attention, sum(params[name].numel() for name in copied),
+            sum(params[name].numel() for name in copied if name.rsplit(".", 1)[0] not in split),
         )  # fmt: skip
 
     # --- enumeration ------------------------------------------------------------------------------------------------
@@ -216,6 +235,7 @@ class LayoutSearch:
         for index, layers in enumerate(split):
             first, last = index == 0, index == len(split) - 1
             held = [*layers, *([n] if first else []), *([n + 1] if last else [])]
+            copies = (f.copies, f.copies_whole) if last and not first else (0, 0)
             layer_flops = sum(f.layer_costs[i] for i in layers)
             out.append(
                 StageWork(
@@ -224,9 +244,9 @@ class LayoutSearch:
                     moe_layers=sum(f.moe[i] for i in layers),
                     attention_layers=sum(f.attention[i] for i in layers),
                     layers=len(layers),
-                    params=sum(f.dense[i] + f.routed[i] for i in held),
+                    params=sum(f.dense[i] + f.routed[i] for i in held) + copies[0],
                     expert_params=sum(f.routed[i] for i in held),
-                    tp_whole=sum(f.whole[i] for i in held),
+                    tp_whole=sum(f.whole[i] for i in held) + copies[1],
                     largest_layer_dense=max(f.dense[i] for i in layers),
                     largest_layer_experts=max(f.routed[i] for i in layers),
                 )
@@ -234,11 +254,10 @@ class LayoutSearch:
         return tuple(out)
 
     @functools.cache  # noqa: B019 -- one search object per command; its methods' arguments repeat
-    def _saved(self, layer: int | None, last: bool, key: tuple) -> tuple[float, float, float, float, float]:
-        """(activations on the device, logits, dispatcher buffers, recompute working set, activations offloaded) of
-        one micro-batch: of one decoder layer of shape ``self.kinds[layer]``, or with ``layer`` None of what a pipeline
-        rank holds around its layers (first stage: the embedding; last: head, loss and MTP). ``key``: (first, tp, cp,
-        ep, etp, micro, saving)."""
+    def _saved(self, layer: int | None, last: bool, key: tuple) -> _Saved:
+        """What one micro-batch saves (:class:`_Saved`): of one decoder layer of shape ``self.kinds[layer]``, or with
+        ``layer`` None of what a pipeline rank holds around its layers (first stage: the embedding; last: head, loss
+        and MTP). ``key``: (first, tp, cp, ep, etp, micro, saving)."""
         first, tp, cp, ep, etp, micro, saving = key
         layers = () if layer is None else (self.kinds[layer],)
         mtp = self.shape.mtp_depth if layer is None and last else 0
@@ -252,27 +271,30 @@ class LayoutSearch:
         recompute, offload = self.savings[saving]
         share = PipelineShare(first and layer is None, last and layer is None, 1)
         e = estimate_memory(shape, run, recompute=recompute, offload=offload, pipeline=share)
-        held = (e.activation_bytes, e.logits, e.dispatcher_buffers, e.recompute_bytes, e.offloaded_bytes)
-        return tuple(float(n) for n in held)  # type: ignore[return-value]
+
+        def split(saved) -> tuple[float, float]:
+            at_end = sum(t.total for t in saved if in_last_stage(t))
+            return float(sum(t.total for t in saved) - at_end), float(at_end)
+
+        return _Saved(*split(e.activations), *split(e.offloaded), e.logits, e.dispatcher_buffers, e.recompute_bytes)
 
     def _activations(
-        self, layers: tuple[int, ...], ends: tuple[int, int], inflight: int, key: tuple
+        self, layers: tuple[int, ...], ends: tuple[bool, bool], inflight: int, last_inflight: int, key: tuple
     ) -> tuple[float, float]:
         """What :func:`estimate_memory` gives a pipeline rank holding ``layers`` (``inflight`` micro-batches of each
         of its stages in flight), put together from one layer of each shape: it adds layers' saves and takes the
-        largest buffers. ``ends``: the micro-batches in flight of the first and last stage when the rank holds them
-        (else 0): what the embedding and the head, loss and MTP save counts that many times, not ``inflight``.
-        Returns (device bytes, offloaded bytes in host memory)."""
+        largest buffers. ``ends``: whether the rank holds the first and the last stage, whose head, loss and MTP
+        count ``last_inflight`` times. Returns (device bytes, offloaded bytes in host memory)."""
         counts = Counter(self.kind_of[i] for i in layers)
-        parts = [(self._saved(kind, False, (False, *key)), count * inflight) for kind, count in counts.items()]
-        if ends[0]:
-            parts.append((self._saved(None, False, (True, *key)), ends[0]))
-        if ends[1]:
-            parts.append((self._saved(None, True, (False, *key)), ends[1]))
-        saved = sum(p[0] * times for p, times in parts)
-        logits = sum(p[1] for p, _ in parts)
-        host = sum(p[4] * times for p, times in parts)
-        return saved + logits + max(p[2] for p, _ in parts) + max(p[3] for p, _ in parts), host
+        parts = [self._saved(kind, False, (False, *key)) for kind in counts]
+        times = [inflight * count for count in counts.values()]
+        around = self._saved(None, ends[1], (ends[0], *key))
+        device = sum(p.device * t for p, t in zip(parts, times, strict=True)) + around.device * inflight
+        host = sum(p.host * t for p, t in zip(parts, times, strict=True)) + around.host * inflight
+        device += around.last_device * last_inflight + around.logits
+        host += around.last_host * last_inflight
+        everything = [*parts, around]
+        return device + max(p.dispatcher for p in everything) + max(p.working for p in everything), host
 
     def offloaded(self, sizes: LayoutSizes, micro: int, saving: str) -> tuple[float, ...]:
         """Each stage's bytes one micro-batch offloads (its layers': the ends offload nothing)."""
@@ -280,7 +302,7 @@ class LayoutSearch:
             return ()
         key = (False, sizes.tp, sizes.cp, sizes.ep, sizes.etp, micro, saving)
         split = self._split(sizes.pp * sizes.vpp)
-        return tuple(sum(self._saved(self.kind_of[i], False, key)[4] for i in layers) for layers in split)
+        return tuple(sum(self._saved(self.kind_of[i], False, key).host for i in layers) for layers in split)
 
     def _state_bytes(self, sizes: LayoutSizes, work: list[StageWork], mine: list[int]) -> float:
         s = self.settings
@@ -290,25 +312,32 @@ class LayoutSearch:
         gathered = 2 * max(work[i].gathered(sizes) for i in mine) * s.gather_bytes  # one layer, the next prefetched
         return (dense + routed) * per_element + gathered
 
-    def memory(self, sizes: LayoutSizes, micro: int, microbatches: int, saving: str) -> tuple[float, float, float]:
-        """(the most any rank holds on the device, that rank's parameter and optimizer bytes, the most any rank
-        offloads to host memory)."""
+    def rank_memory(
+        self, sizes: LayoutSizes, micro: int, microbatches: int, saving: str
+    ) -> list[tuple[float, float, float]]:
+        """Per pipeline rank: (activation bytes on the device, parameter and optimizer bytes, bytes offloaded)."""
         stages = sizes.pp * sizes.vpp
         work = self.stage_work(stages)
         split = self._split(stages)
         inflight = _inflight(sizes.schedule, sizes.pp, sizes.vpp, microbatches)
-        per_stage_peak = _stage_inflight(sizes.schedule, sizes.pp, sizes.vpp, microbatches)
+        last_inflight = _stage_inflight(sizes.schedule, sizes.pp, sizes.vpp, microbatches)[-1]
         key = (sizes.tp, sizes.cp, sizes.ep, sizes.etp, micro, saving)
-        worst, host = (0.0, 0.0), 0.0
+        out = []
         for rank in range(sizes.pp):
             mine = rank_stages(sizes.schedule, sizes.pp, sizes.vpp, rank)
-            states = self._state_bytes(sizes, work, mine)
             layers = tuple(sorted(i for stage in mine for i in split[stage]))
-            ends = tuple(per_stage_peak[end] if end in mine else 0 for end in (0, stages - 1))
-            per_stage = math.ceil(inflight[rank] / len(mine))  # as plan --memory counts the layers
-            device, offloaded = self._activations(layers, ends, per_stage, key)
-            worst, host = max(worst, (states + device, states)), max(host, offloaded)
-        return (*worst, host)
+            ends = (0 in mine, stages - 1 in mine)
+            per_stage = math.ceil(inflight[rank] / len(mine))  # its stages share the rank's micro-batches in flight
+            device, host = self._activations(layers, ends, per_stage, last_inflight, key)
+            out.append((device, self._state_bytes(sizes, work, mine), host))
+        return out
+
+    def memory(self, sizes: LayoutSizes, micro: int, microbatches: int, saving: str) -> tuple[float, float, float]:
+        """(the most any rank holds on the device, that rank's parameter and optimizer bytes, the most any rank
+        offloads to host memory)."""
+        ranks = self.rank_memory(sizes, micro, microbatches, saving)
+        total, states = max((device + states, states) for device, states, _ in ranks)
+        return total, states, max(host for _, _, host in ranks)
 
     # --- ranking ----------------------------------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ from moe_parallel import (
     stage_map,
 )
 from moe_parallel.layout import ATTENTION_DIMS, EXPERT_DIMS, FLATTENED_DIMS
+from moe_parallel.pipeline_time import stage_inflight
 from moe_parallel.schedules import inflight_microbatches
 from moe_train.config import ConfigError, ExperimentConfig, PeftConfig, RunConfig
 from moe_train.dtypes import dtype_bytes
@@ -104,6 +105,7 @@ class PlanReport:
     # and the step's micro-batch count
     stages: list[dict] | None = None
     inflight: list[int] | None = None
+    last_inflight: int | None = None  # of the last stage itself (moe_parallel.pipeline_time.stage_inflight)
     microbatches: int = 1
     schedule: str = "1F1B"
 
@@ -304,8 +306,12 @@ def with_microbatches(report: PlanReport, schedule: str, microbatches: int) -> P
     if report.stages is None:
         return report
     pp = report.layout.pp
-    inflight = inflight_microbatches(schedule, pp, len(report.stages) // pp, microbatches)
-    return dataclasses.replace(report, microbatches=microbatches, inflight=inflight, schedule=schedule)
+    vpp = len(report.stages) // pp
+    inflight = inflight_microbatches(schedule, pp, vpp, microbatches)
+    last = stage_inflight(schedule, pp, vpp, microbatches)[-1] if inflight is not None else None
+    return dataclasses.replace(
+        report, microbatches=microbatches, inflight=inflight, last_inflight=last, schedule=schedule
+    )
 
 
 def rank_ranges(ranks: tuple[int, ...], most: int = 6) -> str:
@@ -542,7 +548,7 @@ def _pipeline_share(report: PlanReport, shape: ModelShape, kind: RankKind) -> tu
     rank_shape = dataclasses.replace(
         shape, layers=tuple(shape.layers[i] for i in layers), mtp_depth=shape.mtp_depth if last else 0
     )
-    return rank_shape, PipelineShare(first=first, last=last, inflight=inflight)
+    return rank_shape, PipelineShare(first=first, last=last, inflight=inflight, last_inflight=report.last_inflight)
 
 
 def _bytes_name(n: int) -> str:
