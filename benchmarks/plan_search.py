@@ -15,7 +15,8 @@ to published tokens/s over the six rows (a grid of 0.005 from 0.2 to 0.8). ``moe
 DEFAULT_EFFICIENCY`` is set to it by hand, and the docs table comes from this JSON.
 
 The timing is of the whole command (``moe-train plan --search --gpus 1024`` for DeepSeek-V3, a fresh process:
-imports, the model on the meta device, the search and its printout), median of 3.
+imports, the model on the meta device, the search and its printout), median of 3 with their spread: an absolute time
+held against the issue's 60 s on these machines, not a comparison between two things (each run takes about 20 s).
 
     uv run python benchmarks/plan_search.py [--quick] [--out benchmarks/results/plan_search.json]
 

@@ -105,7 +105,6 @@ class PlanReport:
     # and the step's micro-batch count
     stages: list[dict] | None = None
     inflight: list[int] | None = None
-    last_inflight: int | None = None  # of the last stage itself (moe_parallel.pipeline_time.stage_inflight)
     microbatches: int = 1
     schedule: str = "1F1B"
 
@@ -306,12 +305,8 @@ def with_microbatches(report: PlanReport, schedule: str, microbatches: int) -> P
     if report.stages is None:
         return report
     pp = report.layout.pp
-    vpp = len(report.stages) // pp
-    inflight = inflight_microbatches(schedule, pp, vpp, microbatches)
-    last = stage_inflight(schedule, pp, vpp, microbatches)[-1] if inflight is not None else None
-    return dataclasses.replace(
-        report, microbatches=microbatches, inflight=inflight, last_inflight=last, schedule=schedule
-    )
+    inflight = inflight_microbatches(schedule, pp, len(report.stages) // pp, microbatches)
+    return dataclasses.replace(report, microbatches=microbatches, inflight=inflight, schedule=schedule)
 
 
 def rank_ranges(ranks: tuple[int, ...], most: int = 6) -> str:
@@ -542,13 +537,14 @@ def _pipeline_share(report: PlanReport, shape: ModelShape, kind: RankKind) -> tu
     layers = sorted(i for row in mine for i in row["layers"])
     first = any(row["stage"] == 0 for row in mine)
     last = any(row["stage"] == len(report.stages) - 1 for row in mine)
-    inflight = 1
-    if report.inflight is not None:  # per stage: the rank's stages share its micro-batches in flight
+    inflight = last_inflight = 1
+    if report.inflight is not None:  # per stage: the rank's stages share its micro-batches in flight; the last its own
         inflight = math.ceil(report.inflight[kind.pp_rank] / len(mine))
+        last_inflight = stage_inflight(report.schedule, report.layout.pp, len(mine), report.microbatches)[-1]
     rank_shape = dataclasses.replace(
         shape, layers=tuple(shape.layers[i] for i in layers), mtp_depth=shape.mtp_depth if last else 0
     )
-    return rank_shape, PipelineShare(first=first, last=last, inflight=inflight, last_inflight=report.last_inflight)
+    return rank_shape, PipelineShare(first=first, last=last, inflight=inflight, last_inflight=last_inflight)
 
 
 def _bytes_name(n: int) -> str:
