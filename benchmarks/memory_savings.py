@@ -121,7 +121,8 @@ class Variant:
 def variants_for(kinds: dict[str, list[str]]) -> list[Variant]:
     """The variants of the module docstring that this model's kinds allow (``none`` first)."""
     out = [Variant("none")]
-    out += [Variant(kind, (kind,)) for kind in RECOMPUTE_KINDS if kind != "mlp" and kinds.get(kind)]
+    # the layer measured here is the whole of what the ``layer`` kind recomputes: it would keep its input alone
+    out += [Variant(kind, (kind,)) for kind in RECOMPUTE_KINDS if kind not in ("mlp", "layer") and kinds.get(kind)]
     out.append(Variant("moe_act+layernorm", ("moe_act", "layernorm")))
     if kinds.get("mla_up_proj"):
         out.append(Variant("core_attn+mla_up_proj", ("core_attn", "mla_up_proj")))
