@@ -81,11 +81,15 @@ def test_collective_times_by_hand() -> None:
     assert _group_time(volume, 4, 8, hw) == pytest.approx(latency + volume * 3 / 4 / 40e9)
     assert _group_time(volume, 1, 1, hw) == 0.0
     # DeepEP over 8 nodes with node-limited routing (4 groups a token): 4 x 7/8 rows cross, not 8 x 7/8
-    model = ModelComm(hidden=7168, topk=8, kv_width=0, seq_len=4096, group_topk=4, dispatcher="flex")
+    model = ModelComm(hidden=7168, topk=8, kv_width=0, seq_len=4096, group_topk=4, num_groups=8, dispatcher="flex")
     sizes = LayoutSizes(64, 1, 1, 1, 1, 64, 1)
     rows, row = 4096, 7168 * 2
     reached = min(8 * (1 - (7 / 8) ** 8), 4)
     assert _dispatch_time(rows, sizes, model, hw) == pytest.approx(latency + rows * row * reached * 7 / 8 / 40e9)
+    # over 32 nodes a group's experts span 4 of them: 4 groups reach up to 16 nodes, 8 experts at most 8
+    wide = LayoutSizes(256, 1, 1, 1, 1, 256, 1)
+    reached = min(32 * (1 - (31 / 32) ** 8), 16)
+    assert _dispatch_time(rows, wide, model, hw) == pytest.approx(latency + rows * row * reached * 31 / 32 / 40e9)
     plain = ModelComm(hidden=7168, topk=8, kv_width=0, seq_len=4096)
     assert _dispatch_time(rows, sizes, plain, hw) == pytest.approx(_group_time(rows * 8 * row, 64, 1, hw))
 

@@ -51,7 +51,7 @@ from moe_train.step_time import LayoutSizes, ModelComm, StageWork, StepTime, ste
 
 # compute efficiency of the time model: one number for every model and layout, fitted once to the six published
 # NeMo AutoModel H100 rows (benchmarks/plan_search.py, benchmarks/results/plan_search.json)
-DEFAULT_EFFICIENCY = 0.43
+DEFAULT_EFFICIENCY = 0.465
 # how each layout may keep its activations, cheapest first: all, recompute the cheap kinds, also offload the big saves
 # (Megatron-Core's suggested pairing), recompute whole layers
 SAVINGS = ("none", "selective", "offload", "layer")
@@ -143,14 +143,14 @@ class LayoutSearch:
         qk = (c.qk_head_dim + c.qk_pos_emb_head_dim) if c.multi_latent_attention else c.kv_channels or 0
         v = c.v_head_dim if c.multi_latent_attention else c.kv_channels or 0
         kv_heads = c.num_attention_heads if c.multi_latent_attention else c.num_query_groups or c.num_attention_heads
-        group_topk = c.moe_router_group_topk if c.moe_router_num_groups else None
         self.comm = ModelComm(
-            c.hidden_size,
-            c.moe_router_topk or 1,
-            kv_heads * (qk + v),
-            settings.seq_len,
-            group_topk,
-            settings.dispatcher,
+            hidden=c.hidden_size,
+            topk=c.moe_router_topk or 1,
+            kv_width=kv_heads * (qk + v),
+            seq_len=settings.seq_len,
+            group_topk=c.moe_router_group_topk if c.moe_router_num_groups else None,
+            num_groups=c.moe_router_num_groups or 1,
+            dispatcher=settings.dispatcher,
         )
         self.selective = ["layernorm", "moe_act"] + (["mla_up_proj"] if c.multi_latent_attention else [])
         present = self.model.module_kinds()

@@ -45,8 +45,8 @@ PARTS = ("compute", "recompute", "ep_a2a", "tp", "cp", "pp_send", "bubble", "fsd
 
 @dataclass(frozen=True)
 class StageWork:
-    """One pipeline stage's share of the model: its training FLOPs per token, its MoE layers and attention layers,
-    parameters (non-expert and routed experts) and whether it holds the first or last."""
+    """One pipeline stage's share of the model: its training FLOPs per token, its layers (MoE, attention) and its
+    parameters (non-expert, of which what tp leaves whole, and routed experts)."""
 
     flops: float  # per token, forward + backward, without recompute
     layer_flops: float  # of which, decoder layers' (what full-layer recompute runs again)
@@ -106,6 +106,7 @@ class ModelComm:
     kv_width: int  # elements of keys and values per position (what CP gathers)
     seq_len: int
     group_topk: int | None = None  # node-limited routing: the expert groups a token may use
+    num_groups: int = 1  # of how many (moe_router_num_groups)
     dispatcher: str = "alltoall"  # flex (DeepEP): a token crosses to each other node once, then fans out inside it
 
 
@@ -121,7 +122,8 @@ def _dispatch_time(rows: float, sizes: LayoutSizes, model: ModelComm, hw: Hardwa
     """One dispatch (or combine) of ``rows`` tokens from each rank of the EP group. ``alltoall`` sends each token
     to each of its ``topk`` experts' ranks; ``flex`` (DeepEP) sends it once to each other node holding one of them
     and forwards it over NVLink there, so the inter-node volume is the expected number of other nodes a token's
-    experts are on (uniform routing over the group's nodes, at most ``group_topk`` of them) rather than ``topk``."""
+    experts are on (uniform routing over the group's nodes; with node-limited routing at most the nodes of
+    ``group_topk`` groups) rather than ``topk``."""
     row = model.hidden * BF16
     everything = _group_time(rows * model.topk * row, sizes.ep, sizes.etp, hw)
     per_node = max(1, hw.nvlink_domain // sizes.etp)
@@ -130,8 +132,8 @@ def _dispatch_time(rows: float, sizes: LayoutSizes, model: ModelComm, hw: Hardwa
         return everything
     inside = _group_time(rows * model.topk * row * per_node / sizes.ep, per_node, sizes.etp, hw)
     reached = nodes * (1 - (1 - 1 / nodes) ** model.topk)
-    if model.group_topk is not None:
-        reached = min(reached, model.group_topk)
+    if model.group_topk is not None:  # a group's experts span nodes / num_groups nodes (one, when groups share nodes)
+        reached = min(reached, model.group_topk * -(-nodes // model.num_groups))
     across = rows * row * reached * (nodes - 1) / nodes / (hw.internode_gbps * 1e9)
     return max(inside, hw.collective_latency_us * 1e-6 + across)
 
