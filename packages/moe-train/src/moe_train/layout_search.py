@@ -93,9 +93,13 @@ class Candidate:
         return settings.global_batch * settings.seq_len / self.time.total / self.sizes.world
 
     def parallel_config(self) -> ParallelConfig:
-        s = self.sizes
-        extra = {"pp_schedule": s.schedule, "vpp": s.vpp} if s.vpp > 1 else {}
-        return ParallelConfig(tp=s.tp, cp=s.cp, pp=s.pp, ep=s.ep, etp=s.etp, **extra)
+        return parallel_config(self.sizes)
+
+
+def parallel_config(s: LayoutSizes) -> ParallelConfig:
+    """The ``parallel`` section that runs layout ``s`` (FSDP over the ranks the others leave)."""
+    extra = {"pp_schedule": s.schedule, "vpp": s.vpp} if s.vpp > 1 else {}
+    return ParallelConfig(tp=s.tp, cp=s.cp, pp=s.pp, ep=s.ep, etp=s.etp, **extra)
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,6 @@ class LayoutSearch:
             "offload": (selective, frozenset(self.offload)),
             "layer": (frozenset({"layer"}), frozenset()),
         }
-        self.evaluated = 0
 
     def _facts(self) -> _ModelFacts:
         """Parameters by decoder layer (routed experts apart, and of the rest what tp leaves whole on every rank),
@@ -359,7 +362,6 @@ class LayoutSearch:
                 microbatches = per_rank // micro
                 if microbatches < sizes.pp:
                     continue
-                self.evaluated += 1
                 memory, states, host = self.memory(sizes, micro, microbatches, saving)
                 if memory > limit or host > self.hw.host_memory_gib * GIB:
                     continue
@@ -376,7 +378,7 @@ class LayoutSearch:
 
     def check(self, sizes: LayoutSizes) -> str | None:
         """The model's own refusal of this layout (``check_plan``), or None when it takes it."""
-        config = Candidate(sizes, 1, 1, "none", 0, 0, StepTime(0), 0).parallel_config()
+        config = parallel_config(sizes)
         try:
             check_plan(self.model, self.plan, config, config.layout(sizes.world))
         except LayoutError as err:

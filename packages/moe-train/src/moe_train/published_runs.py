@@ -23,10 +23,6 @@ class PublishedRun:
     tflops: float  # per GPU, as published
     tokens_per_second: float  # per GPU, as published
 
-    def layout(self) -> tuple[int, int, int, int, int, int]:
-        """(tp, pp, cp, ep, vpp, fsdp): the columns the table gives."""
-        return self.tp, self.pp, self.cp, self.ep, self.vpp, self.fsdp
-
 
 SEQ_LEN = 4096
 SOURCE = "NeMo AutoModel performance summary (DGX-H100, BF16) and examples/benchmark/configs"
